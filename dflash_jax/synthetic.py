@@ -1,0 +1,79 @@
+"""Random drafters for demos, tests and benchmarks (the embedded default)."""
+from __future__ import annotations
+
+import numpy as np
+
+from dflash_jax.config import DFlashConfig
+
+# The seed product's drafter (Muse Glimmer 30B assistant) and the z-lab Qwen3-8B drafter.
+SEED_CONFIG = DFlashConfig(
+    n_layer=5, n_embd=6656, n_ff=19968, n_head=32, n_head_kv=8, head_dim=128,
+    rope_theta=5e5, eps=1e-6, target_layers=(2, 14, 26, 38, 50), mask_token_id=8191,
+    block_size=16, window=2048)
+QWEN3_8B_CONFIG = DFlashConfig(
+    n_layer=5, n_embd=4096, n_ff=12288, n_head=32, n_head_kv=8, head_dim=128,
+    rope_theta=1e6, eps=1e-6, target_layers=(2, 10, 18, 26, 34), mask_token_id=151669,
+    block_size=16, window=None)
+# Small enough for CPU tests and interpret-mode kernels; every axis still > 1.
+TINY_CONFIG = DFlashConfig(
+    n_layer=2, n_embd=64, n_ff=128, n_head=4, n_head_kv=2, head_dim=16,
+    rope_theta=1e4, eps=1e-6, target_layers=(1, 3, 5), mask_token_id=7,
+    block_size=8, window=32)
+
+
+def drafter_tensor_shapes(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
+  """The (out, in) numpy shape of every drafter tensor, keyed without `.weight`."""
+  e, hd = cfg.n_embd, cfg.head_dim
+  shapes = {"fc": (e, cfg.n_embd_fc), "enc.output_norm": (e,), "output_norm": (e,)}
+  for i in range(cfg.n_layer):
+    p = f"blk.{i}."
+    shapes.update({
+        p + "attn_norm": (e,),
+        p + "attn_q": (cfg.n_head * hd, e),
+        p + "attn_k": (cfg.n_head_kv * hd, e),
+        p + "attn_v": (cfg.n_head_kv * hd, e),
+        p + "attn_output": (e, cfg.n_head * hd),
+        p + "attn_q_norm": (hd,),
+        p + "attn_k_norm": (hd,),
+        p + "ffn_norm": (e,),
+        p + "ffn_gate": (cfg.n_ff, e),
+        p + "ffn_up": (cfg.n_ff, e),
+        p + "ffn_down": (e, cfg.n_ff),
+    })
+  return shapes
+
+
+def synthetic_drafter(cfg: DFlashConfig, seed: int = 0, n_vocab: int = 512,
+                      with_target: bool = True) -> dict[str, np.ndarray]:
+  """Random float32 drafter weights (plus the target's `tok_embd`/`lm_head` of `n_vocab` rows).
+
+  Matrices are N(0, 1/fan_in); the residual branches (attn_output, ffn_down) are further
+  scaled by 1/sqrt(2 n_layer), so activations stay O(1) through every layer at any size.
+  Norm weights are 1 + 0.1 N(0, 1), stored raw as in the GGUF.
+  """
+  if with_target and cfg.mask_token_id >= n_vocab:
+    raise ValueError(f"mask_token_id {cfg.mask_token_id} does not fit n_vocab {n_vocab}")
+  rng = np.random.default_rng(seed)
+  branch = 1.0 / np.sqrt(2.0 * cfg.n_layer)
+  w = {}
+  for name, shape in drafter_tensor_shapes(cfg).items():
+    if len(shape) == 1:
+      w[name] = 1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)
+      continue
+    scale = 1.0 / np.sqrt(shape[1])
+    if name.endswith(("attn_output", "ffn_down")):
+      scale *= branch
+    a = rng.standard_normal(shape, dtype=np.float32)
+    a *= np.float32(scale)
+    w[name] = a
+  if with_target:
+    w["tok_embd"] = rng.standard_normal((n_vocab, cfg.n_embd), dtype=np.float32)
+    lm = rng.standard_normal((n_vocab, cfg.n_embd), dtype=np.float32)
+    lm *= np.float32(1.0 / np.sqrt(cfg.n_embd) * 4.0)
+    w["lm_head"] = lm
+  return w
+
+
+def synthetic_features(cfg: DFlashConfig, n_rows: int, seed: int = 1) -> np.ndarray:
+  """Random target features [n_rows, n_target_layers * n_embd] with unit-variance entries."""
+  return np.random.default_rng(seed).standard_normal((n_rows, cfg.n_embd_fc), dtype=np.float32)
