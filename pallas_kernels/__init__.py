@@ -1,0 +1,1 @@
+"""Pallas GPU kernels for the DFlash drafter step (Triton backend; interpret mode on CPU)."""
