@@ -1,0 +1,172 @@
+"""DFlashDrafter: a thin stateful wrapper over the functional core (holds params and the ring).
+
+It validates host-side inputs before any state changes, keeps the donated ring private (the
+caller never holds a stale, deleted buffer), and compiles the block step ahead of time.
+Inputs that are already device arrays are not pulled back to the host for validation, except
+features (checked for NaN/Inf, one device reduction) and positions (needed on the host to
+track what the ring holds).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax import step as S
+from dflash_jax.config import DFlashConfig
+from dflash_jax.params import prepare_weights
+
+_INT32_MAX = np.iinfo(np.int32).max
+
+
+def _host_int(x, what: str) -> int | None:
+  """A Python/numpy integer scalar as int; None for device arrays (not synced)."""
+  if isinstance(x, jax.Array):
+    if x.ndim != 0 or not jnp.issubdtype(x.dtype, jnp.integer):
+      raise ValueError(f"{what} must be an integer scalar, got {x.dtype}{list(x.shape)}")
+    return None
+  a = np.asarray(x)
+  if a.ndim != 0 or not np.issubdtype(a.dtype, np.integer):
+    raise ValueError(f"{what} must be an integer scalar, got {x!r}")
+  return int(a)
+
+
+class CapturedStep:
+  """The AOT-compiled block step bound to a drafter: step(id_last, n_past) -> logits [B, V]."""
+
+  def __init__(self, drafter: "DFlashDrafter", compiled):
+    self._drafter = drafter
+    self.compiled = compiled
+
+  def __call__(self, id_last, n_past) -> jax.Array:
+    d = self._drafter
+    d._check_step_args(id_last, n_past)
+    return self.compiled(d.params, d.ring, jnp.asarray(id_last, jnp.int32),
+                         jnp.asarray(n_past, jnp.int32))
+
+
+class DFlashDrafter:
+  """Usage (the seed product's):
+
+    m = DFlashDrafter(cfg, w, dtype="bf16", ring_dtype="bf16")
+    m.inject(m.encode(features), positions)
+    step = m.capture_step()
+    logits = step(id_last, n_past)
+    n_ok = m.accept(logits[1:].argmax(-1), target_tokens)
+  """
+
+  def __init__(self, cfg: DFlashConfig, w: dict[str, np.ndarray], dtype: Any = "fp32",
+               ring_dtype: Any = "fp32", window: int | None = None, impl: str = "pallas"):
+    if impl not in S.IMPLS:
+      raise ValueError(f"impl must be one of {S.IMPLS}, got {impl!r}")
+    self.cfg = cfg
+    self.impl = impl
+    self.params = prepare_weights(cfg, w, dtype)
+    self._ring = S.init_ring(cfg, window, ring_dtype)
+    self.n_vocab = self.params.n_vocab
+    self.max_position = -1   # highest position injected so far (host bookkeeping)
+
+  @property
+  def ring(self) -> S.RingState:
+    """The current ring. Do not keep it across inject calls: inject donates it."""
+    return self._ring
+
+  @property
+  def window(self) -> int:
+    return self._ring.window
+
+  def encode(self, features) -> jax.Array:
+    f = jnp.asarray(features)
+    if f.ndim != 2 or f.shape[1] != self.cfg.n_embd_fc:
+      raise ValueError(f"features must be [T, {self.cfg.n_embd_fc}] (n_target_layers "
+                       f"{self.cfg.n_target_layers} x n_embd {self.cfg.n_embd}), got {list(f.shape)}")
+    if not jnp.issubdtype(f.dtype, jnp.floating):
+      raise ValueError(f"features must be floating point, got {f.dtype}")
+    if not bool(jnp.isfinite(f).all()):
+      raise ValueError("features hold NaN or Inf: one poisoned row would poison the ring")
+    return S.encode_jit(self.params, f)
+
+  def inject(self, h, positions) -> None:
+    h = jnp.asarray(h)
+    if h.ndim != 2 or h.shape[1] != self.cfg.n_embd:
+      raise ValueError(f"h must be [T, {self.cfg.n_embd}] (from encode), got {list(h.shape)}")
+    if not jnp.issubdtype(h.dtype, jnp.floating):
+      raise ValueError(f"h must be floating point, got {h.dtype}")
+    pos = np.asarray(positions)
+    if pos.shape != (h.shape[0],) or not np.issubdtype(pos.dtype, np.integer):
+      raise ValueError(f"positions must be {h.shape[0]} integers (one per row of h), "
+                       f"got {pos.dtype}{list(pos.shape)}")
+    if pos.size and (pos.min() < 0 or pos.max() > _INT32_MAX - self.cfg.block_size):
+      raise ValueError(f"positions must lie in [0, {_INT32_MAX - self.cfg.block_size}], "
+                       f"got [{pos.min()}, {pos.max()}]")
+    if not pos.size:
+      return
+    self._ring = S.inject_jit(self.params, self._ring, h, jnp.asarray(pos, jnp.int32),
+                              impl=self.impl)
+    self.max_position = max(self.max_position, int(pos.max()))
+
+  def _check_step_args(self, id_last, n_past) -> None:
+    tok = _host_int(id_last, "id_last")
+    if tok is not None and not 0 <= tok < self.n_vocab:
+      raise ValueError(f"id_last {tok} is outside the vocab [0, {self.n_vocab})")
+    n = _host_int(n_past, "n_past")
+    if n is not None:
+      if n < 0 or n > _INT32_MAX - self.cfg.block_size:
+        raise ValueError(f"n_past {n} out of range")
+      if n <= self.max_position:
+        raise ValueError(f"n_past {n} is not past the injected positions (the highest is "
+                         f"{self.max_position}); n_past counts the committed tokens before id_last")
+
+  def capture_step(self) -> CapturedStep:
+    """Compile the block step ahead of time (the XLA executable plays the CUDA graph's role)."""
+    scalar = jax.ShapeDtypeStruct((), jnp.int32)
+    compiled = S.block_step_jit.lower(self.params, self._ring, scalar, scalar,
+                                      impl=self.impl).compile()
+    return CapturedStep(self, compiled)
+
+  def step(self, id_last, n_past) -> jax.Array:
+    self._check_step_args(id_last, n_past)
+    return S.block_step_jit(self.params, self._ring, jnp.asarray(id_last, jnp.int32),
+                            jnp.asarray(n_past, jnp.int32), impl=self.impl)
+
+  def accept(self, drafts, target_tokens) -> jax.Array:
+    d, t = jnp.asarray(drafts), jnp.asarray(target_tokens)
+    if d.shape != t.shape or d.ndim not in (1, 2):
+      raise ValueError(f"drafts and target_tokens must share a [n] or [B, n] shape, got "
+                       f"{list(d.shape)} and {list(t.shape)}")
+    if not (jnp.issubdtype(d.dtype, jnp.integer) and jnp.issubdtype(t.dtype, jnp.integer)):
+      raise ValueError(f"drafts and target_tokens must be integer, got {d.dtype} and {t.dtype}")
+    return S.accept_jit(d, t, impl=self.impl)
+
+  def draft_round(self, new_features, n_new: int, id_last, n_past):
+    """Encode + inject the rows committed since the last round, then draft: one dispatch.
+
+    new_features [R, n_target_layers n_embd] (R static, padded); rows 0..n_new-1 go to positions
+    n_past - n_new .. n_past - 1. Returns (drafts [B-1], logits [B, V]).
+    """
+    f = jnp.asarray(new_features)
+    if f.ndim != 2 or f.shape[1] != self.cfg.n_embd_fc:
+      raise ValueError(f"new_features must be [R, {self.cfg.n_embd_fc}], got {list(f.shape)}")
+    if not jnp.issubdtype(f.dtype, jnp.floating):
+      raise ValueError(f"new_features must be floating point, got {f.dtype}")
+    n_new_i = _host_int(n_new, "n_new")
+    n = _host_int(n_past, "n_past")
+    if n_new_i is None or n is None:
+      raise ValueError("draft_round takes host integers for n_new and n_past")
+    if not 0 <= n_new_i <= f.shape[0]:
+      raise ValueError(f"n_new {n_new_i} must lie in [0, {f.shape[0]}]")
+    if n - n_new_i < 0:
+      raise ValueError(f"n_past {n} - n_new {n_new_i} < 0: the new rows would sit at negative positions")
+    if not bool(jnp.isfinite(f[:n_new_i]).all()):
+      raise ValueError("new_features hold NaN or Inf")
+    tok = _host_int(id_last, "id_last")
+    if tok is not None and not 0 <= tok < self.n_vocab:
+      raise ValueError(f"id_last {tok} is outside the vocab [0, {self.n_vocab})")
+    self._ring, drafts, logits = S.draft_round_jit(
+        self.params, self._ring, f, jnp.int32(n_new_i), jnp.asarray(id_last, jnp.int32),
+        jnp.int32(n), impl=self.impl)
+    if n_new_i:
+      self.max_position = max(self.max_position, n - 1)
+    return drafts, logits
