@@ -1,0 +1,154 @@
+"""Per-head RMS norm + NEOX rope of the block's fused QKV projection, re-laid out per kv head.
+
+One launch, grid over kv heads: program h normalises and ropes the G query heads of group h
+and kv head h, and copies v head h, emitting the layouts `ring_attention` reads
+(ARCHITECTURE.md, "Kernel signatures").
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from pallas_kernels._common import check, is_pow2, resolve_interpret
+
+
+def rms_rope_halves(x1: jax.Array, x2: jax.Array, w1: jax.Array, w2: jax.Array,
+                    pos: jax.Array, inv_freq: jax.Array, eps: float
+                    ) -> tuple[jax.Array, jax.Array]:
+  """rms_head then NEOX rope of rows split into halves (x1 = x[:, :D/2], x2 = x[:, D/2:]).
+
+  Works on halves because Pallas Triton cannot slice or concatenate register values: kernels
+  load and store the two halves through sliced Refs. x1, x2: [R, D/2] float32; w1, w2: [D/2]
+  float32; pos: [R] int32; inv_freq: [D/2] float32. Shared by the kernels and their twins so
+  that both round identically.
+  """
+  d = 2 * x1.shape[-1]
+  ms = (jnp.sum(x1 * x1, axis=-1) + jnp.sum(x2 * x2, axis=-1)) / d
+  r = lax.rsqrt(ms + eps)[:, None]
+  a = x1 * r * w1[None, :]
+  b = x2 * r * w2[None, :]
+  angle = pos.astype(jnp.float32)[:, None] * inv_freq[None, :]
+  c, s = jnp.cos(angle), jnp.sin(angle)
+  return a * c - b * s, b * c + a * s
+
+
+def _qk_norm_rope_kernel(n_past_ref, inv_ref, qn_ref, kn_ref, q_ref, k_ref, v_ref,
+                         q_out, k_out, v_out, *, group: int, eps: float):
+  t, d = k_ref.shape
+  h = d // 2
+  pos = n_past_ref[0] + jnp.arange(t, dtype=jnp.int32)
+  inv = inv_ref[...]
+  qn1, qn2 = qn_ref[:h], qn_ref[h:]
+  # One 2-D [T, D/2] pass per query head of the group: rank-2 tiles are the shapes the
+  # Triton lowering is verified with.
+  for g in range(group):
+    y1, y2 = rms_rope_halves(q_ref[:, g, :h], q_ref[:, g, h:], qn1, qn2, pos, inv, eps)
+    q_out[:, g, :h] = y1
+    q_out[:, g, h:] = y2
+  y1, y2 = rms_rope_halves(k_ref[:, :h], k_ref[:, h:], kn_ref[:h], kn_ref[h:], pos, inv, eps)
+  k_out[:, :h] = y1
+  k_out[:, h:] = y2
+  v_out[...] = v_ref[...]
+
+
+def _check_args(name: str, qkv, q_norm, k_norm, n_past, inv_freq, n_head: int,
+                n_head_kv: int) -> tuple[int, int, int]:
+  check(qkv.ndim == 2, name, "qkv must be rank 2 [T, (Hq + 2 Hkv) * D]", qkv.shape)
+  check(qkv.dtype == jnp.float32, name, "qkv dtype must be float32", qkv.dtype)
+  check(n_head_kv > 0 and n_head % n_head_kv == 0, name,
+        "n_head must be a positive multiple of n_head_kv", (n_head, n_head_kv))
+  check(q_norm.ndim == 1, name, "q_norm must be rank 1 [D]", q_norm.shape)
+  d = q_norm.shape[0]
+  g = n_head // n_head_kv
+  t = qkv.shape[0]
+  check(is_pow2(d) and d >= 2, name, "head_dim must be a power of 2 >= 2", d)
+  check(is_pow2(g), name, "n_head / n_head_kv must be a power of 2", g)
+  check(is_pow2(t), name, "T (rows of qkv) must be a power of 2", t)
+  check(qkv.shape[1] == (n_head + 2 * n_head_kv) * d, name,
+        "qkv width must be (n_head + 2 n_head_kv) * head_dim",
+        (qkv.shape[1], (n_head + 2 * n_head_kv) * d))
+  for arr, nm, shape in ((q_norm, "q_norm", (d,)), (k_norm, "k_norm", (d,)),
+                         (inv_freq, "inv_freq", (d // 2,))):
+    check(arr.shape == shape, name, f"{nm} shape must be {shape}", arr.shape)
+    check(arr.dtype == jnp.float32, name, f"{nm} dtype must be float32", arr.dtype)
+  check(n_past.shape in ((), (1,)), name, "n_past must be a scalar or (1,)", n_past.shape)
+  check(n_past.dtype == jnp.int32, name, "n_past dtype must be int32", n_past.dtype)
+  return t, g, d
+
+
+@functools.partial(jax.jit, static_argnames=["n_head", "n_head_kv", "eps", "num_warps",
+                                             "interpret"])
+def qk_norm_rope(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array, n_past: jax.Array,
+                 inv_freq: jax.Array, *, n_head: int, n_head_kv: int, eps: float,
+                 num_warps: int = 4, interpret: bool | None = None
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """q, k: rms_head (q_norm / k_norm) then NEOX rope at n_past + t; v: re-laid out only.
+
+  qkv: [T, (Hq + 2 Hkv) * D] float32 (q heads, k heads, v heads). Returns float32
+  q [Hkv, T*G, D] (row r = token r // G, query head kvh*G + r % G), k and v [Hkv, T, D].
+  T, G and D must be powers of 2 (Triton tile sizes).
+  """
+  name = "qk_norm_rope"
+  t, g, d = _check_args(name, qkv, q_norm, k_norm, n_past, inv_freq, n_head, n_head_kv)
+  hkv = n_head_kv
+  heads = qkv.reshape(t, n_head + 2 * hkv, d)
+  kernel = functools.partial(_qk_norm_rope_kernel, group=g, eps=eps)
+  q, k, v = pl.pallas_call(
+      kernel,
+      grid=(hkv,),
+      in_specs=[
+          pl.BlockSpec((1,), lambda h: (0,)),
+          pl.BlockSpec((d // 2,), lambda h: (0,)),
+          pl.BlockSpec((d,), lambda h: (0,)),
+          pl.BlockSpec((d,), lambda h: (0,)),
+          pl.BlockSpec((t, g, d), lambda h: (0, h, 0)),
+          pl.BlockSpec((t, None, d), lambda h: (0, n_head + h, 0)),
+          pl.BlockSpec((t, None, d), lambda h: (0, n_head + hkv + h, 0)),
+      ],
+      out_specs=[
+          pl.BlockSpec((None, t, g, d), lambda h: (h, 0, 0, 0)),
+          pl.BlockSpec((None, t, d), lambda h: (h, 0, 0)),
+          pl.BlockSpec((None, t, d), lambda h: (h, 0, 0)),
+      ],
+      out_shape=[
+          jax.ShapeDtypeStruct((hkv, t, g, d), jnp.float32),
+          jax.ShapeDtypeStruct((hkv, t, d), jnp.float32),
+          jax.ShapeDtypeStruct((hkv, t, d), jnp.float32),
+      ],
+      compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
+      interpret=resolve_interpret(interpret),
+      name=name,
+  )(n_past.reshape(1), inv_freq, q_norm, k_norm, heads, heads, heads)
+  # [Hkv, T, G, D] -> [Hkv, T*G, D] merges adjacent axes: a free bitcast in XLA.
+  return q.reshape(hkv, t * g, d), k, v
+
+
+@functools.partial(jax.jit, static_argnames=["n_head", "n_head_kv", "eps"])
+def qk_norm_rope_reference(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array,
+                           n_past: jax.Array, inv_freq: jax.Array, *, n_head: int,
+                           n_head_kv: int, eps: float
+                           ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Pure-jnp twin of `qk_norm_rope` (same arguments, minus the tuning knobs)."""
+  t, g, d = _check_args("qk_norm_rope_reference", qkv, q_norm, k_norm, n_past, inv_freq,
+                        n_head, n_head_kv)
+  h = d // 2
+  heads = qkv.reshape(t, n_head + 2 * n_head_kv, d)
+  pos = n_past.reshape(()) + jnp.arange(t, dtype=jnp.int32)
+
+  def norm_rope(x, w):  # x: [T, H, D] -> [H, T, D]
+    n = x.shape[1]
+    rows = jnp.transpose(x, (1, 0, 2)).reshape(n * t, d)
+    y1, y2 = rms_rope_halves(rows[:, :h], rows[:, h:], w[:h], w[h:], jnp.tile(pos, n),
+                             inv_freq, eps)
+    return jnp.concatenate([y1, y2], axis=-1).reshape(n, t, d)
+
+  q = norm_rope(heads[:, :n_head], q_norm)                       # [Hq, T, D]
+  q = q.reshape(n_head_kv, g, t, d).transpose(0, 2, 1, 3).reshape(n_head_kv, t * g, d)
+  k = norm_rope(heads[:, n_head:n_head + n_head_kv], k_norm)
+  v = jnp.transpose(heads[:, n_head + n_head_kv:], (1, 0, 2))
+  return q, k, v
