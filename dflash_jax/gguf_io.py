@@ -1,0 +1,379 @@
+"""Drafter GGUF files (SPEC.md section 2): a loader that fails loudly, an atomic saver, raw Q8_0.
+
+Parsing, writing and (de)quantization are the `gguf` package's; this module adds the DFlash
+conventions (keys, tensor names, shapes) and the checks that make a bad file fail at load time
+instead of as a silent acceptance collapse later.
+"""
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from typing import Any, Mapping
+
+import gguf
+import numpy as np
+
+from dflash_jax.config import DFlashConfig
+from dflash_jax.synthetic import drafter_tensor_shapes
+
+ARCH = "dflash"
+KEY_ARCH = "general.architecture"
+KEY_VALUE_LENGTH = "dflash.attention.value_length"
+KEY_TARGET_LAYERS = "dflash.target_layers"
+KEY_BLOCK_SIZE = "dflash.block_size"
+KEY_WINDOW = "dflash.attention.sliding_window"
+KEY_MASK = "tokenizer.ggml.mask_token_id"
+KEY_MASK_OLD = "dflash.mask_token_id"  # PR-branch files
+# Required scalar keys, by DFlashConfig field.
+INT_KEYS = {
+    "n_layer": "dflash.block_count",
+    "n_embd": "dflash.embedding_length",
+    "n_ff": "dflash.feed_forward_length",
+    "n_head": "dflash.attention.head_count",
+    "n_head_kv": "dflash.attention.head_count_kv",
+    "head_dim": "dflash.attention.key_length",
+}
+FLOAT_KEYS = {"rope_theta": "dflash.rope.freq_base", "eps": "dflash.attention.layer_norm_rms_epsilon"}
+TARGET_TENSORS = ("tok_embd", "lm_head")
+DEFAULT_BLOCK_SIZE = 16
+
+_VT = gguf.GGUFValueType
+_QT = gguf.GGMLQuantizationType
+_INT_TYPES = frozenset({_VT.UINT8, _VT.INT8, _VT.UINT16, _VT.INT16, _VT.UINT32, _VT.INT32,
+                        _VT.UINT64, _VT.INT64})
+_FLOAT_TYPES = frozenset({_VT.FLOAT32, _VT.FLOAT64})
+SAVE_TYPES = {"F32": _QT.F32, "F16": _QT.F16, "BF16": _QT.BF16, "Q8_0": _QT.Q8_0}
+_FILE_TYPES = {_QT.F32: gguf.LlamaFileType.ALL_F32, _QT.F16: gguf.LlamaFileType.MOSTLY_F16,
+               _QT.BF16: gguf.LlamaFileType.MOSTLY_BF16, _QT.Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0}
+_Q8_0_BLOCK, _Q8_0_BYTES = gguf.GGML_QUANT_SIZES[_QT.Q8_0]
+
+
+class DrafterFormatError(ValueError):
+  """A drafter GGUF, or weights given to `save_drafter`, that break SPEC.md section 2."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_drafter(path: str | os.PathLike) -> tuple[DFlashConfig, dict[str, np.ndarray]]:
+  """Reads and validates a drafter GGUF.
+
+  Returns the config and a dict of writable, C-contiguous float32 arrays in (out, in) layout,
+  keyed by tensor name without `.weight`, dequantized from any type gguf can dequantize.
+  Raises DrafterFormatError (naming the file and the culprit) on any deviation.
+  """
+  path = os.fspath(path)
+  reader = _open(path)
+  cfg = _read_config(reader, path)
+  tensors = _drafter_tensors(reader, cfg, path)
+  return cfg, {name: _dequantize(t, path) for name, t in tensors.items()}
+
+
+def read_q8_0(path: str | os.PathLike) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+  """The raw blocks of every matrix stored as Q8_0, without dequantizing.
+
+  Returns name -> (qs int8 [out, in], d float32 [out, in // 32]); the weight is
+  `d[:, j, None] * qs[:, 32 j : 32 (j + 1)]`. Checks the file like `load_drafter` except for
+  NaN/Inf (that needs dequantizing); load the file with `load_drafter` for the full check.
+  """
+  path = os.fspath(path)
+  reader = _open(path)
+  cfg = _read_config(reader, path)
+  out = {}
+  for name, t in _drafter_tensors(reader, cfg, path).items():
+    if t.tensor_type == _QT.Q8_0 and len(t.shape) == 2:
+      blocks = np.asarray(t.data).reshape(t.data.shape[0], -1, _Q8_0_BYTES)
+      d = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0].astype(np.float32)
+      qs = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(blocks.shape[0], -1)
+      out[name] = (qs, d)
+  return out
+
+
+def _fail(path: str, message: str) -> DrafterFormatError:
+  return DrafterFormatError(f"{path}: {message}")
+
+
+def _open(path: str) -> gguf.GGUFReader:
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"{path}: no such drafter file")
+  try:
+    reader = gguf.GGUFReader(path)
+  except Exception as e:  # gguf reports bad magic, truncation, bad types as assorted exceptions
+    raise _fail(path, f"not a readable GGUF file (truncated or corrupt?): "
+                f"{type(e).__name__}: {e}") from e
+  arch = _get(reader, path, KEY_ARCH, {_VT.STRING}, "a string")
+  if arch != ARCH:
+    raise _fail(path, f"{KEY_ARCH} is {arch!r}, expected {ARCH!r}: not a DFlash drafter")
+  return reader
+
+
+def _type_name(field: Any) -> str:
+  if field.types[0] == _VT.ARRAY:
+    return "an array of " + (field.types[-1].name if len(field.types) > 1 else "nothing")
+  return field.types[0].name
+
+
+def _get(reader: gguf.GGUFReader, path: str, key: str, types: frozenset | set, expected: str,
+         required: bool = True, array: bool = False) -> Any:
+  """The value of `key`, checked against the allowed GGUF (element) types; None when absent."""
+  field = reader.get_field(key)
+  if field is None:
+    if required:
+      raise _fail(path, f"missing metadata key {key!r} (expected {expected})")
+    return None
+  if array:
+    ok = field.types[0] == _VT.ARRAY and (len(field.types) == 1 or field.types[-1] in types)
+  else:
+    ok = field.types[0] in types
+  if not ok:
+    raise _fail(path, f"metadata key {key!r} is {_type_name(field)}, expected {expected}")
+  return field.contents()
+
+
+def _get_int(reader: gguf.GGUFReader, path: str, key: str, required: bool = True) -> int | None:
+  v = _get(reader, path, key, _INT_TYPES, "an integer", required)
+  return None if v is None else int(v)
+
+
+def _get_float(reader: gguf.GGUFReader, path: str, key: str) -> float:
+  v = float(_get(reader, path, key, _FLOAT_TYPES, "a float (f32)"))
+  # The file holds f32; take the shortest decimal that rounds to it (1e-6, not 9.99999997e-07),
+  # so a saved config loads back equal and the f32 the kernels see is unchanged.
+  return float(str(np.float32(v))) if reader.get_field(key).types[0] == _VT.FLOAT32 else v
+
+
+def _read_mask_token(reader: gguf.GGUFReader, path: str) -> int:
+  new = _get_int(reader, path, KEY_MASK, required=False)
+  old = _get_int(reader, path, KEY_MASK_OLD, required=False)
+  if new is None and old is None:
+    raise _fail(path, f"missing metadata key {KEY_MASK!r} (or the older {KEY_MASK_OLD!r}), "
+                "expected an integer")
+  if new is not None and old is not None and new != old:
+    raise _fail(path, f"{KEY_MASK!r} = {new} disagrees with {KEY_MASK_OLD!r} = {old}")
+  return new if new is not None else old
+
+
+def _read_config(reader: gguf.GGUFReader, path: str) -> DFlashConfig:
+  fields: dict[str, Any] = {f: _get_int(reader, path, k) for f, k in INT_KEYS.items()}
+  fields.update({f: _get_float(reader, path, k) for f, k in FLOAT_KEYS.items()})
+  value_length = _get_int(reader, path, KEY_VALUE_LENGTH, required=False)
+  if value_length is not None and value_length != fields["head_dim"]:
+    raise _fail(path, f"{KEY_VALUE_LENGTH!r} = {value_length} differs from "
+                f"{INT_KEYS['head_dim']!r} = {fields['head_dim']}; DFlash needs them equal")
+  layers = _get(reader, path, KEY_TARGET_LAYERS, _INT_TYPES, "a non-empty int32 array",
+                array=True)
+  if not layers:
+    raise _fail(path, f"metadata key {KEY_TARGET_LAYERS!r} is empty; the drafter needs at "
+                "least one captured target layer")
+  fields["target_layers"] = tuple(int(t) for t in layers)
+  fields["mask_token_id"] = _read_mask_token(reader, path)
+  block_size = _get_int(reader, path, KEY_BLOCK_SIZE, required=False)
+  fields["block_size"] = DEFAULT_BLOCK_SIZE if block_size is None else block_size
+  fields["window"] = _get_int(reader, path, KEY_WINDOW, required=False)
+  try:
+    return DFlashConfig(**fields)
+  except ValueError as e:
+    raise _fail(path, str(e)) from e
+
+
+def _numpy_shape(t: Any) -> tuple[int, ...]:
+  """GGUF stores ggml `ne` (fastest first); numpy/torch order is the reverse."""
+  return tuple(int(n) for n in reversed(t.shape.tolist()))
+
+
+def _drafter_tensors(reader: gguf.GGUFReader, cfg: DFlashConfig, path: str) -> dict[str, Any]:
+  """name -> ReaderTensor for exactly the drafter's tensors, with names and shapes checked."""
+  expected = drafter_tensor_shapes(cfg)
+  by_name = {t.name: t for t in reader.tensors}
+  extra = sorted(n for n in by_name if n.removesuffix(".weight") not in expected
+                 or not n.endswith(".weight"))
+  if extra:
+    raise _fail(path, f"unknown tensors {extra} (a DFlash drafter has only {len(expected)} "
+                f"tensors for n_layer={cfg.n_layer})")
+  missing = [n + ".weight" for n in expected if n + ".weight" not in by_name]
+  if missing:
+    raise _fail(path, f"missing tensors {missing}")
+  tensors = {n: by_name[n + ".weight"] for n in expected}
+  _check_heads(tensors, cfg, path)
+  for name, t in tensors.items():
+    if _numpy_shape(t) != expected[name]:
+      raise _fail(path, f"tensor {name}.weight has shape {_numpy_shape(t)}, expected "
+                  f"{expected[name]}")
+  return tensors
+
+
+def _check_heads(tensors: Mapping[str, Any], cfg: DFlashConfig, path: str) -> None:
+  """Names the head metadata when the attention projections disagree with it."""
+  hd_key = INT_KEYS["head_dim"]
+  for i in range(cfg.n_layer):
+    for suffix, axis, field in (("attn_q", 0, "n_head"), ("attn_k", 0, "n_head_kv"),
+                                ("attn_v", 0, "n_head_kv"), ("attn_output", 1, "n_head")):
+      shape = _numpy_shape(tensors[f"blk.{i}.{suffix}"])
+      heads = getattr(cfg, field)
+      if len(shape) == 2 and shape[axis] != heads * cfg.head_dim:
+        raise _fail(path, f"tensor blk.{i}.{suffix}.weight has {shape[axis]} "
+                    f"{'rows' if axis == 0 else 'columns'}, but {INT_KEYS[field]!r} ({heads}) * "
+                    f"{hd_key!r} ({cfg.head_dim}) = {heads * cfg.head_dim}: the head counts or "
+                    "head_dim are inconsistent with the tensor shapes")
+
+
+def _dequantize(t: Any, path: str) -> np.ndarray:
+  try:
+    a = gguf.quants.dequantize(t.data, t.tensor_type)
+  except NotImplementedError as e:
+    raise _fail(path, f"tensor {t.name} is {t.tensor_type.name}, which the gguf package "
+                "cannot dequantize") from e
+  # F32 dequantizes to a view of the read-only memmap: the caller gets its own copy.
+  if np.may_share_memory(a, t.data) or type(a) is not np.ndarray:
+    a = np.array(a, dtype=np.float32, order="C")
+  a = np.ascontiguousarray(a, dtype=np.float32)
+  if not np.isfinite(a).all():
+    bad = np.argwhere(~np.isfinite(a))
+    raise _fail(path, f"tensor {t.name} has {len(bad)} non-finite values (first: "
+                f"{a[tuple(bad[0])]} at index {tuple(int(i) for i in bad[0])})")
+  return a
+
+
+# ---------------------------------------------------------------------------------------------
+# Saving
+
+
+def save_drafter(path: str | os.PathLike, cfg: DFlashConfig, w: Mapping[str, np.ndarray],
+                 tensor_type: str = "F32") -> str:
+  """Writes a drafter GGUF (llama.cpp conventions) and returns its path.
+
+  Matrices are stored as `tensor_type` (F32, F16, BF16 or Q8_0), 1-D norms always as F32.
+  The target's `tok_embd`/`lm_head` in `w` are not written. `w` is fully validated and encoded
+  before anything touches the disk, and the file appears only complete (temp file + rename).
+  """
+  path = os.fspath(path)
+  if tensor_type not in SAVE_TYPES:
+    raise ValueError(f"tensor_type must be one of {sorted(SAVE_TYPES)}, got {tensor_type!r}")
+  if not isinstance(cfg, DFlashConfig):
+    raise TypeError(f"cfg must be a DFlashConfig, got {type(cfg).__name__}")
+  qtype = SAVE_TYPES[tensor_type]
+  where = f"save_drafter({path})"
+  arrays = _checked_weights(cfg, w, where)
+  encoded = {name: _encode(name, a, qtype, where) for name, a in arrays.items()}
+  _write_atomically(path, lambda writer: _fill_writer(writer, cfg, encoded, qtype))
+  return path
+
+
+def _checked_weights(cfg: DFlashConfig, w: Mapping[str, np.ndarray],
+                     where: str) -> dict[str, np.ndarray]:
+  expected = drafter_tensor_shapes(cfg)
+  extra = sorted(set(w) - set(expected) - set(TARGET_TENSORS))
+  if extra:
+    raise _fail(where, f"unknown weights {extra} (not a drafter tensor; refusing to drop them)")
+  missing = [n for n in expected if n not in w]
+  if missing:
+    raise _fail(where, f"missing weights {missing}")
+  arrays = {}
+  for name, shape in expected.items():
+    a = np.asarray(w[name], dtype=np.float32)
+    if a.shape != shape:
+      raise _fail(where, f"weight {name} has shape {a.shape}, expected {shape}")
+    if not np.isfinite(a).all():
+      raise _fail(where, f"weight {name} has {int((~np.isfinite(a)).sum())} non-finite values")
+    arrays[name] = np.ascontiguousarray(a)
+  return arrays
+
+
+def _encode(name: str, a: np.ndarray, qtype: Any, where: str) -> tuple[np.ndarray, Any]:
+  """(data, ggml type) as the writer takes it; norms stay F32 as in llama.cpp's converter."""
+  if a.ndim == 1 or qtype == _QT.F32:
+    return a, _QT.F32
+  if qtype == _QT.Q8_0 and a.shape[-1] % _Q8_0_BLOCK:
+    raise _fail(where, f"weight {name} has {a.shape[-1]} columns, not a multiple of the Q8_0 "
+                f"block ({_Q8_0_BLOCK})")
+  data = gguf.quants.quantize(a, qtype)
+  if qtype == _QT.F16 and not np.isfinite(data).all():
+    raise _fail(where, f"weight {name} overflows F16 (max |w| = {np.abs(a).max()})")
+  return data, qtype
+
+
+def _fill_writer(writer: gguf.GGUFWriter, cfg: DFlashConfig,
+                 encoded: Mapping[str, tuple[np.ndarray, Any]], qtype: Any) -> None:
+  for field, key in INT_KEYS.items():
+    writer.add_uint32(key, getattr(cfg, field))
+  for field, key in FLOAT_KEYS.items():
+    writer.add_float32(key, getattr(cfg, field))
+  writer.add_uint32(KEY_VALUE_LENGTH, cfg.head_dim)
+  writer.add_key_value(KEY_TARGET_LAYERS, list(cfg.target_layers), _VT.ARRAY, sub_type=_VT.INT32)
+  writer.add_uint32(KEY_BLOCK_SIZE, cfg.block_size)
+  if cfg.window is not None:
+    writer.add_uint32(KEY_WINDOW, cfg.window)
+  writer.add_uint32(KEY_MASK, cfg.mask_token_id)
+  writer.add_file_type(_FILE_TYPES[qtype])
+  writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+  for name, (data, dtype) in encoded.items():
+    writer.add_tensor(name + ".weight", data, raw_dtype=dtype)
+
+
+def _write_atomically(path: str, fill: Any) -> None:
+  """Builds the file beside `path` under a temporary name, then renames it into place."""
+  directory, base = os.path.split(os.path.abspath(path))
+  tmp = os.path.join(directory, f".{base}.{uuid.uuid4().hex}.tmp")
+  writer = gguf.GGUFWriter(tmp, ARCH)
+  try:
+    fill(writer)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(tmp, path)
+  except BaseException:
+    writer.close()
+    if os.path.exists(tmp):
+      os.unlink(tmp)
+    raise
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face config
+
+
+def config_from_hf(config: Mapping[str, Any] | str | os.PathLike) -> DFlashConfig:
+  """DFlashConfig from a z-lab / HF DFlash `config.json` (a dict or a path to the file).
+
+  HF `target_layer_ids` name the layer whose *output* is captured; llama.cpp (and this
+  library) store the index of the layer whose *input* is captured, i.e. ids + 1.
+  """
+  if not isinstance(config, Mapping):
+    with open(config, encoding="utf-8") as f:
+      config = json.load(f)
+  dflash = config.get("dflash_config") or {}
+  if "target_layer_ids" not in dflash:
+    raise ValueError("config has no dflash_config.target_layer_ids: not a DFlash drafter config")
+  mask = dflash.get("mask_token_id", config.get("mask_token_id"))
+  if mask is None:
+    raise ValueError("config has no dflash_config.mask_token_id (nor mask_token_id)")
+  rope = config.get("rope_parameters") or {}
+  theta = config.get("rope_theta", rope.get("rope_theta"))
+  if theta is None:
+    raise ValueError("config has no rope_theta (nor rope_parameters.rope_theta)")
+  n_head = int(config["num_attention_heads"])
+  return DFlashConfig(
+      n_layer=int(config["num_hidden_layers"]), n_embd=int(config["hidden_size"]),
+      n_ff=int(config["intermediate_size"]), n_head=n_head,
+      n_head_kv=int(config.get("num_key_value_heads", n_head)),
+      head_dim=int(config.get("head_dim") or config["hidden_size"] // n_head),
+      rope_theta=float(theta), eps=float(config["rms_norm_eps"]),
+      target_layers=tuple(int(i) + 1 for i in dflash["target_layer_ids"]),
+      mask_token_id=int(mask), block_size=int(config.get("block_size", DEFAULT_BLOCK_SIZE)),
+      window=_hf_window(config))
+
+
+def _hf_window(config: Mapping[str, Any]) -> int | None:
+  """The sliding window when the drafter's layers use one; a mix of kinds is not supported."""
+  kinds = set(config.get("layer_types") or [])
+  sliding = "sliding_attention" in kinds or (not kinds and config.get("use_sliding_window"))
+  if not sliding:
+    return None
+  if len(kinds) > 1:
+    raise ValueError(f"layer_types mixes {sorted(kinds)}; one window for every layer is supported")
+  if not config.get("sliding_window"):
+    raise ValueError("layers use sliding attention but sliding_window is not set")
+  return int(config["sliding_window"])
