@@ -1,0 +1,78 @@
+"""Host-side (numpy) weight quantization for the streamed skinny GEMMs.
+
+Both formats keep the GGUF/torch (out, in) layout: w is [N, K], K contiguous, which is what
+`pallas_kernels.skinny_gemm` streams. Dequantization returns float32; the kernels and their
+references compute with exactly these dequantized values.
+"""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+Q8_0_BLOCK = 32  # llama.cpp QK8_0
+
+
+def _check_matrix(w: np.ndarray, name: str) -> np.ndarray:
+  w = np.asarray(w)
+  if w.ndim != 2:
+    raise ValueError(f"{name}: w must be 2-D [N, K] (got shape {w.shape})")
+  if not np.all(np.isfinite(w)):
+    raise ValueError(f"{name}: w must be finite (got {np.count_nonzero(~np.isfinite(w))} "
+                     "non-finite values)")
+  return w.astype(np.float32, copy=False)
+
+
+def quantize_fp8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """Per-output-row float8_e4m3fn: w ~= w8 * scale[:, None] with scale = max|row| / 448.
+
+  Returns (w8 [N, K] float8_e4m3fn, scale [N] float32). All-zero rows get scale 1 so that
+  dequantization needs no special case. Rounding is to nearest even (ml_dtypes' cast).
+  """
+  w = _check_matrix(w, "quantize_fp8")
+  amax = np.max(np.abs(w), axis=1)
+  scale = np.where(amax > 0, amax / np.float32(FP8_MAX), np.float32(1.0)).astype(np.float32)
+  # w / scale can round a hair above 448; e4m3fn has no inf, so an overflow would become NaN.
+  scaled = np.clip(w / scale[:, None], -FP8_MAX, FP8_MAX)
+  return scaled.astype(ml_dtypes.float8_e4m3fn), scale
+
+
+def dequantize_fp8(w8: np.ndarray, scale: np.ndarray) -> np.ndarray:
+  return np.asarray(w8).astype(np.float32) * np.asarray(scale, np.float32)[:, None]
+
+
+def _roundf(x: np.ndarray) -> np.ndarray:
+  # C roundf (half away from zero), as ggml-quants.c uses; np.round would round half to even.
+  a = np.abs(x)
+  floored = np.floor(a)
+  return np.sign(x) * (floored + np.floor(2 * (a - floored)))
+
+
+def quantize_q8_0(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """llama.cpp Q8_0: blocks of 32 along K, d = max|block| / 127, qs = roundf(x / d).
+
+  Returns (qs [N, K] int8, d [N, K // 32] float32). As in ggml-quants.c, qs is computed with
+  the float32 d and d is then stored as float16; the returned d is that float16 value widened
+  to float32, so dequantize_q8_0 reproduces a GGUF Q8_0 tensor bit for bit.
+  """
+  w = _check_matrix(w, "quantize_q8_0")
+  n, k = w.shape
+  if k % Q8_0_BLOCK:
+    raise ValueError(f"quantize_q8_0: K % {Q8_0_BLOCK} == 0 required (got K={k})")
+  blocks = w.reshape(n, k // Q8_0_BLOCK, Q8_0_BLOCK)
+  d = np.max(np.abs(blocks), axis=2, keepdims=True) / np.float32(127)
+  with np.errstate(divide="ignore"):
+    inv_d = np.where(d == 0, np.float32(0), np.float32(1) / d)
+  qs = _roundf(blocks * inv_d).astype(np.int8).reshape(n, k)
+  d16 = d[..., 0].astype(np.float16)
+  if not np.all(np.isfinite(d16)):
+    raise ValueError("quantize_q8_0: block scale d must fit float16 (max|block| <= 65504*127, "
+                     f"got max|w|={float(np.max(np.abs(w)))})")
+  return qs, d16.astype(np.float32)
+
+
+def dequantize_q8_0(qs: np.ndarray, d: np.ndarray) -> np.ndarray:
+  qs = np.asarray(qs)
+  n, k = qs.shape
+  blocks = qs.reshape(n, k // Q8_0_BLOCK, Q8_0_BLOCK).astype(np.float32)
+  return (blocks * np.asarray(d, np.float32)[..., None]).reshape(n, k)

@@ -1,0 +1,281 @@
+"""Skinny GEMM that streams (quantized) weights once: out = x @ dequant(w)^T.
+
+x is [M, K] with M small (the drafter's block rows: 16 per sequence, up to a few hundred);
+w is [N, K], K contiguous (the GGUF/torch (out, in) layout), so every weight load is a wide
+contiguous read of K-runs. Weight formats:
+
+  "bf16": w bfloat16, scale None.
+  "fp8":  w float8_e4m3fn, scale [N] float32 per output row (applied in the epilogue).
+  "q8_0": w int8, scale [N, K // 32] float32 per 32-wide K block (llama.cpp Q8_0 with d
+          widened from float16); each 32-block's partial dot is scaled inside the K loop.
+
+1-byte weights are widened in registers to bfloat16, which is exact for int8 and for fp8
+e4m3 values; fp8 goes through float32 first because Triton's direct fp8 -> bf16 conversion
+is the bottleneck on the H200 (2.97 vs 3.86 TB/s measured). The activation x is rounded to
+bfloat16 for the dot (the same rounding a bf16-weight GEMM applies), products are exact and
+the accumulation is float32, so the kernel matches `skinny_matmul_reference` up to float32
+summation order.
+
+Grid: (M tiles, N tiles, K splits). M tiles vary fastest so programs that share a weight
+tile run together and the repeat reads hit L2. split_k > 1 gives each program a contiguous
+range of K blocks and sums the float32 partials in jnp: it fills the GPU when N / block_n
+alone is too few programs (the N = 6656 down projection).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from pallas_kernels._common import check, is_pow2, resolve_interpret
+
+FORMATS = ("bf16", "fp8", "q8_0")
+Q8_0_BLOCK = 32
+_WEIGHT_DTYPE = {"bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn, "q8_0": jnp.int8}
+_DOT_NT = (((1,), (1,)), ((), ()))  # x [m, k] . w [n, k] -> [m, n]
+_MAX_DEFAULT_BLOCK_M = 64
+
+
+def _default_block_m(m: int) -> int:
+  # One M tile up to 64 rows streams the weights exactly once; beyond that the accumulator
+  # would cost too many registers, so tile M and rely on L2 for the repeat weight reads.
+  return min(max(16, pl.next_power_of_2(m)), _MAX_DEFAULT_BLOCK_M)
+
+
+def _silu_mul(g: jax.Array, u: jax.Array) -> jax.Array:
+  return g * jax.nn.sigmoid(g) * u
+
+
+def _skinny_kernel(x_ref, *refs, fmt: str, gate_up: bool, m: int, block_m: int,
+                   block_k: int, split_k: int, kb_total: int):
+  """One [block_m, block_n] output tile (two weight streams when gate_up)."""
+  n_w = 2 if gate_up else 1
+  w_refs = refs[:n_w]
+  s_refs = refs[n_w:-1]
+  o_ref = refs[-1]
+  block_n = w_refs[0].shape[0]
+
+  row_mask = None
+  if m % block_m:
+    rows = pl.program_id(0) * block_m + lax.broadcasted_iota(jnp.int32, (block_m, 1), 0)
+    row_mask = rows < m
+
+  def load_x(start, size: int) -> jax.Array:
+    # No automatic OOB masking in the 0.11 Triton lowering: rows past M must not be read.
+    window = x_ref.at[:, pl.ds(start, size)]
+    if row_mask is None:
+      return window[...]
+    return plt.load(window, mask=row_mask, other=0.0)
+
+  def dot(x, w):
+    return lax.dot_general(x, w, _DOT_NT, preferred_element_type=jnp.float32)
+
+  kb_per_split = pl.cdiv(kb_total, split_k)
+  kb_first = pl.program_id(2) * kb_per_split
+  if kb_per_split * split_k == kb_total:
+    n_iter = kb_per_split
+  else:
+    # The last split is shorter (or empty); a dynamic trip count keeps every K block once.
+    n_iter = jnp.clip(kb_total - kb_first, 0, kb_per_split)
+
+  def body(kb, accs):
+    k0 = pl.multiple_of((kb_first + kb) * block_k, block_k)
+    if fmt != "q8_0":
+      x = load_x(k0, block_k)
+      new = []
+      for w_ref, acc in zip(w_refs, accs):
+        w = w_ref[:, pl.ds(k0, block_k)]
+        if fmt == "fp8":
+          w = w.astype(jnp.float32)
+        new.append(acc + dot(x, w.astype(jnp.bfloat16)))
+      return tuple(new)
+    n_sub = block_k // Q8_0_BLOCK
+    ds = [s_ref[:, pl.ds(k0 // Q8_0_BLOCK, n_sub)] for s_ref in s_refs]
+    col = lax.broadcasted_iota(jnp.int32, (block_n, n_sub), 1)
+    accs = list(accs)
+    # Scaling each 32-block's partial dot (instead of the bf16 weights) keeps the products
+    # exact; the sub-block loads are still 32 contiguous bytes per weight row.
+    for c in range(n_sub):
+      kc = k0 + c * Q8_0_BLOCK
+      x = load_x(kc, Q8_0_BLOCK)
+      for i, w_ref in enumerate(w_refs):
+        w = w_ref[:, pl.ds(kc, Q8_0_BLOCK)].astype(jnp.bfloat16)
+        # Column c of the scale tile without value slicing (unsupported by Triton lowering).
+        d = jnp.sum(jnp.where(col == c, ds[i], 0.0), axis=1)
+        accs[i] = accs[i] + dot(x, w) * d[None, :]
+    return tuple(accs)
+
+  zeros = tuple(jnp.zeros((block_m, block_n), jnp.float32) for _ in w_refs)
+  accs = lax.fori_loop(0, n_iter, body, zeros)
+  if fmt == "fp8":
+    accs = tuple(acc * s_ref[...][None, :] for acc, s_ref in zip(accs, s_refs))
+  out = _silu_mul(*accs) if gate_up else accs[0]
+  out = out.astype(o_ref.dtype)
+  if row_mask is None:
+    o_ref[...] = out
+  else:
+    plt.store(o_ref, out, mask=row_mask)
+
+
+def _check_args(kernel: str, x, w, scale, fmt: str, block_m: int, block_n: int,
+                block_k: int, split_k: int, n_out: int) -> None:
+  """Limits shared by both entry points; n_out is the row count each weight stream covers."""
+  check(fmt in FORMATS, kernel, f"fmt in {FORMATS}", fmt)
+  check(x.ndim == 2, kernel, "x must be 2-D [M, K]", x.shape)
+  check(w.ndim == 2, kernel, "w must be 2-D [N, K]", w.shape)
+  m, k = x.shape
+  n = w.shape[0]
+  check(w.shape[1] == k, kernel, "w.shape[1] == x.shape[1] (K)", (w.shape, x.shape))
+  check(x.dtype in (jnp.bfloat16, jnp.float32), kernel, "x dtype bfloat16 or float32", x.dtype)
+  check(w.dtype == _WEIGHT_DTYPE[fmt], kernel, f"w dtype {jnp.dtype(_WEIGHT_DTYPE[fmt])} for "
+        f"fmt={fmt!r}", w.dtype)
+  if fmt == "bf16":
+    check(scale is None, kernel, "scale must be None for fmt='bf16'", type(scale))
+  else:
+    want = (n,) if fmt == "fp8" else (n, k // Q8_0_BLOCK)
+    check(scale is not None, kernel, f"scale {want} float32 required for fmt={fmt!r}", None)
+    check(scale.shape == want, kernel, f"scale shape {want} for fmt={fmt!r}", scale.shape)
+    check(scale.dtype == jnp.float32, kernel, "scale dtype float32", scale.dtype)
+  check(m >= 1, kernel, "M >= 1", m)
+  for name, b in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
+    check(is_pow2(b) and b >= 16, kernel, f"{name} a power of 2 >= 16", b)
+  check(n_out % block_n == 0, kernel, f"N % block_n == 0 (block_n={block_n})", n_out)
+  check(k % block_k == 0, kernel, f"K % block_k == 0 (block_k={block_k})", k)
+  if fmt == "q8_0":
+    check(k % Q8_0_BLOCK == 0, kernel, "K % 32 == 0 for q8_0", k)
+    check(block_k >= Q8_0_BLOCK, kernel, "block_k >= 32 for q8_0", block_k)
+  check(1 <= split_k <= k // block_k, kernel, f"1 <= split_k <= K // block_k = "
+        f"{k // block_k}", split_k)
+
+
+def _launch(x, w, scale, *, fmt: str, gate_up: bool, block_m: int, block_n: int,
+            block_k: int, split_k: int, num_warps: int, num_stages: int, out_dtype,
+            interpret: bool, name: str) -> jax.Array:
+  """pallas_call over (M tiles, N tiles, K splits); returns [M, N] or [split_k, M, N]."""
+  m, k = x.shape
+  n_out = w.shape[0] // 2 if gate_up else w.shape[0]
+  n_tiles = n_out // block_n
+  grid = (pl.cdiv(m, block_m), n_tiles, split_k)
+
+  x_spec = pl.BlockSpec((block_m, k), lambda i, j, s: (i, 0))
+  w_specs = [pl.BlockSpec((block_n, k), lambda i, j, s: (j, 0))]
+  s_block = (block_n,) if fmt == "fp8" else (block_n, k // Q8_0_BLOCK)
+  s_specs = [pl.BlockSpec(s_block, lambda i, j, s: (j,) + (0,) * (len(s_block) - 1))]
+  if gate_up:
+    # The up half of the fused weight is the same buffer read n_tiles blocks further down.
+    w_specs.append(pl.BlockSpec((block_n, k), lambda i, j, s: (j + n_tiles, 0)))
+    s_specs.append(pl.BlockSpec(s_block,
+                                lambda i, j, s: (j + n_tiles,) + (0,) * (len(s_block) - 1)))
+  operands = [x] + [w] * len(w_specs)
+  in_specs = [x_spec] + w_specs
+  if scale is not None:
+    operands += [scale] * len(s_specs)
+    in_specs += s_specs
+
+  if split_k == 1:
+    out_shape = jax.ShapeDtypeStruct((m, n_out), out_dtype)
+    out_spec = pl.BlockSpec((block_m, block_n), lambda i, j, s: (i, j))
+  else:
+    out_shape = jax.ShapeDtypeStruct((split_k, m, n_out), jnp.float32)
+    out_spec = pl.BlockSpec((None, block_m, block_n), lambda i, j, s: (s, i, j))
+
+  kernel = functools.partial(_skinny_kernel, fmt=fmt, gate_up=gate_up, m=m, block_m=block_m,
+                             block_k=block_k, split_k=split_k, kb_total=k // block_k)
+  return pl.pallas_call(
+      kernel,
+      grid=grid,
+      in_specs=in_specs,
+      out_specs=out_spec,
+      out_shape=out_shape,
+      compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      interpret=interpret,
+      name=name,
+  )(*operands)
+
+
+_STATIC = ("fmt", "block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages",
+           "out_dtype", "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def skinny_matmul(x: jax.Array, w: jax.Array, scale: jax.Array | None = None, *, fmt: str,
+                  block_m: int | None = None, block_n: int = 64, block_k: int = 128,
+                  split_k: int = 1, num_warps: int = 4, num_stages: int = 3,
+                  out_dtype=jnp.float32, interpret: bool | None = None) -> jax.Array:
+  """x [M, K] @ dequant(w [N, K])^T -> [M, N] out_dtype, float32 accumulation.
+
+  x (bfloat16 or float32) is rounded to bfloat16 for the dot, as a bf16-weight GEMM does.
+  block_m None: next power of 2 >= M, clamped to [16, 64]. split_k > 1: K blocks are divided
+  among split_k programs per output tile and the float32 partials summed afterwards.
+  """
+  block_m = _default_block_m(x.shape[0]) if block_m is None else block_m
+  _check_args("skinny_matmul", x, w, scale, fmt, block_m, block_n, block_k, split_k,
+              w.shape[0] if w.ndim == 2 else 0)
+  out = _launch(x.astype(jnp.bfloat16), w, scale, fmt=fmt, gate_up=False, block_m=block_m,
+                block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps,
+                num_stages=num_stages, out_dtype=out_dtype,
+                interpret=resolve_interpret(interpret), name="skinny_matmul")
+  if split_k > 1:
+    out = out.sum(axis=0).astype(out_dtype)
+  return out
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def skinny_matmul_gate_up(x: jax.Array, w_gu: jax.Array, scale: jax.Array | None = None, *,
+                          fmt: str, block_m: int | None = None, block_n: int = 64,
+                          block_k: int = 128, split_k: int = 1, num_warps: int = 4,
+                          num_stages: int = 3, out_dtype=jnp.float32,
+                          interpret: bool | None = None) -> jax.Array:
+  """silu(x W_g^T) * (x W_u^T) -> [M, n_ff] for a fused w_gu [2 n_ff, K] (gate rows first).
+
+  With split_k == 1 each program streams matching gate and up tiles and applies silu * up
+  in its epilogue, so the [M, 2 n_ff] intermediate never reaches memory. With split_k > 1
+  the summed partials are combined in jnp. Knobs and rounding as in `skinny_matmul`.
+  """
+  block_m = _default_block_m(x.shape[0]) if block_m is None else block_m
+  kernel = "skinny_matmul_gate_up"
+  check(w_gu.ndim == 2 and w_gu.shape[0] % 2 == 0, kernel, "w_gu 2-D [2 n_ff, K]", w_gu.shape)
+  n_ff = w_gu.shape[0] // 2
+  _check_args(kernel, x, w_gu, scale, fmt, block_m, block_n, block_k, split_k, n_ff)
+  xb = x.astype(jnp.bfloat16)
+  interpret = resolve_interpret(interpret)
+  if split_k == 1:
+    return _launch(xb, w_gu, scale, fmt=fmt, gate_up=True, block_m=block_m, block_n=block_n,
+                   block_k=block_k, split_k=1, num_warps=num_warps, num_stages=num_stages,
+                   out_dtype=out_dtype, interpret=interpret, name=kernel)
+  partials = _launch(xb, w_gu, scale, fmt=fmt, gate_up=False, block_m=block_m,
+                     block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps,
+                     num_stages=num_stages, out_dtype=jnp.float32, interpret=interpret,
+                     name=kernel)
+  gu = partials.sum(axis=0)
+  return _silu_mul(gu[:, :n_ff], gu[:, n_ff:]).astype(out_dtype)
+
+
+def _dequantize(w: jax.Array, scale: jax.Array | None, fmt: str) -> jax.Array:
+  if fmt == "bf16":
+    return w.astype(jnp.float32)
+  if fmt == "fp8":
+    return w.astype(jnp.float32) * scale[:, None]
+  return w.astype(jnp.float32) * jnp.repeat(scale, Q8_0_BLOCK, axis=1)
+
+
+def skinny_matmul_reference(x: jax.Array, w: jax.Array, scale: jax.Array | None = None, *,
+                            fmt: str, out_dtype=jnp.float32) -> jax.Array:
+  """Twin of `skinny_matmul`: float32 dequantized weights, x rounded to bf16, HIGHEST dot."""
+  xr = x.astype(jnp.bfloat16).astype(jnp.float32)
+  out = jnp.dot(xr, _dequantize(w, scale, fmt).T, precision=lax.Precision.HIGHEST,
+                preferred_element_type=jnp.float32)
+  return out.astype(out_dtype)
+
+
+def skinny_matmul_gate_up_reference(x: jax.Array, w_gu: jax.Array,
+                                    scale: jax.Array | None = None, *, fmt: str,
+                                    out_dtype=jnp.float32) -> jax.Array:
+  """Twin of `skinny_matmul_gate_up`."""
+  gu = skinny_matmul_reference(x, w_gu, scale, fmt=fmt)
+  n_ff = w_gu.shape[0] // 2
+  return _silu_mul(gu[:, :n_ff], gu[:, n_ff:]).astype(out_dtype)
