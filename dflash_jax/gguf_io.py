@@ -158,10 +158,6 @@ def _read_mask_token(reader: gguf.GGUFReader, path: str) -> int:
 def _read_config(reader: gguf.GGUFReader, path: str) -> DFlashConfig:
   fields: dict[str, Any] = {f: _get_int(reader, path, k) for f, k in INT_KEYS.items()}
   fields.update({f: _get_float(reader, path, k) for f, k in FLOAT_KEYS.items()})
-  value_length = _get_int(reader, path, KEY_VALUE_LENGTH, required=False)
-  if value_length is not None and value_length != fields["head_dim"]:
-    raise _fail(path, f"{KEY_VALUE_LENGTH!r} = {value_length} differs from "
-                f"{INT_KEYS['head_dim']!r} = {fields['head_dim']}; DFlash needs them equal")
   layers = _get(reader, path, KEY_TARGET_LAYERS, _INT_TYPES, "a non-empty int32 array",
                 array=True)
   if not layers:
@@ -173,9 +169,14 @@ def _read_config(reader: gguf.GGUFReader, path: str) -> DFlashConfig:
   fields["block_size"] = DEFAULT_BLOCK_SIZE if block_size is None else block_size
   fields["window"] = _get_int(reader, path, KEY_WINDOW, required=False)
   try:
-    return DFlashConfig(**fields)
+    cfg = DFlashConfig(**fields)
   except ValueError as e:
     raise _fail(path, str(e)) from e
+  value_length = _get_int(reader, path, KEY_VALUE_LENGTH, required=False)
+  if value_length is not None and value_length != cfg.head_dim:
+    raise _fail(path, f"{KEY_VALUE_LENGTH!r} = {value_length} differs from "
+                f"{INT_KEYS['head_dim']!r} = {cfg.head_dim}; DFlash needs them equal")
+  return cfg
 
 
 def _numpy_shape(t: Any) -> tuple[int, ...]:
@@ -288,7 +289,8 @@ def _encode(name: str, a: np.ndarray, qtype: Any, where: str) -> tuple[np.ndarra
   if qtype == _QT.Q8_0 and a.shape[-1] % _Q8_0_BLOCK:
     raise _fail(where, f"weight {name} has {a.shape[-1]} columns, not a multiple of the Q8_0 "
                 f"block ({_Q8_0_BLOCK})")
-  data = gguf.quants.quantize(a, qtype)
+  with np.errstate(over="ignore"):  # an F16 overflow is reported below, by tensor name
+    data = gguf.quants.quantize(a, qtype)
   if qtype == _QT.F16 and not np.isfinite(data).all():
     raise _fail(where, f"weight {name} overflows F16 (max |w| = {np.abs(a).max()})")
   return data, qtype
