@@ -34,7 +34,10 @@ INT_KEYS = {
     "n_head_kv": "dflash.attention.head_count_kv",
     "head_dim": "dflash.attention.key_length",
 }
-FLOAT_KEYS = {"rope_theta": "dflash.rope.freq_base", "eps": "dflash.attention.layer_norm_rms_epsilon"}
+FLOAT_KEYS = {
+    "rope_theta": "dflash.rope.freq_base",
+    "eps": "dflash.attention.layer_norm_rms_epsilon",
+}
 TARGET_TENSORS = ("tok_embd", "lm_head")
 DEFAULT_BLOCK_SIZE = 16
 
