@@ -53,7 +53,7 @@ def _kernels(impl: str):
 
 def attention_knobs(window: int) -> dict:
   """Split-K shape for a ring of `window` slots: ~16 splits of 64-slot tiles at the real size."""
-  block_k = min(64, window)
+  block_k = min(64, max(16, window // 4))
   return dict(block_k=block_k, splits=max(1, min(16, window // block_k)))
 
 

@@ -1,0 +1,271 @@
+"""The jitted drafter (functional core + DFlashDrafter) against the float32 reference."""
+import dataclasses
+import glob
+import os
+import subprocess
+import sys
+import textwrap
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dflash_jax as dfj
+from dflash_jax import step as S
+from reference import DFlashRef
+
+CFG = dataclasses.replace(dfj.TINY_CONFIG, window=32)
+VOCAB = 512
+# fp32 path vs the fp32 reference: only summation order differs.
+FP32_TOL = dict(atol=1e-4, rtol=1e-4)
+# bf16 paths vs the reference rounded the same way agree to ~1e-6 until a float32-level
+# difference flips one bf16 rounding of a GEMM input; one flip moves logits by up to ~1e-2.
+BF16_TOL = dict(atol=2e-2, rtol=0.0)
+PRECISIONS = [("fp32", "fp32"), ("bf16", "fp32"), ("fp32", "bf16"), ("bf16", "bf16")]
+
+
+def _weights(cfg=CFG, seed=0):
+  return dfj.synthetic_drafter(cfg, seed=seed, n_vocab=VOCAB)
+
+
+def _tol(dtype, ring_dtype):
+  return FP32_TOL if (dtype, ring_dtype) == ("fp32", "fp32") else BF16_TOL
+
+
+def _assert_drafts_match(logits, ref_logits, tol):
+  """Greedy drafts equal wherever the reference's top-2 gap is clear of the tolerance."""
+  ref = np.asarray(ref_logits)[1:]
+  top2 = np.sort(ref, axis=-1)[:, -2:]
+  clear = (top2[:, 1] - top2[:, 0]) > 4 * (tol["atol"] + tol["rtol"] * np.abs(top2[:, 1]))
+  got = np.asarray(S.greedy_drafts(jnp.asarray(logits)))
+  want = np.argmax(ref, axis=-1)
+  assert clear.sum() >= len(clear) // 2, "too few rows with a clear top-2 gap to test drafts"
+  np.testing.assert_array_equal(got[clear], want[clear])
+
+
+def _prefilled(dtype, ring_dtype, impl, n_rows=45, seed=0):
+  w = _weights(seed=seed)
+  m = dfj.DFlashDrafter(CFG, w, dtype=dtype, ring_dtype=ring_dtype, impl=impl)
+  ref = DFlashRef(CFG, w, dtype=dtype, ring_dtype=ring_dtype)
+  feats = dfj.synthetic_features(CFG, n_rows, seed=seed + 1)
+  pos = np.arange(n_rows)   # 45 rows into 32 slots: the ring wraps
+  m.inject(m.encode(feats), pos)
+  ref.inject(ref.encode(feats), pos)
+  return m, ref
+
+
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+@pytest.mark.parametrize("dtype,ring_dtype", PRECISIONS)
+def test_block_step_matches_reference(dtype, ring_dtype, impl):
+  m, ref = _prefilled(dtype, ring_dtype, impl)
+  np.testing.assert_array_equal(np.asarray(m.ring.pos), ref.ring_pos)
+  chex.assert_trees_all_close(np.asarray(m.ring.k, np.float32), ref.ring_k, **_tol(dtype, ring_dtype))
+  chex.assert_trees_all_close(np.asarray(m.ring.v, np.float32), ref.ring_v, **_tol(dtype, ring_dtype))
+  step = m.capture_step()
+  for id_last, n_past in [(3, 45), (100, 50)]:
+    logits = step(id_last, n_past)
+    want = ref.step(id_last, n_past)
+    chex.assert_shape(logits, (CFG.block_size, VOCAB))
+    chex.assert_trees_all_close(np.asarray(logits), want, **_tol(dtype, ring_dtype))
+    _assert_drafts_match(logits, want, _tol(dtype, ring_dtype))
+
+
+def test_pallas_and_xla_paths_agree():
+  a, _ = _prefilled("bf16", "bf16", "pallas")
+  b, _ = _prefilled("bf16", "bf16", "xla")
+  chex.assert_trees_all_close(np.asarray(a.step(5, 45)), np.asarray(b.step(5, 45)), atol=1e-3, rtol=1e-3)
+
+
+def test_draft_round_equals_inject_then_step():
+  w = _weights()
+  params = dfj.prepare_weights(CFG, w, "fp32")
+  ring = dfj.init_ring(CFG)
+  feats = jnp.asarray(dfj.synthetic_features(CFG, 20, seed=3))
+  ring = S.inject_jit(params, ring, dfj.encode(params, feats), jnp.arange(20, dtype=jnp.int32))
+  new = jnp.asarray(dfj.synthetic_features(CFG, CFG.block_size, seed=4))
+  n_new, n_past, id_last = 3, 23, 11
+  ring_copy = jax.tree.map(jnp.copy, ring)
+  ring_a, drafts, logits = S.draft_round_jit(params, ring, new, n_new, id_last, n_past)
+  ring_b = S.inject_jit(params, ring_copy, dfj.encode(params, new[:n_new]),
+                        jnp.arange(20, 23, dtype=jnp.int32))
+  logits_b = S.block_step_jit(params, ring_b, id_last, n_past)
+  chex.assert_trees_all_equal(jax.tree.map(np.asarray, ring_a), jax.tree.map(np.asarray, ring_b))
+  chex.assert_trees_all_close(np.asarray(logits), np.asarray(logits_b), atol=1e-6, rtol=1e-6)
+  np.testing.assert_array_equal(np.asarray(drafts), np.asarray(S.greedy_drafts(logits_b)))
+
+
+def test_captured_step_replays_bitwise_and_leaves_ring_unchanged():
+  m, _ = _prefilled("bf16", "bf16", "pallas")
+  step = m.capture_step()
+  ring_before = jax.tree.map(np.asarray, m.ring)
+  first = np.asarray(step(7, 45))
+  unrelated = jax.jit(lambda a: jnp.tanh(a @ a.T).sum(0))
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((64, 64), np.float32))
+  for i in range(100):
+    x = x + 0.01 * unrelated(x)[None, :]          # unrelated jitted work
+    _ = np.linalg.norm(np.asarray(x)) + i          # and eager host work in between
+    np.testing.assert_array_equal(np.asarray(step(7, 45)), first)
+  chex.assert_trees_all_equal(jax.tree.map(np.asarray, m.ring), ring_before)
+
+
+@pytest.mark.parametrize("dtype,ring_dtype", [("fp32", "fp32"), ("bf16", "bf16")])
+def test_speculative_loop_matches_reference(dtype, ring_dtype):
+  """Rounds of SPEC.md section 4 with random acceptances; the ring wraps several times."""
+  rng = np.random.default_rng(5)
+  w = _weights(seed=2)
+  m = dfj.DFlashDrafter(CFG, w, dtype=dtype, ring_dtype=ring_dtype)
+  ref = DFlashRef(CFG, w, dtype=dtype, ring_dtype=ring_dtype)
+  bsz, prompt = CFG.block_size, 12
+  feats = dfj.synthetic_features(CFG, prompt - 1, seed=9)
+  m.inject(m.encode(feats), np.arange(prompt - 1))
+  ref.inject(ref.encode(feats), np.arange(prompt - 1))
+  id_last, n_past, n_new = 42, prompt - 1, 0
+  pending = np.zeros((bsz, CFG.n_embd_fc), np.float32)
+  tol = _tol(dtype, ring_dtype)
+  for r in range(14):
+    drafts, logits = m.draft_round(pending, n_new, id_last, n_past)
+    want_logits = ref.step(id_last, n_past)
+    chex.assert_trees_all_close(np.asarray(logits), want_logits, **tol)
+    ref_drafts = ref.drafts(want_logits)
+    n_ok = int(rng.integers(0, bsz))
+    target = ref_drafts.copy()
+    if n_ok < bsz - 1:
+      target[n_ok] = (target[n_ok] + 1) % VOCAB
+    assert int(m.accept(ref_drafts, target)) == ref.accept(ref_drafts, target) == n_ok
+    pending = dfj.synthetic_features(CFG, bsz, seed=100 + r)
+    n_new = n_ok + 1
+    ref.inject(ref.encode(pending[:n_new]), n_past + np.arange(n_new))
+    n_past += n_new
+    id_last = int(target[n_ok]) if n_ok < bsz - 1 else int(rng.integers(VOCAB))
+  assert n_past > 2 * CFG.resolve_window()
+  drafts, logits = m.draft_round(pending, n_new, id_last, n_past)   # injects the last round's rows
+  np.testing.assert_array_equal(np.asarray(m.ring.pos), ref.ring_pos)
+  chex.assert_trees_all_close(np.asarray(logits), ref.step(id_last, n_past), **tol)
+
+
+def test_inject_donates_ring_in_place():
+  params = dfj.prepare_weights(CFG, _weights(), "bf16")
+  ring = dfj.init_ring(CFG, ring_dtype="bf16")
+  h = jnp.ones((CFG.block_size, CFG.n_embd), jnp.float32)
+  pos = jnp.arange(CFG.block_size, dtype=jnp.int32)
+  compiled = S.inject_jit.lower(params, ring, h, pos).compile()
+  ring_bytes = sum(x.nbytes for x in jax.tree.leaves(ring))
+  assert compiled.memory_analysis().alias_size_in_bytes == ring_bytes
+  new_ring = S.inject_jit(params, ring, h, pos)
+  assert ring.k.is_deleted() and ring.v.is_deleted() and ring.pos.is_deleted()
+  with pytest.raises(RuntimeError, match="deleted"):
+    S.block_step_jit(params, ring, 1, 16)        # the donated ring is gone
+  S.block_step_jit(params, new_ring, 1, 16).block_until_ready()
+
+
+def _ring_snapshot(m):
+  return jax.tree.map(np.asarray, m.ring)
+
+
+def test_bad_inputs_raise_before_state_changes():
+  w = _weights()
+  m = dfj.DFlashDrafter(CFG, w)
+  feats = dfj.synthetic_features(CFG, 5)
+  m.inject(m.encode(feats), np.arange(5))
+  before = _ring_snapshot(m)
+  h = m.encode(feats)
+  cases = [
+      (lambda: m.encode(feats[:, :-1]), "features must be"),
+      (lambda: m.encode(feats.astype(np.int32)), "floating point"),
+      (lambda: m.encode(np.where(np.arange(CFG.n_embd_fc) == 3, np.nan, feats)), "NaN"),
+      (lambda: m.inject(h, np.arange(4)), "positions must be 5"),
+      (lambda: m.inject(h, np.arange(5) - 1), "positions must lie"),
+      (lambda: m.inject(h, np.arange(5) + 2**31 - 3), "positions must lie"),
+      (lambda: m.inject(h, np.arange(5.0)), "integers"),
+      (lambda: m.inject(h[:, :-1], np.arange(5)), "h must be"),
+      (lambda: m.step(VOCAB, 5), "outside the vocab"),
+      (lambda: m.step(-1, 5), "outside the vocab"),
+      (lambda: m.step(1, 4), "not past the injected positions"),
+      (lambda: m.step(1, -2), "out of range"),
+      (lambda: m.capture_step()(1, 3), "not past the injected positions"),
+      (lambda: m.accept(np.arange(3), np.arange(4.0)), "integer|shape"),
+      (lambda: m.draft_round(feats, 9, 1, 20), "n_new"),
+  ]
+  for fn, msg in cases:
+    with pytest.raises(ValueError, match=msg):
+      fn()
+  chex.assert_trees_all_equal(_ring_snapshot(m), before)
+  assert m.max_position == 4
+
+
+@pytest.mark.parametrize("missing", ["tok_embd", "lm_head"])
+def test_missing_target_tensors(missing):
+  w = _weights()
+  del w[missing]
+  with pytest.raises(ValueError, match=missing):
+    dfj.DFlashDrafter(CFG, w)
+
+
+def test_bad_dtype_names():
+  with pytest.raises(ValueError, match="dtype"):
+    dfj.DFlashDrafter(CFG, _weights(), dtype="fp16")
+  with pytest.raises(ValueError, match="ring_dtype"):
+    dfj.DFlashDrafter(CFG, _weights(), ring_dtype=jnp.int8)
+
+
+# ----------------------------------------------------------------------------- GPU, real dims
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,ring_dtype", [("fp32", "fp32"), ("bf16", "bf16")])
+def test_gpu_real_dims_match_reference(dtype, ring_dtype):
+  cfg = dfj.SEED_CONFIG
+  w = dfj.synthetic_drafter(cfg, seed=0, n_vocab=8192)
+  m = dfj.DFlashDrafter(cfg, w, dtype=dtype, ring_dtype=ring_dtype)
+  ref = DFlashRef(cfg, w, dtype=dtype, ring_dtype=ring_dtype)
+  feats = dfj.synthetic_features(cfg, 2100, seed=1)      # more than the 2048-slot ring
+  m.inject(m.encode(feats), np.arange(2100))
+  ref.inject(ref.encode(feats), np.arange(2100))
+  logits = np.asarray(m.capture_step()(17, 2100))
+  want = ref.step(17, 2100)
+  tol = _tol(dtype, ring_dtype)
+  chex.assert_trees_all_close(logits, want, **tol)
+  _assert_drafts_match(logits, want, tol)
+
+
+@pytest.mark.gpu
+def test_gpu_draft_round_aliases_ring_without_copy():
+  cfg = dataclasses.replace(dfj.SEED_CONFIG, n_layer=2)
+  params = dfj.prepare_weights(cfg, dfj.synthetic_drafter(cfg, n_vocab=1024), "bf16")
+  ring = dfj.init_ring(cfg, ring_dtype="bf16")
+  feats = jnp.asarray(dfj.synthetic_features(cfg, cfg.block_size))
+  args = (params, ring, feats, 4, 1, 20)
+  compiled = S.draft_round_jit.lower(*args).compile()
+  hlo = compiled.as_text()
+  assert "input_output_alias" in hlo
+  assert " copy(" not in hlo and "copy-start" not in hlo
+  ring_bytes = sum(x.nbytes for x in jax.tree.leaves(ring))
+  assert compiled.memory_analysis().alias_size_in_bytes == ring_bytes
+  ptr = ring.k.unsafe_buffer_pointer()
+  new_ring, _, _ = S.draft_round_jit(*args)
+  assert new_ring.k.unsafe_buffer_pointer() == ptr
+
+
+@pytest.mark.gpu
+def test_gpu_step_runs_as_one_command_buffer(tmp_path):
+  """XLA records the whole draft round, Pallas kernels included, into one command buffer."""
+  script = textwrap.dedent("""
+      import dataclasses, jax, jax.numpy as jnp, dflash_jax as dfj
+      from dflash_jax import step as S
+      cfg = dataclasses.replace(dfj.SEED_CONFIG, n_layer=2)
+      params = dfj.prepare_weights(cfg, dfj.synthetic_drafter(cfg, n_vocab=1024), "bf16")
+      ring = dfj.init_ring(cfg, ring_dtype="bf16")
+      feats = jnp.asarray(dfj.synthetic_features(cfg, cfg.block_size))
+      ring, d, l = S.draft_round_jit(params, ring, feats, 4, 1, 20)
+      jax.block_until_ready(l)
+  """)
+  env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={tmp_path}")
+  subprocess.run([sys.executable, "-c", script], check=True, env=env, cwd=os.getcwd())
+  files = glob.glob(str(tmp_path / "*draft_round*thunk_sequence_after_thunk_passes.txt"))
+  assert files, os.listdir(tmp_path)[:20]
+  text = open(files[0]).read()
+  print(text[:4000])
+  top = [l for l in text.splitlines() if l and not l.startswith(" ")]
+  assert len(top) == 1 and "kCommandBuffer" in top[0], top
+  for kernel in ("inject", "qk_norm_rope", "ring_attn"):
+    assert kernel in text, kernel
