@@ -64,7 +64,8 @@ def quantize_q8_0(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   with np.errstate(divide="ignore"):
     inv_d = np.where(d == 0, np.float32(0), np.float32(1) / d)
   qs = _roundf(blocks * inv_d).astype(np.int8).reshape(n, k)
-  d16 = d[..., 0].astype(np.float16)
+  with np.errstate(over="ignore"):  # overflow is reported just below, naming the limit
+    d16 = d[..., 0].astype(np.float16)
   if not np.all(np.isfinite(d16)):
     raise ValueError("quantize_q8_0: block scale d must fit float16 (max|block| <= 65504*127, "
                      f"got max|w|={float(np.max(np.abs(w)))})")

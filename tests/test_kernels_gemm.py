@@ -1,0 +1,350 @@
+"""pallas_kernels.skinny_gemm and dflash_jax.quant: interpret mode vs the jnp twin, a float64
+numpy oracle on the dequantized weights, gguf's Q8_0, and the launch limits.
+
+Interpret mode fills kernel outputs with NaN before the kernel runs, so an output element the
+kernel fails to write shows up as NaN and fails every comparison below (poisoned outputs).
+"""
+from __future__ import annotations
+
+import gguf
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from dflash_jax.quant import dequantize_fp8, dequantize_q8_0, quantize_fp8, quantize_q8_0
+from pallas_kernels.skinny_gemm import (skinny_matmul, skinny_matmul_gate_up,
+                                        skinny_matmul_gate_up_reference, skinny_matmul_reference)
+
+# float32 accumulation in a different order: the error of a K-term sum is a small multiple of
+# eps_f32 * sum_k |x_k w_k|; 1e-5 leaves room for K up to ~20k (the GPU sizes) without
+# admitting a wrong scale or a dropped K block (each moves the result by >> 1e-5 of it).
+ACC_RTOL = 1e-5
+FP8_NORMAL_MIN = 2.0 ** -6   # smallest normal float8_e4m3fn
+
+
+def bf16_round(a: np.ndarray) -> np.ndarray:
+  return np.asarray(a, np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+
+
+def random_weights(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
+  """Normal weights with per-row and per-32-block magnitudes spread over ~e^+-2, so a scale
+  applied to the wrong row or block changes the product."""
+  w = rng.standard_normal((n, k))
+  w *= np.exp(rng.normal(size=(n, 1)))
+  w *= np.repeat(np.exp(rng.normal(size=(n, k // 32))), 32, axis=1)
+  return w.astype(np.float32)
+
+
+def make_weights(fmt: str, w: np.ndarray):
+  """(device weights, device scale or None, float64 dequantized weights) for one format."""
+  if fmt == "bf16":
+    return jnp.asarray(w, jnp.bfloat16), None, bf16_round(w)
+  if fmt == "fp8":
+    w8, s = quantize_fp8(w)
+    return jnp.asarray(w8), jnp.asarray(s), dequantize_fp8(w8, s).astype(np.float64)
+  qs, d = quantize_q8_0(w)
+  return jnp.asarray(qs), jnp.asarray(d), dequantize_q8_0(qs, d).astype(np.float64)
+
+
+def oracle(x: np.ndarray, wd: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """float64 x_bf16 @ wd^T and the accumulation-order bound ACC_RTOL * |x| @ |wd|^T."""
+  xr = bf16_round(x)
+  return xr @ wd.T, ACC_RTOL * (np.abs(xr) @ np.abs(wd).T)
+
+
+def assert_within(out, want: np.ndarray, bound: np.ndarray, what: str) -> None:
+  out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
+  assert out.shape == want.shape, (what, out.shape, want.shape)
+  err = np.abs(out - want)
+  bad = ~(err <= bound)  # NaN counts as bad
+  assert not bad.any(), (f"{what}: {bad.sum()} of {bad.size} outside the bound, max err "
+                         f"{np.nanmax(err)}, worst err/bound {np.nanmax(err / bound)}")
+
+
+def silu(g: np.ndarray) -> np.ndarray:
+  return g * 0.5 * (1.0 + np.tanh(0.5 * g))  # g * sigmoid(g) without exp overflow
+
+
+def silu_mul_bound(g, u, bg, bu, out):
+  """First-order propagation of gate/up errors through silu(g) * u (|silu'| <= 1.1)."""
+  return 1.1 * np.abs(u) * bg + np.abs(silu(g)) * bu + 1e-6 * np.abs(out)
+
+
+M_SIZES = (16, 48)
+K, N = 256, 128
+
+
+# ---------------------------------------------------------------------------------------------
+# Host quantizers
+
+
+def test_q8_0_matches_gguf_bit_for_bit():
+  rng = np.random.default_rng(0)
+  w = random_weights(rng, 16, 256)
+  w[3, :32] = 0.0                    # an all-zero block: d = 0, qs = 0
+  # amax 127 makes d = 1, so x * (1 / d) lands on exact halves: roundf rounds them away from
+  # zero where np.round would round to even (2.5 -> 3, -0.5 -> -1).
+  w[5, 32:64] = np.array([127.0, 2.5, -0.5, 0.5, -3.5] + [1.25] * 27, np.float32)
+  qs, d = quantize_q8_0(w)
+  assert qs.dtype == np.int8 and d.dtype == np.float32 and d.shape == (16, 8)
+
+  packed = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0).reshape(16, 8, 34)
+  d_gguf = packed[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+  qs_gguf = packed[..., 2:].copy().view(np.int8).reshape(16, 256)
+  np.testing.assert_array_equal(d, d_gguf)
+  np.testing.assert_array_equal(qs, qs_gguf)
+  deq_gguf = gguf.quants.dequantize(gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0),
+                                    gguf.GGMLQuantizationType.Q8_0)
+  np.testing.assert_array_equal(dequantize_q8_0(qs, d), deq_gguf)
+  assert qs[5, 33] == 3 and qs[5, 34] == -1 and qs[5, 35] == 1 and qs[5, 36] == -4
+  assert not dequantize_q8_0(qs, d)[3, :32].any()
+
+
+def test_q8_0_error_bound():
+  rng = np.random.default_rng(1)
+  w = random_weights(rng, 32, 512)
+  qs, d = quantize_q8_0(w)
+  blocks = w.reshape(32, 16, 32).astype(np.float64)
+  d32 = np.abs(blocks).max(axis=2, keepdims=True) / 127
+  # qs is the nearest integer to x / d computed with the float32 d ...
+  assert np.all(np.abs(blocks - qs.reshape(32, 16, 32) * d32) <= d32 / 2 * (1 + 1e-6))
+  # ... and storing d as float16 (relative rounding <= 2^-11) adds at most 127 * |d16 - d32|.
+  err = np.abs(blocks - dequantize_q8_0(qs, d).reshape(32, 16, 32))
+  assert np.all(err <= d32 * (0.5 + 127 * 2.0 ** -11) * (1 + 1e-6))
+  assert np.all(np.abs(d[..., None] - d32) <= d32 * 2.0 ** -11)
+  assert np.abs(qs).max() == 127
+
+
+def test_fp8_round_trip_error_bound():
+  rng = np.random.default_rng(2)
+  w = random_weights(rng, 32, 256)
+  w[7] = 0.0                         # all-zero row: guarded scale, zeros back
+  w8, scale = quantize_fp8(w)
+  assert w8.dtype == ml_dtypes.float8_e4m3fn and scale.dtype == np.float32
+  amax = np.abs(w).max(axis=1)
+  np.testing.assert_array_equal(np.delete(scale, 7), np.delete(amax / np.float32(448), 7))
+  assert scale[7] == 1.0
+  w8f = w8.astype(np.float32)
+  assert np.all(np.isfinite(w8f)) and np.abs(w8f).max() == 448.0
+  deq = dequantize_fp8(w8, scale).astype(np.float64)
+  np.testing.assert_array_equal(deq, w8f * scale[:, None])
+  assert not deq[7].any()
+  scaled = np.abs(w) / scale[:, None]
+  err = np.abs(deq - w)
+  normal = scaled >= FP8_NORMAL_MIN
+  # 3 mantissa bits: round to nearest is within 2^-4 relative on normal values, within half
+  # the subnormal spacing 2^-9 below that (the f32 rescale adds ~1e-7 relative).
+  assert np.all(err[normal] <= 2.0 ** -4 * np.abs(w[normal]) * (1 + 1e-6))
+  sub_bound = 2.0 ** -10 * np.broadcast_to(scale[:, None], w.shape) * (1 + 1e-6)
+  assert np.all(err[~normal] <= sub_bound[~normal])
+
+
+def test_quantizer_limits():
+  with pytest.raises(ValueError, match=r"K % 32 == 0 required \(got K=48\)"):
+    quantize_q8_0(np.ones((4, 48), np.float32))
+  with pytest.raises(ValueError, match="must be 2-D"):
+    quantize_fp8(np.ones(64, np.float32))
+  with pytest.raises(ValueError, match="must be finite"):
+    quantize_fp8(np.full((2, 32), np.inf, np.float32))
+  with pytest.raises(ValueError, match="fit float16"):
+    quantize_q8_0(np.full((2, 32), 1e8, np.float32))
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel vs twin and float64 oracle
+
+
+@pytest.mark.parametrize("m", M_SIZES)
+@pytest.mark.parametrize("split_k", (1, 2, 3))
+@pytest.mark.parametrize("fmt", ("bf16", "fp8", "q8_0"))
+def test_skinny_matmul_matches_twin_and_oracle(fmt, split_k, m):
+  # block_k 64: 4 K blocks, so split_k 3 gives splits of 2, 2 and 0 blocks (dynamic count);
+  # m 48 runs one 64-row tile with masked rows.
+  rng = np.random.default_rng(100 + 10 * split_k + m)
+  x = rng.standard_normal((m, K)).astype(np.float32)
+  w, s, wd = make_weights(fmt, random_weights(rng, N, K))
+  out = skinny_matmul(jnp.asarray(x), w, s, fmt=fmt, block_k=64, split_k=split_k,
+                      interpret=True)
+  assert out.dtype == jnp.float32
+  want, bound = oracle(x, wd)
+  assert_within(out, want, bound, f"{fmt} vs float64 oracle")
+  ref = skinny_matmul_reference(jnp.asarray(x), w, s, fmt=fmt)
+  assert_within(ref, want, bound, f"{fmt} twin vs float64 oracle")
+  assert_within(out, np.asarray(ref, np.float64), 2 * bound, f"{fmt} vs twin")
+
+
+@pytest.mark.parametrize("fmt", ("bf16", "q8_0"))
+def test_m_tiling_with_partial_last_tile(fmt):
+  # M = 40 over 16-row tiles: three M programs per weight tile, the last one masked.
+  rng = np.random.default_rng(7)
+  x = rng.standard_normal((40, K)).astype(np.float32)
+  w, s, wd = make_weights(fmt, random_weights(rng, N, K))
+  out = skinny_matmul(jnp.asarray(x), w, s, fmt=fmt, block_m=16, block_n=32, block_k=128,
+                      split_k=2, interpret=True)
+  assert_within(out, *oracle(x, wd), f"{fmt} M-tiled")
+
+
+def test_x_is_rounded_to_bf16_and_out_dtype():
+  rng = np.random.default_rng(8)
+  x = jnp.asarray(rng.standard_normal((16, K)), jnp.float32)
+  w, s, _ = make_weights("fp8", random_weights(rng, N, K))
+  out32 = skinny_matmul(x, w, s, fmt="fp8", interpret=True)
+  outb = skinny_matmul(x.astype(jnp.bfloat16), w, s, fmt="fp8", interpret=True)
+  np.testing.assert_array_equal(np.asarray(out32), np.asarray(outb))
+  for split_k in (1, 2):
+    o16 = skinny_matmul(x, w, s, fmt="fp8", split_k=split_k, out_dtype=jnp.bfloat16,
+                        interpret=True)
+    assert o16.dtype == jnp.bfloat16
+    ref = skinny_matmul_reference(x, w, s, fmt="fp8").astype(jnp.bfloat16)
+    # One bf16 rounding of values that differ by ~1e-6 relative: at most one bf16 ulp apart.
+    np.testing.assert_allclose(np.asarray(o16, np.float32), np.asarray(ref, np.float32),
+                               rtol=2.0 ** -7, atol=0)
+
+
+@pytest.mark.parametrize("m", M_SIZES)
+@pytest.mark.parametrize("split_k", (1, 2))
+@pytest.mark.parametrize("fmt", ("bf16", "fp8", "q8_0"))
+def test_gate_up_fused_vs_separate(fmt, split_k, m):
+  n_ff = 64
+  rng = np.random.default_rng(200 + 10 * split_k + m)
+  x = jnp.asarray(rng.standard_normal((m, K)), jnp.float32)
+  w, s, wd = make_weights(fmt, random_weights(rng, 2 * n_ff, K))
+  kw = dict(fmt=fmt, block_n=32, block_k=64, split_k=split_k, interpret=True)
+  fused = skinny_matmul_gate_up(x, w, s, **kw)
+  assert fused.shape == (m, n_ff) and fused.dtype == jnp.float32
+
+  split = lambda a: (a[:n_ff], a[n_ff:])
+  (wg, wu), (sg, su) = split(w), split(s) if s is not None else (None, None)
+  g = np.asarray(skinny_matmul(x, wg, sg, **kw), np.float64)
+  u = np.asarray(skinny_matmul(x, wu, su, **kw), np.float64)
+  sep = silu(g) * u
+  # Same tiles, same K order: the accumulators are identical, only silu may differ by ulps.
+  np.testing.assert_allclose(np.asarray(fused, np.float64), sep, rtol=1e-6, atol=1e-6)
+
+  want_gu, bound_gu = oracle(np.asarray(x), wd)
+  gw, uw = want_gu[:, :n_ff], want_gu[:, n_ff:]
+  want = silu(gw) * uw
+  bound = silu_mul_bound(gw, uw, bound_gu[:, :n_ff], bound_gu[:, n_ff:], want)
+  assert_within(fused, want, bound, f"{fmt} gate_up vs float64 oracle")
+  ref = skinny_matmul_gate_up_reference(x, w, s, fmt=fmt)
+  assert_within(fused, np.asarray(ref, np.float64), 2 * bound, f"{fmt} gate_up vs twin")
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch limits
+
+
+def _args(fmt="bf16", m=16, n=N, k=K, w_dtype=None, scale="auto"):
+  x = jnp.ones((m, k), jnp.float32)
+  w_dtype = w_dtype or {"bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn, "q8_0": jnp.int8}[fmt]
+  w = jnp.ones((n, k), w_dtype)
+  if scale == "auto":
+    scale = {"bf16": None, "fp8": jnp.ones((n,), jnp.float32),
+             "q8_0": jnp.ones((n, max(k // 32, 1)), jnp.float32)}[fmt]
+  return x, w, scale
+
+
+@pytest.mark.parametrize("args, kw, msg", [
+    (_args(), dict(fmt="int4"), r"fmt in \("),
+    (_args(w_dtype=jnp.float32), dict(fmt="bf16"), r"w dtype bfloat16 for fmt='bf16'"),
+    (_args("fp8", w_dtype=jnp.int8), dict(fmt="fp8"), r"w dtype float8_e4m3fn"),
+    (_args(scale=jnp.ones((N,), jnp.float32)), dict(fmt="bf16"), "scale must be None"),
+    (_args("fp8", scale=None), dict(fmt="fp8"), r"scale \(128,\) float32 required"),
+    (_args("q8_0", scale=jnp.ones((N,), jnp.float32)), dict(fmt="q8_0"),
+     r"scale shape \(128, 8\) for fmt='q8_0' \(got \(128,\)\)"),
+    (_args("fp8", scale=jnp.ones((N,), jnp.bfloat16)), dict(fmt="fp8"), "scale dtype float32"),
+    (_args(), dict(fmt="bf16", block_n=48), r"block_n a power of 2 >= 16 \(got 48\)"),
+    (_args(), dict(fmt="bf16", block_k=8), r"block_k a power of 2 >= 16 \(got 8\)"),
+    (_args(), dict(fmt="bf16", block_m=8), r"block_m a power of 2 >= 16 \(got 8\)"),
+    (_args(n=96), dict(fmt="bf16"), r"N % block_n == 0 \(block_n=64\) \(got 96\)"),
+    (_args(k=96), dict(fmt="bf16", block_k=64), r"K % block_k == 0 \(block_k=64\) \(got 96\)"),
+    (_args("q8_0", k=48), dict(fmt="q8_0", block_k=16), r"K % 32 == 0 for q8_0 \(got 48\)"),
+    (_args("q8_0"), dict(fmt="q8_0", block_k=16), r"block_k >= 32 for q8_0 \(got 16\)"),
+    (_args(), dict(fmt="bf16", split_k=3), r"1 <= split_k <= K // block_k = 2 \(got 3\)"),
+    (_args(), dict(fmt="bf16", split_k=0), r"1 <= split_k <= K // block_k = 2 \(got 0\)"),
+])
+def test_skinny_matmul_limits(args, kw, msg):
+  with pytest.raises(ValueError, match=r"skinny_matmul: " + msg):
+    skinny_matmul(*args, interpret=True, **kw)
+
+
+def test_shape_and_dtype_limits():
+  x, w, _ = _args()
+  with pytest.raises(ValueError, match=r"w.shape\[1\] == x.shape\[1\]"):
+    skinny_matmul(x[:, :128], w, fmt="bf16", interpret=True)
+  with pytest.raises(ValueError, match="x dtype bfloat16 or float32"):
+    skinny_matmul(x.astype(jnp.float16), w, fmt="bf16", interpret=True)
+  with pytest.raises(ValueError, match="x must be 2-D"):
+    skinny_matmul(x[None], w, fmt="bf16", interpret=True)
+
+
+def test_gate_up_limits():
+  x, w, _ = _args(n=130)
+  with pytest.raises(ValueError, match=r"skinny_matmul_gate_up: w_gu 2-D \[2 n_ff, K\]"):
+    skinny_matmul_gate_up(x, w[:129], fmt="bf16", interpret=True)
+  # n_ff = 65 is not a multiple of block_n even though 2 n_ff would be tiled by 2.
+  with pytest.raises(ValueError, match=r"N % block_n == 0 \(block_n=64\) \(got 65\)"):
+    skinny_matmul_gate_up(x, w, fmt="bf16", interpret=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: real drafter sizes (Qwen3-8B-class: n_embd 6656 in; qkv 6144, gate+up 2 x 19968, down)
+
+
+def _device_weights(fmt: str, n: int, k: int, key):
+  """Random weights already in the stored format, made on the device (no host quantizing)."""
+  kw, ks = jax.random.split(key)
+  if fmt == "bf16":
+    return (jax.random.normal(kw, (n, k), jnp.float32) * 0.02).astype(jnp.bfloat16), None
+  if fmt == "fp8":
+    w8 = (jax.random.normal(kw, (n, k), jnp.float32) * 100.0).astype(jnp.float8_e4m3fn)
+    return w8, jax.random.uniform(ks, (n,), jnp.float32, 1e-4, 1e-3)
+  qs = jax.random.randint(kw, (n, k), -127, 128, jnp.int32).astype(jnp.int8)
+  return qs, jax.random.uniform(ks, (n, k // 32), jnp.float32, 1e-4, 1e-3)
+
+
+def _device_bound(x, w, s, fmt):
+  # Scales are positive, so the twin on |x|, |w| gives sum_k |x_k| |dequant(w)_k|.
+  return ACC_RTOL * skinny_matmul_reference(jnp.abs(x), jnp.abs(w), s, fmt=fmt)
+
+
+def _assert_device_within(out, want, bound, what):
+  err = jnp.abs(out.astype(jnp.float32) - want)
+  bad = int(jnp.sum(~(err <= bound)))
+  assert bad == 0, f"{what}: {bad} outside the bound, max err/bound {float(jnp.max(err / bound))}"
+
+
+GPU_CASES = [  # (n, k, split_k): fused qkv, gate+up as one matrix, down projection
+    (6144, 6656, 1), (39936, 6656, 1), (6656, 19968, 1), (6656, 19968, 4)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, k, split_k", GPU_CASES)
+@pytest.mark.parametrize("fmt", ("bf16", "fp8", "q8_0"))
+def test_gpu_skinny_matmul_real_sizes(fmt, n, k, split_k):
+  kx, kw = jax.random.split(jax.random.key(n + k + split_k))
+  x = jax.random.normal(kx, (16, k), jnp.float32)
+  w, s = _device_weights(fmt, n, k, kw)
+  out = skinny_matmul(x, w, s, fmt=fmt, split_k=split_k)
+  assert out.shape == (16, n) and out.dtype == jnp.float32
+  _assert_device_within(out, skinny_matmul_reference(x, w, s, fmt=fmt),
+                        _device_bound(x, w, s, fmt), f"{fmt} {n}x{k} split_k={split_k}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split_k", (1, 2))
+@pytest.mark.parametrize("fmt", ("bf16", "fp8", "q8_0"))
+def test_gpu_gate_up_real_sizes(fmt, split_k):
+  n_ff, k = 19968, 6656
+  kx, kw = jax.random.split(jax.random.key(split_k))
+  x = jax.random.normal(kx, (16, k), jnp.float32)
+  w, s = _device_weights(fmt, 2 * n_ff, k, kw)
+  out = skinny_matmul_gate_up(x, w, s, fmt=fmt, split_k=split_k)
+  gu = skinny_matmul_reference(x, w, s, fmt=fmt)
+  b = _device_bound(x, w, s, fmt)
+  g, u = gu[:, :n_ff], gu[:, n_ff:]
+  want = g * jax.nn.sigmoid(g) * u
+  bound = 1.1 * jnp.abs(u) * b[:, :n_ff] + jnp.abs(g) * b[:, n_ff:] + 1e-6 * jnp.abs(want)
+  _assert_device_within(out, want, bound, f"{fmt} gate_up split_k={split_k}")
