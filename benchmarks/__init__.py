@@ -1,0 +1,1 @@
+"""Benchmarks: python -m benchmarks.run --gpu (see run.py)."""

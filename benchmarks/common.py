@@ -1,0 +1,121 @@
+"""Measurement helpers: CUPTI device time, wall time, copy bandwidth, random device weights."""
+from __future__ import annotations
+
+import re
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax.config import DFlashConfig, rope_inv_freq
+from dflash_jax.params import DrafterParams, LayerParams, resolve_dtype
+from dflash_jax.step import RingState
+
+ON_GPU = jax.default_backend() == "gpu"
+
+
+def cupti_kernels(f, *args, iterations: int = 50):
+  """Per-iteration [(kernel, ms)] lists from CUPTI (f must not donate: it is called repeatedly).
+
+  On CPU there is no CUPTI: falls back to one wall-clock 'kernel' per call, so smoke runs
+  exercise the same code paths (their numbers are not results).
+  """
+  if ON_GPU:
+    from jax.experimental.mosaic.gpu import profiler
+    _, per = profiler.measure(f, aggregate=False, iterations=iterations)(*args)
+    return per if iterations > 1 else [per]
+  jax.block_until_ready(f(*args))
+  out = []
+  for _ in range(iterations):
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    out.append([("cpu_wall", (time.perf_counter() - t0) * 1e3)])
+  return out
+
+
+def device_ms(per_iter) -> float:
+  """Median over iterations of the summed kernel time (ms)."""
+  return float(statistics.median(sum(t for _, t in it) for it in per_iter))
+
+
+def kernel_medians(per_iter) -> list[tuple[str, float]]:
+  """(kernel, median ms) in launch order."""
+  return [(per_iter[0][i][0], float(statistics.median(it[i][1] for it in per_iter)))
+          for i in range(len(per_iter[0]))]
+
+
+def wall_ms(f, *args, iterations: int = 200, trials: int = 3) -> float:
+  """Wall time per call, dispatch included: calls back to back, one sync at the end."""
+  jax.block_until_ready(f(*args))
+  best = []
+  for _ in range(trials):
+    t0 = time.perf_counter()
+    for _ in range(iterations):
+      r = f(*args)
+    jax.block_until_ready(r)
+    best.append((time.perf_counter() - t0) / iterations * 1e3)
+  return float(statistics.median(best))
+
+
+def copy_bandwidth(nbytes: int = 1 << 30) -> float:
+  """Device copy bandwidth in bytes/s (bytes read + written per second), CUPTI timed."""
+  n = nbytes // 4
+  x = jnp.arange(n, dtype=jnp.float32)
+  f = jax.jit(lambda a: a * 1.0001)   # one read, one write; XLA cannot elide it
+  per = cupti_kernels(f, x, iterations=20)
+  return 2 * n * 4 / (device_ms(per) * 1e-3)
+
+
+def random_params(cfg: DFlashConfig, n_vocab: int, dtype, seed: int = 0) -> DrafterParams:
+  """Random DrafterParams made on the device, in prepare_weights' layout.
+
+  At the real sizes host generation of 2.5B float32s dominates a benchmark run; timing does
+  not depend on the values, only that they stay finite and O(1).
+  """
+  mdt = resolve_dtype(dtype)
+  keys = iter(jax.random.split(jax.random.key(seed), 16 + 8 * cfg.n_layer))
+  e, d, hq, hkv = cfg.n_embd, cfg.head_dim, cfg.n_head, cfg.n_head_kv
+
+  def mat(n_out, n_in):
+    return (jax.random.normal(next(keys), (n_out, n_in), jnp.float32) / np.sqrt(n_in)).astype(mdt)
+
+  def norm(n):
+    return 1.0 + 0.1 * jax.random.normal(next(keys), (n,), jnp.float32)
+
+  layers = tuple(LayerParams(
+      attn_norm=norm(e), wqkv=mat((hq + 2 * hkv) * d, e), q_norm=norm(d), k_norm=norm(d),
+      wo=mat(e, hq * d), ffn_norm=norm(e), wgu=mat(2 * cfg.n_ff, e), wd=mat(e, cfg.n_ff))
+      for _ in range(cfg.n_layer))
+  return DrafterParams(
+      fc=mat(e, cfg.n_embd_fc), enc_norm=norm(e), out_norm=norm(e),
+      w_inject=mat(cfg.n_layer * 2 * hkv * d, e),
+      k_norm_all=jnp.stack([norm(d) for _ in range(cfg.n_layer)]),
+      inv_freq=jnp.asarray(rope_inv_freq(d, cfg.rope_theta)),
+      tok_embd=mat(n_vocab, e) * jnp.asarray(np.sqrt(e), mdt), lm_head=mat(n_vocab, e),
+      layers=layers, cfg=cfg)
+
+
+def full_ring(cfg: DFlashConfig, window: int, ring_dtype, seed: int = 1) -> RingState:
+  """A ring with every slot filled (positions 0..W-1), as after a long prefill."""
+  dt = resolve_dtype(ring_dtype)
+  kk, kv = jax.random.split(jax.random.key(seed))
+  shape = (cfg.n_layer, cfg.n_head_kv, window, cfg.head_dim)
+  return RingState(k=jax.random.normal(kk, shape, jnp.float32).astype(dt),
+                   v=jax.random.normal(kv, shape, jnp.float32).astype(dt),
+                   pos=jnp.arange(window, dtype=jnp.int32))
+
+
+GEMM_RE = re.compile(r"gemm|gemv|xmma|nvjet|cutlass|cublas|matmul|sm90|sm80|triton_dot|dot_", re.I)
+
+
+def classify(name: str, pallas_names: dict[str, str]) -> str:
+  for key, label in pallas_names.items():
+    if key in name:
+      return label
+  return "gemm" if GEMM_RE.search(name) else "other"
+
+
+def tree_bytes(tree) -> int:
+  return int(sum(x.nbytes for x in jax.tree.leaves(tree)))

@@ -1,0 +1,331 @@
+"""Benchmarks of the drafter step on the GPU, with peers, in one command.
+
+  python -m benchmarks.run --gpu [--only step,kernels] [--out results/NAME]
+  python -m benchmarks.run --smoke          # CPU, tiny dims, seconds: keeps the scripts alive
+
+Device times are CUPTI kernel sums (median of many iterations after warm-up); wall times
+include dispatch. Every byte floor uses the copy bandwidth measured in the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import json
+import os
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import dflash_jax as dfj
+from benchmarks import common as C
+from dflash_jax import step as S
+
+PALLAS = {"inject": "inject", "qk_norm_rope": "norm_rope", "ring_attn": "attention",
+          "accept": "accept", "skinny": "skinny_gemm"}
+GEMM_GROUPS = ("qkv", "o", "gate_up", "down")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  name: str
+  cfg: dfj.DFlashConfig
+  n_vocab: int
+  dtype: str
+  ring_dtype: str
+  window: int = 2048
+
+
+def gpu_cases() -> list[Case]:
+  seed, qwen = dfj.SEED_CONFIG, dfj.QWEN3_8B_CONFIG
+  cases = [Case(f"seed V8192 w{d} r{r}", seed, 8192, d, r)
+           for d, r in (("bf16", "bf16"), ("bf16", "fp32"), ("fp32", "bf16"), ("fp32", "fp32"))]
+  cases.append(Case("seed V202048 wbf16 rbf16", seed, 202048, "bf16", "bf16"))
+  cases.append(Case("qwen3-8b V151936 wbf16 rbf16", qwen, 151936, "bf16", "bf16"))
+  return cases
+
+
+def smoke_cases() -> list[Case]:
+  cfg = dataclasses.replace(dfj.TINY_CONFIG, window=64)
+  return [Case("tiny wbf16 rbf16", cfg, 512, "bf16", "bf16", 64),
+          Case("tiny wfp32 rfp32", cfg, 512, "fp32", "fp32", 64)]
+
+
+def step_bytes(params: dfj.DrafterParams, ring: S.RingState) -> int:
+  """Bytes one block step must move: every layer weight, the LM head, the ring, the logits."""
+  cfg = params.cfg
+  embd_rows = cfg.block_size * cfg.n_embd * params.tok_embd.dtype.itemsize
+  logits = cfg.block_size * params.n_vocab * 4
+  return (C.tree_bytes(params.layers) + C.tree_bytes((params.lm_head, params.out_norm))
+          + C.tree_bytes(ring) + embd_rows + logits)
+
+
+def decompose(kernels: list[tuple[str, float]], n_layer: int) -> dict[str, float]:
+  """Kernel list of one step -> ms per phase. GEMMs are named by launch order when the count
+  is the expected 4 per layer + the LM head; otherwise they stay one 'gemm' phase."""
+  labels = [C.classify(n, PALLAS) for n, _ in kernels]
+  gemm_idx = [i for i, l in enumerate(labels) if l == "gemm"]
+  if len(gemm_idx) == 4 * n_layer + 1:
+    for j, i in enumerate(gemm_idx):
+      labels[i] = "gemm lm_head" if j == 4 * n_layer else f"gemm {GEMM_GROUPS[j % 4]}"
+  out: dict[str, float] = {}
+  for label, (_, ms) in zip(labels, kernels):
+    out[label] = out.get(label, 0.0) + ms
+  return out
+
+
+def _is_copy(name: str) -> bool:
+  return "copy" in name.lower() or "memcpy" in name.lower()
+
+
+def bench_case(case: Case, bw: float, iters: int, torch_peer: bool) -> dict:
+  cfg = case.cfg
+  params = C.random_params(cfg, case.n_vocab, case.dtype)
+  ring = C.full_ring(cfg, case.window, case.ring_dtype)
+  id_last, n_past = jnp.int32(1), jnp.int32(case.window)
+  scalar = jax.ShapeDtypeStruct((), jnp.int32)
+  res: dict = dict(case=case.name, n_vocab=case.n_vocab, dtype=case.dtype,
+                   ring_dtype=case.ring_dtype, window=case.window, cfg=dataclasses.asdict(cfg))
+
+  t0 = time.perf_counter()
+  step = S.block_step_jit.lower(params, ring, scalar, scalar, impl="pallas").compile()
+  res["compile_s"] = time.perf_counter() - t0
+  per = C.cupti_kernels(step, params, ring, id_last, n_past, iterations=iters)
+  kernels = C.kernel_medians(per)
+  res["step_device_ms"] = C.device_ms(per)
+  res["step_wall_ms"] = C.wall_ms(step, params, ring, id_last, n_past)
+  res["kernels"] = kernels
+  res["phases_ms"] = decompose(kernels, cfg.n_layer)
+  res["bytes"] = step_bytes(params, ring)
+  res["floor_ms"] = res["bytes"] / bw * 1e3
+  res["floor_fraction"] = res["floor_ms"] / res["step_device_ms"]
+  fused = sum(v for k, v in res["phases_ms"].items() if k in PALLAS.values())
+  res["fused_fraction"] = fused / res["step_device_ms"]
+
+  # draft_round and prefill are measured through non-donating jits (CUPTI calls them
+  # repeatedly); XLA then copies the aliased ring first, and those copies are excluded.
+  feats = jax.random.normal(jax.random.key(3), (cfg.block_size, cfg.n_embd_fc), jnp.float32)
+  dr = jax.jit(functools.partial(S.draft_round, impl="pallas"))
+  per = C.cupti_kernels(dr, params, ring, feats, jnp.int32(cfg.block_size), id_last,
+                        n_past, iterations=max(3, iters // 2))
+  res["draft_round_device_ms"] = C.device_ms([[k for k in it if not _is_copy(k[0])] for it in per])
+  pre_feats = jax.random.normal(jax.random.key(4), (2048, cfg.n_embd_fc), jnp.float32)
+  prefill = jax.jit(lambda p, r, f: S.inject(p, r, S.encode(p, f), jnp.arange(2048, dtype=jnp.int32)))
+  per = C.cupti_kernels(prefill, params, ring, pre_feats, iterations=max(3, iters // 5))
+  res["prefill2048_device_ms"] = C.device_ms([[k for k in it if not _is_copy(k[0])] for it in per])
+
+  t0 = time.perf_counter()
+  xla = S.block_step_jit.lower(params, ring, scalar, scalar, impl="xla").compile()
+  res["xla_compile_s"] = time.perf_counter() - t0
+  per = C.cupti_kernels(xla, params, ring, id_last, n_past, iterations=iters)
+  res["xla_step_device_ms"] = C.device_ms(per)
+  res["xla_step_wall_ms"] = C.wall_ms(xla, params, ring, id_last, n_past)
+  res["xla_phases_ms"] = decompose(C.kernel_medians(per), cfg.n_layer)
+  a = np.asarray(step(params, ring, id_last, n_past))
+  b = np.asarray(xla(params, ring, id_last, n_past))
+  res["pallas_vs_xla_max_abs_logit_diff"] = float(np.abs(a - b).max())
+  if torch_peer:
+    res.update(bench_torch(case, params, ring, a))
+  return res
+
+
+def bench_torch(case: Case, params, ring, our_logits) -> dict:
+  import torch
+  from benchmarks import torch_peer as TP
+  cfg = case.cfg
+  fields = {f: getattr(cfg, f) for f in ("n_layer", "n_embd", "n_ff", "n_head", "n_head_kv",
+                                         "head_dim", "rope_theta", "eps", "block_size",
+                                         "mask_token_id")}
+  tdt = torch.bfloat16 if case.dtype == "bf16" else torch.float32
+  # Same weights and ring as ours, handed over through DLPack-free host copies of the arrays.
+  weights = host_weights(params)
+  peer = TP.TorchDrafterStep(fields, weights, np.asarray(ring.k.astype(jnp.float32)),
+                             np.asarray(ring.v.astype(jnp.float32)), np.asarray(ring.pos),
+                             dtype=tdt, device="cuda")
+  n_past = case.window
+  eager = peer.step(1, n_past)
+  graphed = peer.capture()
+  out = dict(torch_logits_max_abs_diff=float(np.abs(eager.float().cpu().numpy() - our_logits).max()))
+  out["torch_eager"] = TP.time_step(lambda: peer.step(1, n_past))
+  out["torch_graph"] = TP.time_step(lambda: graphed(1, n_past))
+  del peer, graphed
+  torch.cuda.empty_cache()
+  return out
+
+
+def host_weights(params: dfj.DrafterParams) -> dict[str, np.ndarray]:
+  """DrafterParams -> host float32 weights in the GGUF naming (for the PyTorch peer)."""
+  cfg = params.cfg
+  f32 = lambda x: np.asarray(x.astype(jnp.float32))
+  hq, hkv = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
+  w = {"tok_embd": f32(params.tok_embd), "lm_head": f32(params.lm_head),
+       "output_norm": f32(params.out_norm)}
+  for i, lp in enumerate(params.layers):
+    p = f"blk.{i}."
+    qkv = f32(lp.wqkv)
+    gu = f32(lp.wgu)
+    w.update({p + "attn_norm": f32(lp.attn_norm), p + "attn_q": qkv[:hq],
+              p + "attn_k": qkv[hq:hq + hkv], p + "attn_v": qkv[hq + hkv:],
+              p + "attn_output": f32(lp.wo), p + "attn_q_norm": f32(lp.q_norm),
+              p + "attn_k_norm": f32(lp.k_norm), p + "ffn_norm": f32(lp.ffn_norm),
+              p + "ffn_gate": gu[:cfg.n_ff], p + "ffn_up": gu[cfg.n_ff:], p + "ffn_down": f32(lp.wd)})
+  return w
+
+
+def bench_kernels(bw: float, iters: int, smoke: bool) -> dict:
+  """Each fused kernel alone at the real dims (issue targets: attention <= 8 us/layer incl.
+  combine, inject of 16 rows x 5 layers <= 5 us, accept <= 3 us)."""
+  from pallas_kernels import accept as A
+  from pallas_kernels import inject as I
+  from pallas_kernels import norm_rope as N
+  from pallas_kernels import ring_attention as R
+  cfg = dataclasses.replace(dfj.TINY_CONFIG, window=64) if smoke else dfj.SEED_CONFIG
+  w = cfg.resolve_window()
+  L, hq, hkv, d, b = cfg.n_layer, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.block_size
+  g = hq // hkv
+  key = iter(jax.random.split(jax.random.key(0), 16))
+  rnd = lambda shape, dt=jnp.float32: jax.random.normal(next(key), shape, jnp.float32).astype(dt)
+  inv = jnp.asarray(dfj.rope_inv_freq(d, cfg.rope_theta))
+  out = {}
+  for rdt in ("bf16", "fp32"):
+    ring = C.full_ring(cfg, w, rdt)
+    q, k, v = rnd((hkv, b * g, d)), rnd((hkv, b, d)), rnd((hkv, b, d))
+    knobs = S.attention_knobs(w)
+    f = jax.jit(functools.partial(R.ring_attention, layer=L - 1, **knobs))
+    per = C.cupti_kernels(f, q, k, v, ring.k, ring.v, ring.pos, jnp.int32(w), iterations=iters)
+    ring_bytes = 2 * hkv * w * d * ring.k.dtype.itemsize
+    out[f"ring_attention_{rdt}"] = dict(device_us=C.device_ms(per) * 1e3,
+                                        kernels_us=[(n, t * 1e3) for n, t in C.kernel_medians(per)],
+                                        floor_us=ring_bytes / bw * 1e6, knobs=knobs)
+    kv = rnd((b, L, 2, hkv, d))
+    f = jax.jit(functools.partial(I.inject, eps=cfg.eps), donate_argnums=())
+    per = C.cupti_kernels(f, ring.k, ring.v, ring.pos, kv, rnd((L, d)), jnp.arange(b, dtype=jnp.int32),
+                          jnp.int32(b), inv, iterations=iters)
+    out[f"inject16_{rdt}"] = dict(
+        device_us=C.device_ms([[x for x in it if not _is_copy(x[0])] for it in per]) * 1e3,
+        kernels_us=[(n, t * 1e3) for n, t in C.kernel_medians(per)])
+  qkv = rnd((b, (hq + 2 * hkv) * d))
+  f = jax.jit(functools.partial(N.qk_norm_rope, n_head=hq, n_head_kv=hkv, eps=cfg.eps))
+  per = C.cupti_kernels(f, qkv, rnd((d,)), rnd((d,)), jnp.int32(100), inv, iterations=iters)
+  out["qk_norm_rope"] = dict(device_us=C.device_ms(per) * 1e3)
+  dr = jax.random.randint(next(key), (b - 1,), 0, 100, jnp.int32)
+  per = C.cupti_kernels(jax.jit(A.accept), dr, dr.at[7].set(-1), iterations=iters)
+  out["accept"] = dict(device_us=C.device_ms(per) * 1e3)
+  return out
+
+
+def markdown(results: dict) -> str:
+  lines = [f"- device: {results['device']}, jax {results['jax']}, commit {results['commit']}",
+           f"- command: `{results['command']}`",
+           f"- copy bandwidth (read+write): {results['copy_bw_TBps']:.2f} TB/s", ""]
+  if results.get("steps"):
+    lines += ["| case | step device ms | wall ms | floor ms | floor frac | fused frac | xla step ms | "
+              "ours/xla | torch eager ms | torch graph ms | graph/ours | draft_round ms | prefill 2048 ms | compile s |",
+              "|" + "---|" * 14]
+    for r in results["steps"]:
+      tg = r.get("torch_graph", {}).get("median_ms")
+      te = r.get("torch_eager", {}).get("median_ms")
+      fmt = lambda x: "-" if x is None else f"{x:.3f}"
+      lines.append(
+          f"| {r['case']} | {r['step_device_ms']:.3f} | {r['step_wall_ms']:.3f} | {r['floor_ms']:.3f} | "
+          f"{r['floor_fraction']:.3f} | {r['fused_fraction']:.3f} | {r['xla_step_device_ms']:.3f} | "
+          f"{r['xla_step_device_ms'] / r['step_device_ms']:.2f}x | {fmt(te)} | {fmt(tg)} | "
+          f"{'-' if tg is None else f'{tg / r['step_device_ms']:.2f}x'} | {r['draft_round_device_ms']:.3f} | "
+          f"{r['prefill2048_device_ms']:.3f} | {r['compile_s']:.1f} |")
+    lines += ["", "Phases (ms per step, all layers; per layer = /n_layer for the layer phases):", ""]
+    for r in results["steps"]:
+      ph = ", ".join(f"{k} {v:.4f}" for k, v in sorted(r["phases_ms"].items(), key=lambda kv: -kv[1]))
+      lines.append(f"- {r['case']}: {ph}")
+  if results.get("kernels"):
+    lines += ["", "| kernel | device us | detail |", "|---|---|---|"]
+    for k, v in results["kernels"].items():
+      detail = ", ".join(f"{n} {t:.2f}" for n, t in v.get("kernels_us", []))
+      if "floor_us" in v:
+        detail += f"; ring byte floor {v['floor_us']:.2f} us"
+      lines.append(f"| {k} | {v['device_us']:.2f} | {detail} |")
+  return "\n".join(lines)
+
+
+def chart(results: dict, path: str) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  steps = results.get("steps") or []
+  if not steps:
+    return
+  labels = sorted({k for r in steps for k in r["phases_ms"]})
+  fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(steps)), 5))
+  bottom = np.zeros(len(steps))
+  for lab in labels:
+    vals = np.array([r["phases_ms"].get(lab, 0.0) for r in steps])
+    ax.bar(range(len(steps)), vals, bottom=bottom, label=lab)
+    bottom += vals
+  ax.scatter(range(len(steps)), [r["floor_ms"] for r in steps], marker="_", s=800, c="k",
+             label="byte floor", zorder=3)
+  ax.set_xticks(range(len(steps)), [r["case"] for r in steps], rotation=20, ha="right", fontsize=8)
+  ax.set_ylabel("ms per block step (CUPTI)")
+  ax.set_title(f"dflash-jax block step phases, {results['device']}")
+  ax.legend(fontsize=7, ncol=2)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  mode = p.add_mutually_exclusive_group(required=True)
+  mode.add_argument("--gpu", action="store_true", help="real dimensions on the GPU")
+  mode.add_argument("--smoke", action="store_true", help="tiny dims on any backend (not results)")
+  p.add_argument("--only", default="step,kernels", help="comma list of: step, kernels")
+  p.add_argument("--cases", default="", help="substring filter on case names")
+  p.add_argument("--iters", type=int, default=None)
+  p.add_argument("--out", default=None, help="results folder (default results/<UTC stamp>)")
+  args = p.parse_args(argv)
+  if args.gpu and not C.ON_GPU:
+    p.error("--gpu needs a GPU backend")
+  iters = args.iters or (50 if args.gpu else 3)
+  only = set(args.only.split(","))
+  stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
+  out_dir = args.out or os.path.join("results", stamp)
+  os.makedirs(out_dir, exist_ok=True)
+  try:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip() or "unknown"
+  except OSError:
+    commit = "unknown"
+  results = dict(date=stamp, device=jax.devices()[0].device_kind, jax=jax.__version__,
+                 commit=commit, command="python -m benchmarks.run " + " ".join(argv or sys.argv[1:]),
+                 smoke=bool(args.smoke))
+  bw = C.copy_bandwidth(1 << 30 if args.gpu else 1 << 22)
+  results["copy_bw_TBps"] = bw / 1e12
+  print(f"copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
+  if "kernels" in only:
+    results["kernels"] = bench_kernels(bw, iters, smoke=args.smoke)
+    print(json.dumps(results["kernels"], indent=1), flush=True)
+  if "step" in only:
+    results["steps"] = []
+    cases = gpu_cases() if args.gpu else smoke_cases()
+    for case in cases:
+      if args.cases and args.cases not in case.name:
+        continue
+      t0 = time.perf_counter()
+      r = bench_case(case, bw, iters, torch_peer=args.gpu)
+      results["steps"].append(r)
+      print(f"{case.name}: step {r['step_device_ms']:.3f} ms, floor frac {r['floor_fraction']:.3f}, "
+            f"xla {r['xla_step_device_ms']:.3f} ms ({time.perf_counter() - t0:.0f} s)", flush=True)
+  md = markdown(results)
+  with open(os.path.join(out_dir, "bench.json"), "w") as f:
+    json.dump(results, f, indent=1)
+  with open(os.path.join(out_dir, "bench.md"), "w") as f:
+    f.write(md + "\n")
+  chart(results, os.path.join(out_dir, "phases.png"))
+  print(md)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
