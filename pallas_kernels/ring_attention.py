@@ -137,7 +137,8 @@ def _check_args(name: str, q, k, v, ring_k, ring_v, ring_pos, n_past, layer: int
   check(is_pow2(splits), name, "splits must be a power of 2", splits)
   check(is_pow2(block_k) and block_k >= 16, name, "block_k must be a power of 2 >= 16",
         block_k)
-  check(w % (splits * block_k) == 0, name, "W must be a multiple of splits * block_k",
+  check(w > 0 and w % (splits * block_k) == 0, name,
+        "W must be a positive multiple of splits * block_k",
         (w, splits, block_k))
   check(dot_precision in DOT_ALGORITHMS, name,
         f"dot_precision must be one of {sorted(DOT_ALGORITHMS)}", dot_precision)

@@ -186,7 +186,7 @@ def test_interpreter_poisons_unwritten_outputs():
 @pytest.mark.parametrize("change,match", [
     (dict(d=24), "D must be a power of 2"),
     (dict(g=1, t_len=8), "T\\*G \\(rows of q\\) must be a power of 2 >= 16"),
-    (dict(splits=8), "W must be a multiple of splits \\* block_k"),
+    (dict(splits=8), "W must be a positive multiple of splits \\* block_k"),
     (dict(splits=3, block_k=16), "splits must be a power of 2"),
     (dict(block_k=8), "block_k must be a power of 2 >= 16"),
     (dict(layer=3), "layer must index"),
