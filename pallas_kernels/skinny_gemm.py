@@ -80,10 +80,11 @@ def _skinny_kernel(x_ref, *refs, fmt: str, gate_up: bool, m: int, block_m: int,
     n_iter = kb_per_split
   else:
     # The last split is shorter (or empty); a dynamic trip count keeps every K block once.
-    n_iter = jnp.clip(kb_total - kb_first, 0, kb_per_split)
+    n_iter = jnp.minimum(jnp.maximum(kb_total - kb_first, 0), kb_per_split)
 
   def body(kb, accs):
-    k0 = pl.multiple_of((kb_first + kb) * block_k, block_k)
+    kb = kb_first + kb
+    k0 = pl.multiple_of(kb * block_k, block_k)
     if fmt != "q8_0":
       x = load_x(k0, block_k)
       new = []
@@ -94,7 +95,7 @@ def _skinny_kernel(x_ref, *refs, fmt: str, gate_up: bool, m: int, block_m: int,
         new.append(acc + dot(x, w.astype(jnp.bfloat16)))
       return tuple(new)
     n_sub = block_k // Q8_0_BLOCK
-    ds = [s_ref[:, pl.ds(k0 // Q8_0_BLOCK, n_sub)] for s_ref in s_refs]
+    d_tiles = [s_ref[:, pl.ds(kb * n_sub, n_sub)] for s_ref in s_refs]
     col = lax.broadcasted_iota(jnp.int32, (block_n, n_sub), 1)
     accs = list(accs)
     # Scaling each 32-block's partial dot (instead of the bf16 weights) keeps the products
@@ -105,7 +106,7 @@ def _skinny_kernel(x_ref, *refs, fmt: str, gate_up: bool, m: int, block_m: int,
       for i, w_ref in enumerate(w_refs):
         w = w_ref[:, pl.ds(kc, Q8_0_BLOCK)].astype(jnp.bfloat16)
         # Column c of the scale tile without value slicing (unsupported by Triton lowering).
-        d = jnp.sum(jnp.where(col == c, ds[i], 0.0), axis=1)
+        d = jnp.sum(jnp.where(col == c, d_tiles[i], 0.0), axis=1)
         accs[i] = accs[i] + dot(x, w) * d[None, :]
     return tuple(accs)
 
