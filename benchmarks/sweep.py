@@ -1,0 +1,119 @@
+"""Tuning sweeps on the GPU: ring attention knobs and skinny-GEMM tiles, CUPTI timed.
+
+  python -m benchmarks.sweep [attention] [gemm] [--out FILE.json]
+
+Prints one line per configuration (device us, achieved TB/s) and writes all of them as JSON;
+the defaults in the kernels and step come from these numbers (see RESULTS.md).
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import dflash_jax as dfj
+from benchmarks import common as C
+from dflash_jax.quant import quantize_fp8, quantize_q8_0
+from pallas_kernels import ring_attention as R
+from pallas_kernels import skinny_gemm as G
+
+
+def _time(f, *args, iters=30):
+  try:
+    per = C.cupti_kernels(jax.jit(f), *args, iterations=iters)
+  except Exception as e:  # a tile config that does not compile (e.g. shared memory) is data
+    return None, f"{type(e).__name__}: {str(e)[:160]}"
+  return C.device_ms(per) * 1e3, None
+
+
+def sweep_attention(bw: float) -> list[dict]:
+  cfg = dfj.SEED_CONFIG
+  w, hkv, d, b, g = 2048, cfg.n_head_kv, cfg.head_dim, cfg.block_size, cfg.group
+  key = iter(jax.random.split(jax.random.key(0), 8))
+  rnd = lambda s: jax.random.normal(next(key), s, jnp.float32)
+  q, k, v = rnd((hkv, b * g, d)), rnd((hkv, b, d)), rnd((hkv, b, d))
+  out = []
+  for rdt in ("bf16", "fp32"):
+    ring = C.full_ring(cfg, w, rdt)
+    floor_us = 2 * hkv * w * d * ring.k.dtype.itemsize / bw * 1e6
+    grid = [dict(splits=s, block_k=bk, num_warps=nw, num_stages=ns, dot_precision=p)
+            for p in ("tf32x3", "bf16x3")
+            for s, bk in itertools.product((8, 16, 32), (32, 64, 128)) if w % (s * bk) == 0
+            for nw, ns in ((4, 2),)]
+    grid += [dict(splits=16, block_k=64, num_warps=nw, num_stages=ns, dot_precision=p)
+             for p in ("tf32x3", "bf16x3") for nw, ns in ((4, 1), (4, 3), (8, 2))]
+    for kn in grid:
+      f = functools.partial(R.ring_attention, layer=cfg.n_layer - 1, **kn)
+      us, err = _time(f, q, k, v, ring.k, ring.v, ring.pos, jnp.int32(w))
+      row = dict(kernel="ring_attention", ring=rdt, us=us, floor_us=floor_us, err=err, **kn)
+      print(json.dumps(row), flush=True)
+      out.append(row)
+  return out
+
+
+GEMM_SHAPES = {"qkv": (6144, 6656), "o": (6656, 4096), "gate_up": (39936, 6656),
+               "down": (6656, 19968), "lm_head8k": (8192, 6656)}
+
+
+def sweep_gemm(bw: float) -> list[dict]:
+  rng = np.random.default_rng(0)
+  out = []
+  x = jnp.asarray(rng.standard_normal((16, 19968), np.float32))
+  for name, (n, k) in GEMM_SHAPES.items():
+    w32 = (jax.random.normal(jax.random.key(1), (n, k), jnp.float32) / np.sqrt(k))
+    xs = x[:, :k]
+    weights = {"bf16": (w32.astype(jnp.bfloat16), None)}
+    w8, s8 = quantize_fp8(np.asarray(w32))
+    weights["fp8"] = (jnp.asarray(w8), jnp.asarray(s8))
+    qs, dq = quantize_q8_0(np.asarray(w32))
+    weights["q8_0"] = (jnp.asarray(qs), jnp.asarray(dq))
+    wb = weights["bf16"][0]
+    xla = lambda a, m: jax.lax.dot_general(a.astype(jnp.bfloat16), m, (((1,), (1,)), ((), ())),
+                                           preferred_element_type=jnp.float32)
+    us, err = _time(xla, xs, wb)
+    row = dict(kernel="xla_dot_bf16", shape=name, n=n, k=k, us=us, err=err,
+               TBps=None if us is None else n * k * 2 / us / 1e6)
+    print(json.dumps(row), flush=True)
+    out.append(row)
+    for fmt, (wq, sc) in weights.items():
+      nbytes = wq.nbytes + (0 if sc is None else sc.nbytes)
+      splits = (1, 4) if n <= 8192 else (1,)
+      for bn, bk, ns, nw, sk in itertools.product((32, 64), (128, 256), (3,), (4,), splits):
+        if k % (bk * sk) and sk > 1:
+          continue
+        f = functools.partial(G.skinny_matmul, fmt=fmt, block_n=bn, block_k=bk, num_stages=ns,
+                              num_warps=nw, split_k=sk)
+        us, err = _time(f, xs, wq, sc)
+        row = dict(kernel="skinny", fmt=fmt, shape=name, n=n, k=k, block_n=bn, block_k=bk,
+                   num_stages=ns, num_warps=nw, split_k=sk, us=us, err=err,
+                   TBps=None if us is None else nbytes / us / 1e6)
+        print(json.dumps(row), flush=True)
+        out.append(row)
+  return out
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("what", nargs="*", default=["attention", "gemm"])
+  p.add_argument("--out", default="sweep.json")
+  args = p.parse_args(argv)
+  bw = C.copy_bandwidth(1 << 30)
+  print(f"copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
+  res = dict(copy_bw_TBps=bw / 1e12, device=jax.devices()[0].device_kind, rows=[])
+  if "attention" in args.what:
+    res["rows"] += sweep_attention(bw)
+  if "gemm" in args.what:
+    res["rows"] += sweep_gemm(bw)
+  with open(args.out, "w") as f:
+    json.dump(res, f, indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
