@@ -87,7 +87,8 @@ class TorchDrafterStep:
       raise ValueError("weights lack 'tok_embd' (the target's [n_vocab, n_embd] embedding)")
     self.n_vocab = int(_tensor(weights["tok_embd"]).shape[0])
     if not 0 <= c["mask_token_id"] < self.n_vocab:
-      raise ValueError(f"mask_token_id {c['mask_token_id']} is outside the vocab [0, {self.n_vocab})")
+      raise ValueError(f"mask_token_id {c['mask_token_id']} is outside the vocab "
+                       f"[0, {self.n_vocab})")
     w = {}
     for name, shape in step_tensor_shapes(c, self.n_vocab).items():
       if name not in weights:
@@ -167,7 +168,8 @@ class TorchDrafterStep:
     self.id_last = torch.zeros((), dtype=torch.int64, device=self.device)
     self.n_past = torch.zeros((), dtype=torch.int64, device=self.device)
     self.block_offsets = torch.arange(t, dtype=torch.int64, device=self.device)
-    self.mask_tokens = torch.full((t - 1,), c["mask_token_id"], dtype=torch.int64, device=self.device)
+    self.mask_tokens = torch.full((t - 1,), c["mask_token_id"], dtype=torch.int64,
+                                  device=self.device)
     self.block_visible = torch.ones((t, t), dtype=torch.bool, device=self.device)
 
   def _set_inputs(self, id_last: int, n_past: int) -> None:
