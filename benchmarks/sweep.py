@@ -42,12 +42,11 @@ def sweep_attention(bw: float) -> list[dict]:
   for rdt in ("bf16", "fp32"):
     ring = C.full_ring(cfg, w, rdt)
     floor_us = 2 * hkv * w * d * ring.k.dtype.itemsize / bw * 1e6
-    grid = [dict(splits=s, block_k=bk, num_warps=nw, num_stages=ns, dot_precision=p)
-            for p in ("tf32x3", "bf16x3")
-            for s, bk in itertools.product((8, 16, 32), (32, 64, 128)) if w % (s * bk) == 0
-            for nw, ns in ((4, 2),)]
-    grid += [dict(splits=16, block_k=64, num_warps=nw, num_stages=ns, dot_precision=p)
-             for p in ("tf32x3", "bf16x3") for nw, ns in ((4, 1), (4, 3), (8, 2))]
+    grid = [dict(splits=s, block_k=bk, num_warps=4, num_stages=2, terms=t)
+            for t in (2, 3)
+            for s, bk in ((16, 128), (16, 64), (32, 64), (32, 32), (8, 128), (8, 256))]
+    grid += [dict(splits=16, block_k=128, num_warps=nw, num_stages=ns, terms=t)
+             for t in (2, 3) for nw, ns in ((4, 1), (4, 3), (8, 2))]
     for kn in grid:
       f = functools.partial(R.ring_attention, layer=cfg.n_layer - 1, **kn)
       us, err = _time(f, q, k, v, ring.k, ring.v, ring.pos, jnp.int32(w))
@@ -57,7 +56,7 @@ def sweep_attention(bw: float) -> list[dict]:
   return out
 
 
-GEMM_SHAPES = {"qkv": (6144, 6656), "o": (6656, 4096), "gate_up": (39936, 6656),
+GEMM_SHAPES = {"qkv": (6144, 6656), "gate_up": (39936, 6656),
                "down": (6656, 19968), "lm_head8k": (8192, 6656)}
 
 

@@ -52,9 +52,15 @@ def _kernels(impl: str):
 
 
 def attention_knobs(window: int) -> dict:
-  """Split-K shape for a ring of `window` slots: ~16 splits of 64-slot tiles at the real size."""
-  block_k = min(64, max(16, window // 4))
-  return dict(block_k=block_k, splits=max(1, min(16, window // block_k)))
+  """Split-K shape for a ring of `window` slots: 16 splits of one 128-slot tile at 2048 slots
+  (the fastest of the sweep on the H200, benchmarks/RESULTS.md)."""
+  block_k = 128
+  while block_k > 16 and (window % block_k or window // block_k < 4):
+    block_k //= 2
+  splits = 16
+  while splits > 1 and window % (splits * block_k):
+    splits //= 2
+  return dict(block_k=block_k, splits=splits)
 
 
 def encode(params: DrafterParams, features: jax.Array) -> jax.Array:

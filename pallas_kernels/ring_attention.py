@@ -32,29 +32,52 @@ from pallas_kernels._common import check, is_pow2, resolve_interpret
 # has a real score somewhere because the block's own keys are always visible.
 MASK = -0.7 * float(np.finfo(np.float32).max)
 
-# Compiled dots must be fp32-accurate: plain f32 dots run as TF32 on the GPU (1.8e-2 error
-# measured on the H200). The CPU interpreter rejects the x3 presets, so it uses HIGHEST.
-DOT_ALGORITHMS = {
-    "tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
-    "bf16x3": lax.DotAlgorithmPreset.BF16_BF16_F32_X3,
-    "ieee": lax.DotAlgorithmPreset.F32_F32_F32,
-}
+# Dots must be fp32-accurate, and plain f32 dots run as TF32 on the GPU (1.8e-2 error
+# measured on the H200). Each float32 operand is split into `terms` bf16 parts (x = x0 + x1
+# + ..., each part the bf16 rounding of the remainder) and the part products of order < terms
+# are summed with fp32 accumulation: terms=3 keeps ~24 mantissa bits (fp32), terms=2 ~16. A
+# bf16 ring tile is exact as one part, so q.k costs `terms` bf16 MMAs. The query is split once
+# per program, not once per tile as lax.DotAlgorithmPreset.BF16_BF16_F32_X3 would (measured on
+# the H200: 14.6 us per layer with that preset, 41 us with tf32x3). The interpreter runs the
+# same arithmetic, so CPU tests see GPU numerics.
 
 
-def _dot(a: jax.Array, b: jax.Array, contract_b: int, precision) -> jax.Array:
-  return lax.dot_general(a, b, (((1,), (contract_b,)), ((), ())), precision=precision,
+def _split(x: jax.Array, terms: int) -> list[jax.Array]:
+  parts = []
+  for _ in range(terms):
+    part = x.astype(jnp.bfloat16)
+    parts.append(part)
+    x = x - part.astype(jnp.float32)
+  return parts
+
+
+def _bdot(a: jax.Array, b: jax.Array, contract_b: int) -> jax.Array:
+  return lax.dot_general(a, b, (((1,), (contract_b,)), ((), ())),
                          preferred_element_type=jnp.float32)
+
+
+def _split_dot(a_parts: list[jax.Array], b: jax.Array, contract_b: int) -> jax.Array:
+  """(sum of a_parts) times b, fp32-accurate; b is bf16 (exact) or float32 (split too)."""
+  terms = len(a_parts)
+  b_parts = [b] if b.dtype == jnp.bfloat16 else _split(b, terms)
+  # Smallest products first, so they are not lost against the large ones.
+  pairs = sorted(((i, j) for i in range(terms) for j in range(len(b_parts)) if i + j < terms),
+                 key=lambda ij: -(ij[0] + ij[1]))
+  out = None
+  for i, j in pairs:
+    prod = _bdot(a_parts[i], b_parts[j], contract_b)
+    out = prod if out is None else out + prod
+  return out
 
 
 def _partial_kernel(n_past_ref, pos_ref, q_ref, k_ref, v_ref, rk_ref, rv_ref,
                     o_ref, m_ref, l_ref, *, group: int, window: int, block_k: int,
-                    precision):
+                    terms: int):
   split = pl.program_id(1)
   rows, d = q_ref.shape
   chunk = pos_ref.shape[0]
-  scale = 1.0 / math.sqrt(d)
   n_past = n_past_ref[0]
-  q = q_ref[...]
+  q_parts = _split(q_ref[...] * (1.0 / math.sqrt(d)), terms)
   # Slot j is visible to row r iff lo[r] < pos[j] (the window edge) and 0 <= pos[j] < n_past.
   lo = (n_past - window + jnp.arange(rows, dtype=jnp.int32) // group)[:, None]
 
@@ -63,12 +86,11 @@ def _partial_kernel(n_past_ref, pos_ref, q_ref, k_ref, v_ref, rk_ref, rv_ref,
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     corr = jnp.exp(m - m_new)
     p = jnp.exp(s - m_new[:, None])
-    acc = acc * corr[:, None] + _dot(p, v, 0, precision)
+    acc = acc * corr[:, None] + _split_dot(_split(p, terms), v, 0)
     return acc, m_new, l * corr + jnp.sum(p, axis=1)
 
   def own_block(carry):
-    s = _dot(q, k_ref[...], 1, precision) * scale
-    return update(carry, s, v_ref[...])
+    return update(carry, _split_dot(q_parts, k_ref[...], 1), v_ref[...])
 
   init = (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), MASK, jnp.float32),
           jnp.zeros((rows,), jnp.float32))
@@ -77,20 +99,17 @@ def _partial_kernel(n_past_ref, pos_ref, q_ref, k_ref, v_ref, rk_ref, rv_ref,
   def ring_tile(i, carry):
     sl = pl.ds(i * block_k, block_k)
     pos = pos_ref[sl]
-    live = (pos >= 0) & (pos < n_past)
+    vis = (pos[None, :] >= 0) & (pos[None, :] < n_past) & (pos[None, :] > lo)
+    s = _split_dot(q_parts, rk_ref[sl, :], 1)
+    return update(carry, jnp.where(vis, s, MASK), rv_ref[sl, :])
 
-    def attend(carry):
-      kt = rk_ref[sl, :].astype(jnp.float32)
-      vt = rv_ref[sl, :].astype(jnp.float32)
-      s = _dot(q, kt, 1, precision) * scale
-      vis = live[None, :] & (pos[None, :] > lo)
-      return update(carry, jnp.where(vis, s, MASK), vt)
-
-    # Row 0 has the widest window, so a tile nobody sees has no slot visible to row 0.
-    any_vis = jnp.max((live & (pos > n_past - window)).astype(jnp.int32)) > 0
-    return lax.cond(any_vis, attend, lambda c: c, carry)
-
-  acc, m, l = lax.fori_loop(0, chunk // block_k, ring_tile, carry)
+  # One test per split (row 0 has the widest window, so a chunk with no slot visible to row
+  # 0 is invisible to all rows); no branch inside the loop, so its loads can be pipelined.
+  chunk_pos = pos_ref[...]
+  any_vis = jnp.max(((chunk_pos >= 0) & (chunk_pos < n_past)
+                     & (chunk_pos > n_past - window)).astype(jnp.int32)) > 0
+  acc, m, l = lax.cond(any_vis, lambda c: lax.fori_loop(0, chunk // block_k, ring_tile, c),
+                       lambda c: c, carry)
   o_ref[...] = acc
   m_ref[...] = m
   l_ref[...] = l
@@ -106,7 +125,7 @@ def _combine_kernel(o_ref, m_ref, l_ref, out_ref):
 
 
 def _check_args(name: str, q, k, v, ring_k, ring_v, ring_pos, n_past, layer: int,
-                splits: int, block_k: int, dot_precision: str) -> None:
+                splits: int, block_k: int, terms: int) -> None:
   check(q.ndim == 3, name, "q must be rank 3 [Hkv, T*G, D]", q.shape)
   hkv, rows, d = q.shape
   check(k.ndim == 3 and k.shape[0] == hkv and k.shape[2] == d, name,
@@ -137,19 +156,18 @@ def _check_args(name: str, q, k, v, ring_k, ring_v, ring_pos, n_past, layer: int
   check(is_pow2(splits), name, "splits must be a power of 2", splits)
   check(is_pow2(block_k) and block_k >= 16, name, "block_k must be a power of 2 >= 16",
         block_k)
+  check(terms in (2, 3), name, "terms (bf16 parts per float32 operand) must be 2 or 3", terms)
   check(w > 0 and w % (splits * block_k) == 0, name,
         "W must be a positive multiple of splits * block_k",
         (w, splits, block_k))
-  check(dot_precision in DOT_ALGORITHMS, name,
-        f"dot_precision must be one of {sorted(DOT_ALGORITHMS)}", dot_precision)
 
 
 @functools.partial(jax.jit, static_argnames=["layer", "splits", "block_k", "num_warps",
-                                             "num_stages", "dot_precision", "interpret"])
+                                             "num_stages", "terms", "interpret"])
 def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, ring_k: jax.Array,
                    ring_v: jax.Array, ring_pos: jax.Array, n_past: jax.Array, *,
-                   layer: int, splits: int = 16, block_k: int = 64, num_warps: int = 4,
-                   num_stages: int = 2, dot_precision: str = "tf32x3",
+                   layer: int, splits: int = 16, block_k: int = 128, num_warps: int = 4,
+                   num_stages: int = 2, terms: int = 3,
                    interpret: bool | None = None) -> jax.Array:
   """Attention of the block's queries over its own keys and ring layer `layer`.
 
@@ -157,22 +175,19 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, ring_k: jax.Array,
   float32; ring_k, ring_v: [L, Hkv, W, D] float32 or bfloat16; ring_pos: [W] int32 (-1 =
   empty); n_past: int32 scalar. Returns [T, Hq*D] float32, token-major.
   Knobs: `splits` ring chunks per kv head, `block_k` ring slots per tile, `num_warps` and
-  `num_stages` of the partial kernel, `dot_precision` the fp32-accurate dot algorithm of the
-  compiled kernel (interpret mode always uses HIGHEST).
+  `num_stages` of the partial kernel, `terms` bf16 parts per float32 dot operand (3: fp32
+  accuracy; 2: ~16 mantissa bits, fewer MMAs).
   """
   name = "ring_attention"
-  _check_args(name, q, k, v, ring_k, ring_v, ring_pos, n_past, layer, splits, block_k,
-              dot_precision)
+  _check_args(name, q, k, v, ring_k, ring_v, ring_pos, n_past, layer, splits, block_k, terms)
   interpret = resolve_interpret(interpret)
   hkv, rows, d = q.shape
   t = k.shape[1]
   group = rows // t
   window = ring_k.shape[2]
   chunk = window // splits
-  precision = lax.Precision.HIGHEST if interpret else DOT_ALGORITHMS[dot_precision]
-
   kernel = functools.partial(_partial_kernel, group=group, window=window, block_k=block_k,
-                             precision=precision)
+                             terms=terms)
   ring_spec = pl.BlockSpec((None, None, chunk, d), lambda h, s: (layer, h, s, 0))
   own_spec = pl.BlockSpec((None, t, d), lambda h, s: (h, 0, 0))
   o, m, l = pl.pallas_call(
@@ -211,18 +226,17 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, ring_k: jax.Array,
 
 
 @functools.partial(jax.jit, static_argnames=["layer", "splits", "block_k", "num_warps",
-                                             "num_stages", "dot_precision", "interpret"])
+                                             "num_stages", "terms", "interpret"])
 def ring_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, ring_k: jax.Array,
                              ring_v: jax.Array, ring_pos: jax.Array, n_past: jax.Array, *,
-                             layer: int, splits: int = 16, block_k: int = 64,
-                             num_warps: int = 4, num_stages: int = 2,
-                             dot_precision: str = "tf32x3",
+                             layer: int, splits: int = 16, block_k: int = 128,
+                             num_warps: int = 4, num_stages: int = 2, terms: int = 3,
                              interpret: bool | None = None) -> jax.Array:
   """Pure-jnp twin of `ring_attention`: the full score matrix, float32, precision HIGHEST.
 
   Takes the kernel's knobs so that it is a drop-in replacement; they do not affect it.
   """
-  del splits, block_k, num_warps, num_stages, dot_precision, interpret
+  del splits, block_k, num_warps, num_stages, terms, interpret
   hkv, rows, d = q.shape
   t = k.shape[1]
   window = ring_k.shape[2]
