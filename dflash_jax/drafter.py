@@ -48,7 +48,8 @@ class CapturedStep:
 
 
 class DFlashDrafter:
-  """Usage (the seed product's):
+  """dtype: 'fp32' | 'bf16' | 'fp8' | 'q8_0' weights (q8_0_blocks: `read_q8_0(path)` to keep a
+  Q8_0 GGUF's blocks as stored); ring_dtype: 'fp32' | 'bf16'. Usage (the seed product's):
 
     m = DFlashDrafter(cfg, w, dtype="bf16", ring_dtype="bf16")
     m.inject(m.encode(features), positions)
@@ -58,12 +59,13 @@ class DFlashDrafter:
   """
 
   def __init__(self, cfg: DFlashConfig, w: dict[str, np.ndarray], dtype: Any = "fp32",
-               ring_dtype: Any = "fp32", window: int | None = None, impl: str = "pallas"):
+               ring_dtype: Any = "fp32", window: int | None = None, impl: str = "pallas",
+               q8_0_blocks: dict | None = None):
     if impl not in S.IMPLS:
       raise ValueError(f"impl must be one of {S.IMPLS}, got {impl!r}")
     self.cfg = cfg
     self.impl = impl
-    self.params = prepare_weights(cfg, w, dtype)
+    self.params = prepare_weights(cfg, w, dtype, q8_0_blocks)
     self._ring = S.init_ring(cfg, window, ring_dtype)
     self.n_vocab = self.params.n_vocab
     self.max_position = -1   # highest position injected so far (host bookkeeping)
@@ -86,7 +88,7 @@ class DFlashDrafter:
       raise ValueError(f"features must be floating point, got {f.dtype}")
     if not bool(jnp.isfinite(f).all()):
       raise ValueError("features hold NaN or Inf: one poisoned row would poison the ring")
-    return S.encode_jit(self.params, f)
+    return S.encode_jit(self.params, f, impl=self.impl)
 
   def inject(self, h, positions) -> None:
     h = jnp.asarray(h)

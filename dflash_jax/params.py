@@ -8,8 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax import quant
 from dflash_jax.config import DFlashConfig, rope_inv_freq
 from dflash_jax.synthetic import drafter_tensor_shapes
+from pallas_kernels import skinny_gemm
 
 _DTYPE_NAMES = {"fp32": jnp.float32, "float32": jnp.float32, "f32": jnp.float32,
                 "bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16}
@@ -28,6 +30,45 @@ def resolve_dtype(dtype: Any, what: str = "dtype") -> jnp.dtype:
   if d not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
     raise ValueError(f"{what} must be float32 or bfloat16, got {d}")
   return d
+
+
+WEIGHT_FORMATS = ("fp32", "bf16", "fp8", "q8_0")
+
+
+def resolve_weight_format(dtype: Any) -> str:
+  """'fp32' | 'bf16' (or their jnp dtypes) | 'fp8' | 'q8_0' -> the canonical name."""
+  if isinstance(dtype, str) and dtype.lower() in ("fp8", "q8_0"):
+    return dtype.lower()
+  try:
+    d = resolve_dtype(dtype)
+  except ValueError:
+    raise ValueError(f"dtype must be one of {WEIGHT_FORMATS} (or jnp.float32/bfloat16), "
+                     f"got {dtype!r}") from None
+  return "bf16" if d == jnp.bfloat16 else "fp32"
+
+
+@flax.struct.dataclass
+class QuantWeight:
+  """A 1-byte weight matrix in (out, in) layout, K contiguous, with its float32 scales.
+
+  fp8: float8_e4m3fn data and [N] power-of-two row scales; q8_0: int8 data and [N, K/32]
+  block scales (llama.cpp's Q8_0). Both compute as bf16 weights round_bf16(dequantized)
+  against bf16 activations with float32 accumulation, so a quantized step is the bf16 step
+  on the dequantized weights (for fp8 the rounding is exact: 4 significant bits times 2^k).
+  """
+  data: jax.Array
+  scale: jax.Array
+  fmt: str = flax.struct.field(pytree_node=False)
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return tuple(self.data.shape)
+
+  def dequantize(self) -> np.ndarray:
+    """Host float32 [N, K]: the weight values the GEMM computes with."""
+    if self.fmt == "fp8":
+      return quant.dequantize_fp8(np.asarray(self.data), np.asarray(self.scale))
+    return quant.dequantize_q8_0(np.asarray(self.data), np.asarray(self.scale))
 
 
 @flax.struct.dataclass
@@ -65,8 +106,10 @@ class DrafterParams:
     return int(self.tok_embd.shape[0])
 
   @property
-  def dtype(self) -> jnp.dtype:
-    return self.fc.dtype
+  def weight_format(self) -> str:
+    if isinstance(self.fc, QuantWeight):
+      return self.fc.fmt
+    return "bf16" if self.fc.dtype == jnp.bfloat16 else "fp32"
 
 
 def validate_weights(cfg: DFlashConfig, w: dict[str, np.ndarray]) -> int:
@@ -94,18 +137,42 @@ def validate_weights(cfg: DFlashConfig, w: dict[str, np.ndarray]) -> int:
   return n_vocab
 
 
-def prepare_weights(cfg: DFlashConfig, w: dict[str, np.ndarray], dtype: Any = "fp32") -> DrafterParams:
-  """Host float32 weights -> device DrafterParams with matrices in `dtype` (fp32 or bf16).
+def prepare_weights(cfg: DFlashConfig, w: dict[str, np.ndarray], dtype: Any = "fp32",
+                    q8_0_blocks: dict[str, tuple[np.ndarray, np.ndarray]] | None = None
+                    ) -> DrafterParams:
+  """Host float32 weights -> device DrafterParams with matrices in `dtype`.
 
-  Norm weights and the rope table stay float32. q/k/v and gate/up are concatenated so each
-  pair of GEMMs sharing an input is one GEMM.
+  dtype: 'fp32' or 'bf16' (dense), 'fp8' (quantized at load, per-row power-of-two scales) or
+  'q8_0' (blocks of 32; `q8_0_blocks` from `read_q8_0` supplies tensors stored as Q8_0 in the
+  GGUF, taken as stored; other tensors are quantized here). Norm weights and the rope table
+  stay float32; the token embedding (a gather, not a GEMM) is bf16 for the 1-byte formats.
+  q/k/v and gate/up are concatenated so each pair of GEMMs sharing an input is one GEMM.
   """
   validate_weights(cfg, w)
-  mdt = resolve_dtype(dtype)
+  fmt = resolve_weight_format(dtype)
+  if q8_0_blocks and fmt != "q8_0":
+    raise ValueError(f"q8_0_blocks given but dtype is {fmt!r}")
+  q8_0_blocks = q8_0_blocks or {}
+
+  def host_q8_0(name):
+    if name in q8_0_blocks:
+      qs, d = q8_0_blocks[name]
+      if qs.shape != np.shape(w[name]) or d.shape != (qs.shape[0], qs.shape[1] // 32):
+        raise ValueError(f"q8_0 blocks of '{name}' have shapes {qs.shape}, {d.shape}; "
+                         f"expected {np.shape(w[name])} and its [N, K/32] scales")
+      return qs, d
+    return quant.quantize_q8_0(w[name])
 
   def mat(*names):
+    if fmt == "q8_0":
+      parts = [host_q8_0(n) for n in names]
+      return QuantWeight(data=jnp.asarray(np.concatenate([p[0] for p in parts])),
+                         scale=jnp.asarray(np.concatenate([p[1] for p in parts])), fmt=fmt)
     a = np.concatenate([np.asarray(w[n], np.float32) for n in names], axis=0)
-    return jnp.asarray(a, mdt)
+    if fmt == "fp8":
+      w8, scale = quant.quantize_fp8(a)
+      return QuantWeight(data=jnp.asarray(w8), scale=jnp.asarray(scale), fmt=fmt)
+    return jnp.asarray(a, resolve_dtype(fmt))
 
   def vec(name):
     return jnp.asarray(np.asarray(w[name], np.float32))
@@ -118,27 +185,54 @@ def prepare_weights(cfg: DFlashConfig, w: dict[str, np.ndarray], dtype: Any = "f
         q_norm=vec(p + "attn_q_norm"), k_norm=vec(p + "attn_k_norm"), wo=mat(p + "attn_output"),
         ffn_norm=vec(p + "ffn_norm"), wgu=mat(p + "ffn_gate", p + "ffn_up"), wd=mat(p + "ffn_down")))
   inject_names = [f"blk.{i}.attn_{kv}" for i in range(cfg.n_layer) for kv in ("k", "v")]
+  embd_dtype = resolve_dtype(fmt) if fmt in ("fp32", "bf16") else jnp.bfloat16
   return DrafterParams(
       fc=mat("fc"), enc_norm=vec("enc.output_norm"), out_norm=vec("output_norm"),
       w_inject=mat(*inject_names),
       k_norm_all=jnp.asarray(np.stack([w[f"blk.{i}.attn_k_norm"] for i in range(cfg.n_layer)]),
                              jnp.float32),
       inv_freq=jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta)),
-      tok_embd=mat("tok_embd"), lm_head=mat("lm_head"), layers=tuple(layers), cfg=cfg)
+      tok_embd=jnp.asarray(np.asarray(w["tok_embd"], np.float32), embd_dtype),
+      lm_head=mat("lm_head"), layers=tuple(layers), cfg=cfg)
 
 
-def linear(x: jax.Array, w: jax.Array) -> jax.Array:
+def gemm_knobs(n: int, k: int) -> dict:
+  """Skinny-GEMM tiles from the H200 sweep (benchmarks/RESULTS.md): 64 x 128 tiles, and K
+  split 4 ways when the N tiles alone (N/64) cannot fill the GPU's 132 SMs several times."""
+  block_k = 128
+  while block_k > 32 and k % block_k:
+    block_k //= 2
+  split_k = 4 if n <= 16384 and k // block_k >= 16 else 1
+  return dict(block_n=64, block_k=block_k, split_k=split_k, num_stages=3)
+
+
+def linear(x: jax.Array, w, *, impl: str = "pallas", gate_up: bool = False) -> jax.Array:
   """y = x @ w^T in float32 for a weight in (out, in) layout: THE GEMM entry point of the step.
 
-  bf16 weights: the activation is rounded to bf16 (the rounding SPEC.md section 5 names) and
-  the product accumulates in float32. fp32 weights: full-precision float32 (HIGHEST, so GPUs
-  do not silently use TF32).
+  Dense bf16 weights: the activation is rounded to bf16 (the rounding SPEC.md section 5 names)
+  and the product accumulates in float32 (XLA's GEMM). Dense fp32: full-precision float32
+  (HIGHEST, so GPUs do not silently use TF32). QuantWeight: the Pallas skinny GEMM streams the
+  1-byte weights (impl="xla": its jnp twin). gate_up: w holds gate rows then up rows and the
+  result is silu(gate) * up (fused into the skinny GEMM's epilogue).
   """
+  if isinstance(w, QuantWeight):
+    n, k = w.shape
+    if impl == "xla":
+      fn = (skinny_gemm.skinny_matmul_gate_up_reference if gate_up
+            else skinny_gemm.skinny_matmul_reference)
+      return fn(x, w.data, w.scale, fmt=w.fmt)
+    fn = skinny_gemm.skinny_matmul_gate_up if gate_up else skinny_gemm.skinny_matmul
+    return fn(x, w.data, w.scale, fmt=w.fmt, **gemm_knobs(n // 2 if gate_up else n, k))
   dims = (((x.ndim - 1,), (1,)), ((), ()))
   if w.dtype == jnp.bfloat16:
-    return jax.lax.dot_general(x.astype(jnp.bfloat16), w, dims, preferred_element_type=jnp.float32)
-  return jax.lax.dot_general(x.astype(jnp.float32), w, dims, precision=jax.lax.Precision.HIGHEST,
-                             preferred_element_type=jnp.float32)
+    y = jax.lax.dot_general(x.astype(jnp.bfloat16), w, dims, preferred_element_type=jnp.float32)
+  else:
+    y = jax.lax.dot_general(x.astype(jnp.float32), w, dims, precision=jax.lax.Precision.HIGHEST,
+                            preferred_element_type=jnp.float32)
+  if gate_up:
+    n_ff = y.shape[-1] // 2
+    return jax.nn.silu(y[..., :n_ff]) * y[..., n_ff:]
+  return y
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:

@@ -24,14 +24,18 @@ def _check_matrix(w: np.ndarray, name: str) -> np.ndarray:
 
 
 def quantize_fp8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  """Per-output-row float8_e4m3fn: w ~= w8 * scale[:, None] with scale = max|row| / 448.
+  """Per-output-row float8_e4m3fn: w ~= w8 * scale[:, None], scale the power of two >= max|row|/448.
 
-  Returns (w8 [N, K] float8_e4m3fn, scale [N] float32). All-zero rows get scale 1 so that
-  dequantization needs no special case. Rounding is to nearest even (ml_dtypes' cast).
+  Returns (w8 [N, K] float8_e4m3fn, scale [N] float32). A power-of-two scale costs under one
+  bit of range but makes every dequantized weight exactly representable in bf16, so the fp8
+  GEMM (bf16 products, scale in the epilogue) equals a bf16 GEMM on the dequantized weights.
+  All-zero rows get scale 1. Rounding is to nearest even (ml_dtypes' cast).
   """
   w = _check_matrix(w, "quantize_fp8")
-  amax = np.max(np.abs(w), axis=1)
-  scale = np.where(amax > 0, amax / np.float32(FP8_MAX), np.float32(1.0)).astype(np.float32)
+  amax = np.max(np.abs(w), axis=1).astype(np.float64)
+  with np.errstate(divide="ignore"):
+    exponent = np.ceil(np.log2(amax / FP8_MAX))
+  scale = np.where(amax > 0, np.exp2(exponent), 1.0).astype(np.float32)
   # w / scale can round a hair above 448; e4m3fn has no inf, so an overflow would become NaN.
   scaled = np.clip(w / scale[:, None], -FP8_MAX, FP8_MAX)
   return scaled.astype(ml_dtypes.float8_e4m3fn), scale

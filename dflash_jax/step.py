@@ -63,9 +63,10 @@ def attention_knobs(window: int) -> dict:
   return dict(block_k=block_k, splits=splits)
 
 
-def encode(params: DrafterParams, features: jax.Array) -> jax.Array:
+def encode(params: DrafterParams, features: jax.Array, *,
+           impl: str = "pallas") -> jax.Array:
   """features [T, n_target_layers n_embd] -> h [T, n_embd] float32 (fc, then RMS norm)."""
-  return rms_norm(linear(features, params.fc), params.enc_norm, params.cfg.eps)
+  return rms_norm(linear(features, params.fc, impl=impl), params.enc_norm, params.cfg.eps)
 
 
 def inject(params: DrafterParams, ring: RingState, h: jax.Array, positions: jax.Array,
@@ -77,7 +78,7 @@ def inject(params: DrafterParams, ring: RingState, h: jax.Array, positions: jax.
   cfg = params.cfg
   inject_fn, _, _ = _kernels(impl)
   t = h.shape[0]
-  kv = linear(h, params.w_inject).reshape(t, cfg.n_layer, 2, cfg.n_head_kv, cfg.head_dim)
+  kv = linear(h, params.w_inject, impl=impl).reshape(t, cfg.n_layer, 2, cfg.n_head_kv, cfg.head_dim)
   n_valid = jnp.asarray(t if n_valid is None else n_valid, jnp.int32)
   k, v, pos = inject_fn(ring.k, ring.v, ring.pos, kv, params.k_norm_all,
                         jnp.asarray(positions, jnp.int32), n_valid, params.inv_freq, eps=cfg.eps)
@@ -98,15 +99,14 @@ def block_step(params: DrafterParams, ring: RingState, id_last: jax.Array, n_pas
   x = params.tok_embd[tokens].astype(jnp.float32)
   knobs = attention_knobs(ring.window)
   for l, lp in enumerate(params.layers):
-    qkv = linear(rms_norm(x, lp.attn_norm, cfg.eps), lp.wqkv)
+    qkv = linear(rms_norm(x, lp.attn_norm, cfg.eps), lp.wqkv, impl=impl)
     q, k, v = norm_rope_fn(qkv, lp.q_norm, lp.k_norm, n_past, params.inv_freq,
                            n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, eps=cfg.eps)
     o = attn_fn(q, k, v, ring.k, ring.v, ring.pos, n_past, layer=l, **knobs)
-    x = x + linear(o, lp.wo)
-    gu = linear(rms_norm(x, lp.ffn_norm, cfg.eps), lp.wgu)
-    g, u = gu[:, :cfg.n_ff], gu[:, cfg.n_ff:]
-    x = x + linear(jax.nn.silu(g) * u, lp.wd)
-  return linear(rms_norm(x, params.out_norm, cfg.eps), params.lm_head)
+    x = x + linear(o, lp.wo, impl=impl)
+    hidden = linear(rms_norm(x, lp.ffn_norm, cfg.eps), lp.wgu, impl=impl, gate_up=True)
+    x = x + linear(hidden, lp.wd, impl=impl)
+  return linear(rms_norm(x, params.out_norm, cfg.eps), params.lm_head, impl=impl)
 
 
 def greedy_drafts(logits: jax.Array) -> jax.Array:
@@ -132,13 +132,14 @@ def draft_round(params: DrafterParams, ring: RingState, new_features: jax.Array,
   n_past = jnp.asarray(n_past, jnp.int32)
   n_new = jnp.asarray(n_new, jnp.int32)
   positions = n_past - n_new + jnp.arange(new_features.shape[0], dtype=jnp.int32)
-  ring = inject(params, ring, encode(params, new_features), positions, n_new, impl=impl)
+  ring = inject(params, ring, encode(params, new_features, impl=impl), positions, n_new,
+                impl=impl)
   logits = block_step(params, ring, id_last, n_past, impl=impl)
   return ring, greedy_drafts(logits), logits
 
 
 # Jitted entry points. The ring is donated wherever it is returned.
-encode_jit = jax.jit(encode)
+encode_jit = jax.jit(encode, static_argnames=("impl",))
 inject_jit = jax.jit(inject, static_argnames=("impl",), donate_argnames=("ring",))
 block_step_jit = jax.jit(block_step, static_argnames=("impl",))
 draft_round_jit = jax.jit(draft_round, static_argnames=("impl",), donate_argnames=("ring",))

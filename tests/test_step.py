@@ -38,10 +38,11 @@ def _assert_drafts_match(logits, ref_logits, tol):
   """Greedy drafts equal wherever the reference's top-2 gap is clear of the tolerance."""
   ref = np.asarray(ref_logits)[1:]
   top2 = np.sort(ref, axis=-1)[:, -2:]
-  clear = (top2[:, 1] - top2[:, 0]) > 4 * (tol["atol"] + tol["rtol"] * np.abs(top2[:, 1]))
+  # Both logits move by at most the tolerance, so a gap over twice it cannot flip the order.
+  clear = (top2[:, 1] - top2[:, 0]) > 2 * (tol["atol"] + tol["rtol"] * np.abs(top2[:, 1]))
   got = np.asarray(S.greedy_drafts(jnp.asarray(logits)))
   want = np.argmax(ref, axis=-1)
-  assert clear.sum() >= len(clear) // 2, "too few rows with a clear top-2 gap to test drafts"
+  assert clear.sum() >= len(clear) // 3, "too few rows with a clear top-2 gap to test drafts"
   np.testing.assert_array_equal(got[clear], want[clear])
 
 
@@ -204,10 +205,53 @@ def test_missing_target_tensors(missing):
 
 
 def test_bad_dtype_names():
-  with pytest.raises(ValueError, match="dtype"):
+  with pytest.raises(ValueError, match="dtype must be one of"):
     dfj.DFlashDrafter(CFG, _weights(), dtype="fp16")
   with pytest.raises(ValueError, match="ring_dtype"):
     dfj.DFlashDrafter(CFG, _weights(), ring_dtype=jnp.int8)
+
+
+def _dequantized(w, fmt):
+  """Host weights with every matrix replaced by the values the quantized GEMM computes with."""
+  from dflash_jax import quant
+  out = dict(w)
+  for name, a in w.items():
+    if a.ndim == 2 and name != "tok_embd":
+      out[name] = (quant.dequantize_fp8(*quant.quantize_fp8(a)) if fmt == "fp8"
+                   else quant.dequantize_q8_0(*quant.quantize_q8_0(a)))
+  return out
+
+
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+@pytest.mark.parametrize("fmt", ["fp8", "q8_0"])
+def test_quantized_step_is_bf16_step_on_dequantized_weights(fmt, impl):
+  w = _weights()
+  m = dfj.DFlashDrafter(CFG, w, dtype=fmt, ring_dtype="bf16", impl=impl)
+  ref = DFlashRef(CFG, _dequantized(w, fmt), dtype="bf16", ring_dtype="bf16")
+  feats = dfj.synthetic_features(CFG, 40, seed=1)
+  m.inject(m.encode(feats), np.arange(40))
+  ref.inject(ref.encode(feats), np.arange(40))
+  chex.assert_trees_all_close(np.asarray(m.ring.k, np.float32), ref.ring_k, **BF16_TOL)
+  logits = m.capture_step()(9, 40)
+  want = ref.step(9, 40)
+  chex.assert_trees_all_close(np.asarray(logits), want, **BF16_TOL)
+  _assert_drafts_match(logits, want, BF16_TOL)
+
+
+def test_q8_0_blocks_taken_as_stored(tmp_path):
+  """Tensors stored as Q8_0 in the GGUF reach the device as the same int8 blocks."""
+  w = _weights()
+  path = str(tmp_path / "d.gguf")
+  dfj.save_drafter(path, CFG, w, tensor_type="Q8_0")
+  cfg, loaded = dfj.load_drafter(path)
+  loaded["tok_embd"], loaded["lm_head"] = w["tok_embd"], w["lm_head"]
+  blocks = dfj.read_q8_0(path)
+  params = dfj.prepare_weights(cfg, loaded, "q8_0", q8_0_blocks=blocks)
+  qs, d = blocks["blk.1.ffn_down"]
+  np.testing.assert_array_equal(np.asarray(params.layers[1].wd.data), qs)
+  np.testing.assert_array_equal(np.asarray(params.layers[1].wd.scale), d)
+  with pytest.raises(ValueError, match="q8_0_blocks given"):
+    dfj.prepare_weights(cfg, loaded, "fp8", q8_0_blocks=blocks)
 
 
 # ----------------------------------------------------------------------------- GPU, real dims
