@@ -51,16 +51,21 @@ def _kernels(impl: str):
           attn_k.ring_attention_reference)
 
 
-def attention_knobs(window: int) -> dict:
-  """Split-K shape for a ring of `window` slots: 16 splits of one 128-slot tile at 2048 slots
-  (the fastest of the sweep on the H200, benchmarks/RESULTS.md)."""
-  block_k = 128
+def attention_knobs(window: int, ring_dtype) -> dict:
+  """Ring attention launch shape and dot precision, from the H200 sweep (benchmarks/RESULTS.md).
+
+  bf16 ring: 16 splits of one 128-slot tile, 2 bf16 terms per float32 operand (~16 mantissa
+  bits, far finer than the bf16 ring itself). fp32 ring: 64-slot tiles (128 spills when fp32
+  tiles are split three ways) and 3 terms, fp32-accurate like the rest of that path.
+  """
+  bf16 = jnp.dtype(ring_dtype) == jnp.bfloat16
+  block_k = 128 if bf16 else 64
   while block_k > 16 and (window % block_k or window // block_k < 4):
     block_k //= 2
   splits = 16
   while splits > 1 and window % (splits * block_k):
     splits //= 2
-  return dict(block_k=block_k, splits=splits)
+  return dict(block_k=block_k, splits=splits, terms=2 if bf16 else 3)
 
 
 def encode(params: DrafterParams, features: jax.Array, *,
@@ -97,12 +102,15 @@ def block_step(params: DrafterParams, ring: RingState, id_last: jax.Array, n_pas
   tokens = jnp.full((cfg.block_size,), cfg.mask_token_id, jnp.int32)
   tokens = tokens.at[0].set(jnp.asarray(id_last, jnp.int32))
   x = params.tok_embd[tokens].astype(jnp.float32)
-  knobs = attention_knobs(ring.window)
+  knobs = attention_knobs(ring.window, ring.k.dtype)
+  # The output projection rounds its input to bf16 unless its weights are fp32: round here.
+  attn_dtype = jnp.float32 if params.weight_format == "fp32" else jnp.bfloat16
   for l, lp in enumerate(params.layers):
     qkv = linear(rms_norm(x, lp.attn_norm, cfg.eps), lp.wqkv, impl=impl)
     q, k, v = norm_rope_fn(qkv, lp.q_norm, lp.k_norm, n_past, params.inv_freq,
                            n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, eps=cfg.eps)
-    o = attn_fn(q, k, v, ring.k, ring.v, ring.pos, n_past, layer=l, **knobs)
+    o = attn_fn(q, k, v, ring.k, ring.v, ring.pos, n_past, layer=l, out_dtype=attn_dtype,
+                **knobs)
     x = x + linear(o, lp.wo, impl=impl)
     hidden = linear(rms_norm(x, lp.ffn_norm, cfg.eps), lp.wgu, impl=impl, gate_up=True)
     x = x + linear(hidden, lp.wd, impl=impl)

@@ -121,7 +121,7 @@ def _combine_kernel(o_ref, m_ref, l_ref, out_ref):
   w = jnp.exp(m - jnp.max(m, axis=0)[None, :])
   denom = jnp.sum(w * l_ref[...], axis=0)
   num = jnp.sum(w[:, :, None] * o_ref[...], axis=0)
-  out_ref[...] = num / denom[:, None]
+  out_ref[...] = (num / denom[:, None]).astype(out_ref.dtype)
 
 
 def _check_args(name: str, q, k, v, ring_k, ring_v, ring_pos, n_past, layer: int,
@@ -163,17 +163,18 @@ def _check_args(name: str, q, k, v, ring_k, ring_v, ring_pos, n_past, layer: int
 
 
 @functools.partial(jax.jit, static_argnames=["layer", "splits", "block_k", "num_warps",
-                                             "num_stages", "terms", "interpret"])
+                                             "num_stages", "terms", "out_dtype", "interpret"])
 def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, ring_k: jax.Array,
                    ring_v: jax.Array, ring_pos: jax.Array, n_past: jax.Array, *,
                    layer: int, splits: int = 16, block_k: int = 128, num_warps: int = 4,
-                   num_stages: int = 2, terms: int = 3,
+                   num_stages: int = 2, terms: int = 3, out_dtype=jnp.float32,
                    interpret: bool | None = None) -> jax.Array:
   """Attention of the block's queries over its own keys and ring layer `layer`.
 
   q: [Hkv, T*G, D] float32 (row r = token r // G, query head h*G + r % G); k, v: [Hkv, T, D]
   float32; ring_k, ring_v: [L, Hkv, W, D] float32 or bfloat16; ring_pos: [W] int32 (-1 =
-  empty); n_past: int32 scalar. Returns [T, Hq*D] float32, token-major.
+  empty); n_past: int32 scalar. Returns [T, Hq*D] token-major, computed in float32 and
+  stored as out_dtype (bfloat16 when the output projection rounds its input to bf16 anyway).
   Knobs: `splits` ring chunks per kv head, `block_k` ring slots per tile, `num_warps` and
   `num_stages` of the partial kernel, `terms` bf16 parts per float32 dot operand (3: fp32
   accuracy; 2: ~16 mantissa bits, fewer MMAs).
@@ -217,7 +218,7 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, ring_k: jax.Array,
       in_specs=[pl.BlockSpec((None, splits, None, group, d), lambda h, i: (h, 0, i, 0, 0)),
                 stat_spec, stat_spec],
       out_specs=pl.BlockSpec((None, None, group, d), lambda h, i: (i, h, 0, 0)),
-      out_shape=jax.ShapeDtypeStruct((t, hkv, group, d), jnp.float32),
+      out_shape=jax.ShapeDtypeStruct((t, hkv, group, d), out_dtype),
       # No loop to pipeline: one load of the whole [splits, G, D] block per program.
       compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
       interpret=interpret, name="ring_attn_combine",
@@ -226,11 +227,12 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, ring_k: jax.Array,
 
 
 @functools.partial(jax.jit, static_argnames=["layer", "splits", "block_k", "num_warps",
-                                             "num_stages", "terms", "interpret"])
+                                             "num_stages", "terms", "out_dtype", "interpret"])
 def ring_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, ring_k: jax.Array,
                              ring_v: jax.Array, ring_pos: jax.Array, n_past: jax.Array, *,
                              layer: int, splits: int = 16, block_k: int = 128,
                              num_warps: int = 4, num_stages: int = 2, terms: int = 3,
+                             out_dtype=jnp.float32,
                              interpret: bool | None = None) -> jax.Array:
   """Pure-jnp twin of `ring_attention`: the full score matrix, float32, precision HIGHEST.
 
@@ -250,4 +252,4 @@ def ring_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, ring_k: j
   vis = jnp.concatenate([ring_vis, jnp.ones((rows, t), bool)], axis=1)
   p = jax.nn.softmax(jnp.where(vis[None], s, -jnp.inf), axis=-1)
   o = jnp.einsum("hrk,hkd->hrd", p, vals, precision=lax.Precision.HIGHEST)
-  return o.reshape(hkv, t, rows // t, d).transpose(1, 0, 2, 3).reshape(t, -1)
+  return o.reshape(hkv, t, rows // t, d).transpose(1, 0, 2, 3).reshape(t, -1).astype(out_dtype)

@@ -229,3 +229,21 @@ def test_gpu_knobs(splits, block_k):
                                   interpret=False))
   twin = np.asarray(ring_attention_reference(*args, layer=4))
   np.testing.assert_allclose(out, twin, rtol=TOL_TWIN, atol=TOL_TWIN)
+
+
+@pytest.mark.parametrize("ring_dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_two_terms_and_bf16_output(ring_dtype):
+  """terms=2 keeps ~16 mantissa bits per product; out_dtype=bf16 is the rounded float32 result."""
+  args = make_inputs(11, pos=ring_pos_after(90, W), n_past=90, ring_dtype=ring_dtype)
+  ref = numpy_attention(*args[:6], 90, 1)
+  three = np.asarray(ring_attention(*args, layer=1, splits=2, block_k=16, interpret=True))
+  two = np.asarray(ring_attention(*args, layer=1, splits=2, block_k=16, terms=2,
+                                  interpret=True))
+  err3, err2 = np.abs(three - ref).max(), np.abs(two - ref).max()
+  scale = np.abs(ref).max()
+  assert err3 < TOL_F64 and err2 < 2.0 ** -12 * scale, (err3, err2)
+  assert err2 > err3   # the third term is doing something
+  b = ring_attention(*args, layer=1, splits=2, block_k=16, out_dtype=jnp.bfloat16,
+                     interpret=True)
+  assert b.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(b), three.astype(jnp.bfloat16))
