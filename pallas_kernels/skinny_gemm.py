@@ -16,6 +16,14 @@ bfloat16 for the dot (the same rounding a bf16-weight GEMM applies), products ar
 the accumulation is float32, so the kernel matches `skinny_matmul_reference` up to float32
 summation order.
 
+Why q8_0 runs one K = 32 dot per block rather than one dot per block_k tile: a single dot
+needs the weight dequantized before it, and q * d has up to 7 + 11 = 18 significant bits
+(|q| <= 127, d a widened float16), so a bfloat16 q * d is off by up to 2^-8 relative, far
+outside the twin's float32 tolerance; a hi + lo bfloat16 split still leaves 2^-17 and
+doubles the MMAs. Scaling each block's float32 partial keeps every product exact with the
+same MMA instructions as one dot (K steps of 16 either way); the price is per-block work on
+the scale, kept to one strided [block_n] column load from the scale Ref per block.
+
 Grid: (M tiles, N tiles, K splits). M tiles vary fastest so programs that share a weight
 tile run together and the repeat reads hit L2. split_k > 1 gives each program a contiguous
 range of K blocks and sums the float32 partials in jnp: it fills the GPU when N / block_n
@@ -95,18 +103,19 @@ def _skinny_kernel(x_ref, *refs, fmt: str, gate_up: bool, m: int, block_m: int,
         new.append(acc + dot(x, w.astype(jnp.bfloat16)))
       return tuple(new)
     n_sub = block_k // Q8_0_BLOCK
-    d_tiles = [s_ref[:, pl.ds(kb * n_sub, n_sub)] for s_ref in s_refs]
-    col = lax.broadcasted_iota(jnp.int32, (block_n, n_sub), 1)
     accs = list(accs)
     # Scaling each 32-block's partial dot (instead of the bf16 weights) keeps the products
     # exact; the sub-block loads are still 32 contiguous bytes per weight row.
     for c in range(n_sub):
       kc = k0 + c * Q8_0_BLOCK
       x = load_x(kc, Q8_0_BLOCK)
-      for i, w_ref in enumerate(w_refs):
+      for i, (w_ref, s_ref) in enumerate(zip(w_refs, s_refs)):
         w = w_ref[:, pl.ds(kc, Q8_0_BLOCK)].astype(jnp.bfloat16)
-        # Column c of the scale tile without value slicing (unsupported by Triton lowering).
-        d = jnp.sum(jnp.where(col == c, d_tiles[i], 0.0), axis=1)
+        # The block's scale column loaded on its own (4 bytes per row, the rest of each
+        # 32-byte sector hits L1 for the next blocks): extracting it from a loaded
+        # [block_n, n_sub] tile took a masked row sum plus a shared-memory layout
+        # conversion into the accumulator's column layout for every block.
+        d = s_ref[:, kb * n_sub + c]
         accs[i] = accs[i] + dot(x, w) * d[None, :]
     return tuple(accs)
 
