@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.config import DFlashConfig, rope_inv_freq
-from dflash_jax.params import DrafterParams, LayerParams, resolve_dtype
+from dflash_jax.params import (DrafterParams, LayerParams, QuantWeight, resolve_dtype,
+                               resolve_weight_format)
 from dflash_jax.step import RingState
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -72,14 +73,23 @@ def random_params(cfg: DFlashConfig, n_vocab: int, dtype, seed: int = 0) -> Draf
   """Random DrafterParams made on the device, in prepare_weights' layout.
 
   At the real sizes host generation of 2.5B float32s dominates a benchmark run; timing does
-  not depend on the values, only that they stay finite and O(1).
+  not depend on the values, only that they stay finite and O(1). 1-byte formats get random
+  data and scales of the right dtypes (the GEMM streams the same bytes whatever they hold).
   """
-  mdt = resolve_dtype(dtype)
+  fmt = resolve_weight_format(dtype)
   keys = iter(jax.random.split(jax.random.key(seed), 16 + 8 * cfg.n_layer))
   e, d, hq, hkv = cfg.n_embd, cfg.head_dim, cfg.n_head, cfg.n_head_kv
 
   def mat(n_out, n_in):
-    return (jax.random.normal(next(keys), (n_out, n_in), jnp.float32) / np.sqrt(n_in)).astype(mdt)
+    w = jax.random.normal(next(keys), (n_out, n_in), jnp.float32)
+    if fmt == "fp8":
+      return QuantWeight(data=(w * 64).astype(jnp.float8_e4m3fn),
+                         scale=jnp.full((n_out,), 1 / (64 * np.sqrt(n_in)), jnp.float32), fmt=fmt)
+    if fmt == "q8_0":
+      return QuantWeight(data=jnp.clip(w * 40, -127, 127).astype(jnp.int8),
+                         scale=jnp.full((n_out, n_in // 32), 1 / (40 * np.sqrt(n_in)), jnp.float32),
+                         fmt=fmt)
+    return (w / np.sqrt(n_in)).astype(resolve_dtype(fmt))
 
   def norm(n):
     return 1.0 + 0.1 * jax.random.normal(next(keys), (n,), jnp.float32)
@@ -93,7 +103,9 @@ def random_params(cfg: DFlashConfig, n_vocab: int, dtype, seed: int = 0) -> Draf
       w_inject=mat(cfg.n_layer * 2 * hkv * d, e),
       k_norm_all=jnp.stack([norm(d) for _ in range(cfg.n_layer)]),
       inv_freq=jnp.asarray(rope_inv_freq(d, cfg.rope_theta)),
-      tok_embd=mat(n_vocab, e) * jnp.asarray(np.sqrt(e), mdt), lm_head=mat(n_vocab, e),
+      tok_embd=jax.random.normal(next(keys), (n_vocab, e), jnp.float32).astype(
+          jnp.float32 if fmt == "fp32" else jnp.bfloat16),
+      lm_head=mat(n_vocab, e),
       layers=layers, cfg=cfg)
 
 

@@ -45,15 +45,17 @@ def gpu_cases() -> list[Case]:
   seed, qwen = dfj.SEED_CONFIG, dfj.QWEN3_8B_CONFIG
   cases = [Case(f"seed V8192 w{d} r{r}", seed, 8192, d, r)
            for d, r in (("bf16", "bf16"), ("bf16", "fp32"), ("fp32", "bf16"), ("fp32", "fp32"))]
-  cases.append(Case("seed V202048 wbf16 rbf16", seed, 202048, "bf16", "bf16"))
-  cases.append(Case("qwen3-8b V151936 wbf16 rbf16", qwen, 151936, "bf16", "bf16"))
+  cases += [Case(f"seed V8192 w{f} rbf16", seed, 8192, f, "bf16") for f in ("fp8", "q8_0")]
+  cases += [Case(f"seed V202048 w{f} rbf16", seed, 202048, f, "bf16") for f in ("bf16", "fp8")]
+  cases += [Case(f"qwen3-8b V151936 w{f} rbf16", qwen, 151936, f, "bf16") for f in ("bf16", "fp8")]
   return cases
 
 
 def smoke_cases() -> list[Case]:
   cfg = dataclasses.replace(dfj.TINY_CONFIG, window=64)
   return [Case("tiny wbf16 rbf16", cfg, 512, "bf16", "bf16", 64),
-          Case("tiny wfp32 rfp32", cfg, 512, "fp32", "fp32", 64)]
+          Case("tiny wfp32 rfp32", cfg, 512, "fp32", "fp32", 64),
+          Case("tiny wfp8 rbf16", cfg, 512, "fp8", "bf16", 64)]
 
 
 def step_bytes(params: dfj.DrafterParams, ring: S.RingState) -> int:
@@ -129,7 +131,7 @@ def bench_case(case: Case, bw: float, iters: int, torch_peer: bool) -> dict:
   a = np.asarray(step(params, ring, id_last, n_past))
   b = np.asarray(xla(params, ring, id_last, n_past))
   res["pallas_vs_xla_max_abs_logit_diff"] = float(np.abs(a - b).max())
-  if torch_peer:
+  if torch_peer and case.dtype in ("fp32", "bf16"):
     res.update(bench_torch(case, params, ring, a))
   return res
 
@@ -219,6 +221,41 @@ def bench_kernels(bw: float, iters: int, smoke: bool) -> dict:
   return out
 
 
+def bench_quant_accuracy(smoke: bool) -> dict:
+  """fp8 / q8_0 drafters against the unquantized fp32 drafter on the same synthetic weights:
+  logit error and greedy-draft agreement (overall, and where the fp32 top-2 gap is clear of
+  the quantization error)."""
+  cfg = (dataclasses.replace(dfj.TINY_CONFIG, window=64) if smoke else
+         dataclasses.replace(dfj.SEED_CONFIG, n_embd=1024, n_ff=3072, mask_token_id=8191))
+  n_vocab = 512 if smoke else 8192
+  w = dfj.synthetic_drafter(cfg, seed=0, n_vocab=n_vocab)
+  n_rows = 3 * cfg.resolve_window() // 2
+  feats = dfj.synthetic_features(cfg, n_rows, seed=1)
+  rng = np.random.default_rng(2)
+  steps = [(int(rng.integers(n_vocab)), n_rows + int(rng.integers(0, 4))) for _ in range(4 if smoke else 32)]
+
+  def logits(fmt):
+    m = dfj.DFlashDrafter(cfg, w, dtype=fmt, ring_dtype="fp32")
+    m.inject(m.encode(feats), np.arange(n_rows))
+    step = m.capture_step()
+    return np.stack([np.asarray(step(i, n)) for i, n in steps])[:, 1:]   # draft rows only
+
+  ref = logits("fp32")
+  top2 = np.sort(ref, axis=-1)[..., -2:]
+  gap = top2[..., 1] - top2[..., 0]
+  out = {"config": dict(n_embd=cfg.n_embd, n_ff=cfg.n_ff, n_layer=cfg.n_layer, n_vocab=n_vocab),
+         "rows": int(gap.size), "logit_std": float(ref.std())}
+  for fmt in ("bf16", "fp8", "q8_0"):
+    got = logits(fmt)
+    err = np.abs(got - ref)
+    clear = gap > 2 * err.max(axis=-1)   # no error of that size can reorder the top two
+    agree = np.argmax(got, -1) == np.argmax(ref, -1)
+    out[fmt] = dict(max_abs_err=float(err.max()), mean_abs_err=float(err.mean()),
+                    agreement=float(agree.mean()), clear_rows=int(clear.sum()),
+                    agreement_clear=float(agree[clear].mean()) if clear.any() else None)
+  return out
+
+
 def markdown(results: dict) -> str:
   lines = [f"- device: {results['device']}, jax {results['jax']}, commit {results['commit']}",
            f"- command: `{results['command']}`",
@@ -241,6 +278,17 @@ def markdown(results: dict) -> str:
     for r in results["steps"]:
       ph = ", ".join(f"{k} {v:.4f}" for k, v in sorted(r["phases_ms"].items(), key=lambda kv: -kv[1]))
       lines.append(f"- {r['case']}: {ph}")
+  if results.get("quant_accuracy"):
+    qa = results["quant_accuracy"]
+    lines += ["", f"Quantized vs fp32 drafter ({qa['config']}, {qa['rows']} draft rows, logit std "
+              f"{qa['logit_std']:.2f}):", "",
+              "| weights | max abs logit err | mean abs err | greedy agreement | rows with clear gap | agreement there |",
+              "|---|---|---|---|---|---|"]
+    for fmt in ("bf16", "fp8", "q8_0"):
+      r = qa[fmt]
+      ac = "-" if r["agreement_clear"] is None else f"{r['agreement_clear']:.4f}"
+      lines.append(f"| {fmt} | {r['max_abs_err']:.4f} | {r['mean_abs_err']:.5f} | "
+                   f"{r['agreement']:.4f} | {r['clear_rows']} | {ac} |")
   if results.get("kernels"):
     lines += ["", "| kernel | device us | detail |", "|---|---|---|"]
     for k, v in results["kernels"].items():
@@ -280,7 +328,8 @@ def main(argv=None) -> int:
   mode = p.add_mutually_exclusive_group(required=True)
   mode.add_argument("--gpu", action="store_true", help="real dimensions on the GPU")
   mode.add_argument("--smoke", action="store_true", help="tiny dims on any backend (not results)")
-  p.add_argument("--only", default="step,kernels", help="comma list of: step, kernels")
+  p.add_argument("--only", default="step,kernels,quant",
+                 help="comma list of: step, kernels, quant")
   p.add_argument("--cases", default="", help="substring filter on case names")
   p.add_argument("--iters", type=int, default=None)
   p.add_argument("--out", default=None, help="results folder (default results/<UTC stamp>)")
@@ -306,6 +355,9 @@ def main(argv=None) -> int:
   if "kernels" in only:
     results["kernels"] = bench_kernels(bw, iters, smoke=args.smoke)
     print(json.dumps(results["kernels"], indent=1), flush=True)
+  if "quant" in only:
+    results["quant_accuracy"] = bench_quant_accuracy(smoke=args.smoke)
+    print(json.dumps(results["quant_accuracy"], indent=1), flush=True)
   if "step" in only:
     results["steps"] = []
     cases = gpu_cases() if args.gpu else smoke_cases()

@@ -56,15 +56,17 @@ def sweep_attention(bw: float) -> list[dict]:
   return out
 
 
-GEMM_SHAPES = {"qkv": (6144, 6656), "gate_up": (39936, 6656),
+GEMM_SHAPES = {"qkv": (6144, 6656), "o": (6656, 4096), "gate_up": (39936, 6656),
                "down": (6656, 19968), "lm_head8k": (8192, 6656)}
 
 
-def sweep_gemm(bw: float) -> list[dict]:
+def sweep_gemm(bw: float, fmts: tuple[str, ...], shapes: tuple[str, ...]) -> list[dict]:
   rng = np.random.default_rng(0)
   out = []
   x = jnp.asarray(rng.standard_normal((16, 19968), np.float32))
   for name, (n, k) in GEMM_SHAPES.items():
+    if name not in shapes:
+      continue
     w32 = (jax.random.normal(jax.random.key(1), (n, k), jnp.float32) / np.sqrt(k))
     xs = x[:, :k]
     weights = {"bf16": (w32.astype(jnp.bfloat16), None)}
@@ -80,13 +82,18 @@ def sweep_gemm(bw: float) -> list[dict]:
                TBps=None if us is None else n * k * 2 / us / 1e6)
     print(json.dumps(row), flush=True)
     out.append(row)
-    for fmt, (wq, sc) in weights.items():
+    for fmt, (wq, sc) in list(weights.items()) + [("q8_0_exact", weights["q8_0"])]:
+      if fmt not in fmts:
+        continue
+      G._EXACT_Q8_0 = fmt == "q8_0_exact"
+      jax.clear_caches()
+      kfmt = "q8_0" if fmt == "q8_0_exact" else fmt
       nbytes = wq.nbytes + (0 if sc is None else sc.nbytes)
       splits = (1, 4) if n <= 8192 else (1,)
       for bn, bk, ns, nw, sk in itertools.product((32, 64), (128, 256), (3,), (4,), splits):
         if k % (bk * sk) and sk > 1:
           continue
-        f = functools.partial(G.skinny_matmul, fmt=fmt, block_n=bn, block_k=bk, num_stages=ns,
+        f = functools.partial(G.skinny_matmul, fmt=kfmt, block_n=bn, block_k=bk, num_stages=ns,
                               num_warps=nw, split_k=sk)
         us, err = _time(f, xs, wq, sc)
         row = dict(kernel="skinny", fmt=fmt, shape=name, n=n, k=k, block_n=bn, block_k=bk,
@@ -101,6 +108,8 @@ def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("what", nargs="*", default=["attention", "gemm"])
   p.add_argument("--out", default="sweep.json")
+  p.add_argument("--fmts", default="bf16,fp8,q8_0", help="GEMM formats (q8_0_exact: A/B)")
+  p.add_argument("--shapes", default=",".join(GEMM_SHAPES))
   args = p.parse_args(argv)
   bw = C.copy_bandwidth(1 << 30)
   print(f"copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
@@ -108,7 +117,7 @@ def main(argv=None) -> int:
   if "attention" in args.what:
     res["rows"] += sweep_attention(bw)
   if "gemm" in args.what:
-    res["rows"] += sweep_gemm(bw)
+    res["rows"] += sweep_gemm(bw, tuple(args.fmts.split(",")), tuple(args.shapes.split(",")))
   with open(args.out, "w") as f:
     json.dump(res, f, indent=1)
   return 0

@@ -8,11 +8,14 @@ def test_benchmark_smoke_run(tmp_path):
   assert run.main(["--smoke", "--iters", "2", "--out", str(tmp_path)]) == 0
   res = json.loads((tmp_path / "bench.json").read_text())
   assert res["smoke"] and res["copy_bw_TBps"] > 0
-  assert len(res["steps"]) == 2
+  assert [r["dtype"] for r in res["steps"]] == ["bf16", "fp32", "fp8"]
   for r in res["steps"]:
     assert r["step_device_ms"] > 0 and r["bytes"] > 0
     # The Pallas step and the plain-XLA peer compute the same logits.
     assert r["pallas_vs_xla_max_abs_logit_diff"] < 2e-2, r["case"]
   assert {"ring_attention_bf16", "inject16_fp32", "qk_norm_rope", "accept"} <= set(res["kernels"])
+  qa = res["quant_accuracy"]
+  for fmt in ("bf16", "fp8", "q8_0"):
+    assert 0 < qa[fmt]["max_abs_err"] < 2.0 and qa[fmt]["agreement"] > 0.5, (fmt, qa[fmt])
   assert (tmp_path / "bench.md").read_text().startswith("- device:")
   assert (tmp_path / "phases.png").stat().st_size > 1000

@@ -45,7 +45,8 @@ def make_weights(fmt: str, w: np.ndarray):
     w8, s = quantize_fp8(w)
     return jnp.asarray(w8), jnp.asarray(s), dequantize_fp8(w8, s).astype(np.float64)
   qs, d = quantize_q8_0(w)
-  return jnp.asarray(qs), jnp.asarray(d), dequantize_q8_0(qs, d).astype(np.float64)
+  # q8_0 computes with the dequantized weights rounded to bf16 (see skinny_gemm's docstring).
+  return jnp.asarray(qs), jnp.asarray(d), bf16_round(dequantize_q8_0(qs, d))
 
 
 def oracle(x: np.ndarray, wd: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
