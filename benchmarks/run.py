@@ -330,7 +330,7 @@ def main(argv=None) -> int:
   mode.add_argument("--smoke", action="store_true", help="tiny dims on any backend (not results)")
   p.add_argument("--only", default="step,kernels,quant",
                  help="comma list of: step, kernels, quant")
-  p.add_argument("--cases", default="", help="substring filter on case names")
+  p.add_argument("--cases", default="", help="comma list of substrings; a case runs if any matches")
   p.add_argument("--iters", type=int, default=None)
   p.add_argument("--out", default=None, help="results folder (default results/<UTC stamp>)")
   args = p.parse_args(argv)
@@ -362,7 +362,7 @@ def main(argv=None) -> int:
     results["steps"] = []
     cases = gpu_cases() if args.gpu else smoke_cases()
     for case in cases:
-      if args.cases and args.cases not in case.name:
+      if args.cases and not any(c in case.name for c in args.cases.split(",")):
         continue
       t0 = time.perf_counter()
       r = bench_case(case, bw, iters, torch_peer=args.gpu)
