@@ -82,18 +82,15 @@ def sweep_gemm(bw: float, fmts: tuple[str, ...], shapes: tuple[str, ...]) -> lis
                TBps=None if us is None else n * k * 2 / us / 1e6)
     print(json.dumps(row), flush=True)
     out.append(row)
-    for fmt, (wq, sc) in list(weights.items()) + [("q8_0_exact", weights["q8_0"])]:
+    for fmt, (wq, sc) in weights.items():
       if fmt not in fmts:
         continue
-      G._EXACT_Q8_0 = fmt == "q8_0_exact"
-      jax.clear_caches()
-      kfmt = "q8_0" if fmt == "q8_0_exact" else fmt
       nbytes = wq.nbytes + (0 if sc is None else sc.nbytes)
       splits = (1, 4) if n <= 8192 else (1,)
       for bn, bk, ns, nw, sk in itertools.product((32, 64), (128, 256), (3,), (4,), splits):
         if k % (bk * sk) and sk > 1:
           continue
-        f = functools.partial(G.skinny_matmul, fmt=kfmt, block_n=bn, block_k=bk, num_stages=ns,
+        f = functools.partial(G.skinny_matmul, fmt=fmt, block_n=bn, block_k=bk, num_stages=ns,
                               num_warps=nw, split_k=sk)
         us, err = _time(f, xs, wq, sc)
         row = dict(kernel="skinny", fmt=fmt, shape=name, n=n, k=k, block_n=bn, block_k=bk,
@@ -108,7 +105,7 @@ def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("what", nargs="*", default=["attention", "gemm"])
   p.add_argument("--out", default="sweep.json")
-  p.add_argument("--fmts", default="bf16,fp8,q8_0", help="GEMM formats (q8_0_exact: A/B)")
+  p.add_argument("--fmts", default="bf16,fp8,q8_0", help="GEMM formats")
   p.add_argument("--shapes", default=",".join(GEMM_SHAPES))
   args = p.parse_args(argv)
   bw = C.copy_bandwidth(1 << 30)

@@ -17,7 +17,8 @@ the accumulation is float32, so the kernel matches `skinny_matmul_reference` up 
 summation order.
 
 q8_0 dequantizes in registers: the int8 tile widened to float32, times its [block_n,
-block_k / 32] scales, rounded to bfloat16, one dot per K tile. So every format computes a
+block_k / 32] scales, rounded to bfloat16, one dot per K tile (1.7x faster on the H200 than
+an exact formulation with one K=32 dot per block and float32-scaled partials, RESULTS.md). So every format computes a
 bf16 GEMM on round_bf16(dequantized weights): the quantized drafter equals the bf16 drafter
 on the dequantized weights (for fp8 with power-of-two row scales the rounding is exact).
 
@@ -43,9 +44,6 @@ Q8_0_BLOCK = 32
 _WEIGHT_DTYPE = {"bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn, "q8_0": jnp.int8}
 _DOT_NT = (((1,), (1,)), ((), ()))  # x [m, k] . w [n, k] -> [m, n]
 _MAX_DEFAULT_BLOCK_M = 64
-# Temporary A/B switch for one H200 sweep: the earlier exact q8_0 formulation (one K=32 dot per
-# block, float32 partials scaled). Not part of the API; removed after the measurement.
-_EXACT_Q8_0 = False
 
 
 def _default_block_m(m: int) -> int:
@@ -59,7 +57,7 @@ def _silu_mul(g: jax.Array, u: jax.Array) -> jax.Array:
 
 
 def _skinny_kernel(x_ref, *refs, fmt: str, gate_up: bool, m: int, block_m: int,
-                   block_k: int, split_k: int, kb_total: int, exact_q8_0: bool = False):
+                   block_k: int, split_k: int, kb_total: int):
   """One [block_m, block_n] output tile (two weight streams when gate_up)."""
   n_w = 2 if gate_up else 1
   w_refs = refs[:n_w]
@@ -103,24 +101,14 @@ def _skinny_kernel(x_ref, *refs, fmt: str, gate_up: bool, m: int, block_m: int,
         new.append(acc + dot(x, w.astype(jnp.bfloat16)))
       return tuple(new)
     n_sub = block_k // Q8_0_BLOCK
-    if not exact_q8_0:
-      x = load_x(k0, block_k)
-      new = []
-      for w_ref, s_ref, acc in zip(w_refs, s_refs, accs):
-        w = w_ref[:, pl.ds(k0, block_k)].astype(jnp.float32).reshape(block_n, n_sub, Q8_0_BLOCK)
-        d = s_ref[:, pl.ds(kb * n_sub, n_sub)]
-        w = (w * d[:, :, None]).reshape(block_n, block_k).astype(jnp.bfloat16)
-        new.append(acc + dot(x, w))
-      return tuple(new)
-    accs = list(accs)
-    for c in range(n_sub):
-      kc = k0 + c * Q8_0_BLOCK
-      x = load_x(kc, Q8_0_BLOCK)
-      for i, (w_ref, s_ref) in enumerate(zip(w_refs, s_refs)):
-        w = w_ref[:, pl.ds(kc, Q8_0_BLOCK)].astype(jnp.bfloat16)
-        d = s_ref[:, kb * n_sub + c]
-        accs[i] = accs[i] + dot(x, w) * d[None, :]
-    return tuple(accs)
+    x = load_x(k0, block_k)
+    new = []
+    for w_ref, s_ref, acc in zip(w_refs, s_refs, accs):
+      w = w_ref[:, pl.ds(k0, block_k)].astype(jnp.float32).reshape(block_n, n_sub, Q8_0_BLOCK)
+      d = s_ref[:, pl.ds(kb * n_sub, n_sub)]
+      w = (w * d[:, :, None]).reshape(block_n, block_k).astype(jnp.bfloat16)
+      new.append(acc + dot(x, w))
+    return tuple(new)
 
   zeros = tuple(jnp.zeros((block_m, block_n), jnp.float32) for _ in w_refs)
   accs = lax.fori_loop(0, n_iter, body, zeros)
@@ -196,7 +184,7 @@ def _launch(x, w, scale, *, fmt: str, gate_up: bool, block_m: int, block_n: int,
     out_shape = jax.ShapeDtypeStruct((split_k, m, n_out), jnp.float32)
     out_spec = pl.BlockSpec((None, block_m, block_n), lambda i, j, s: (s, i, j))
 
-  kernel = functools.partial(_skinny_kernel, exact_q8_0=_EXACT_Q8_0, fmt=fmt, gate_up=gate_up, m=m, block_m=block_m,
+  kernel = functools.partial(_skinny_kernel, fmt=fmt, gate_up=gate_up, m=m, block_m=block_m,
                              block_k=block_k, split_k=split_k, kb_total=k // block_k)
   return pl.pallas_call(
       kernel,

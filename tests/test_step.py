@@ -275,7 +275,7 @@ def test_gpu_real_dims_match_reference(dtype, ring_dtype):
 @pytest.mark.gpu
 def test_gpu_draft_round_aliases_ring_without_copy():
   cfg = dataclasses.replace(dfj.SEED_CONFIG, n_layer=2)
-  params = dfj.prepare_weights(cfg, dfj.synthetic_drafter(cfg, n_vocab=1024), "bf16")
+  params = dfj.prepare_weights(cfg, dfj.synthetic_drafter(cfg, n_vocab=8192), "bf16")
   ring = dfj.init_ring(cfg, ring_dtype="bf16")
   feats = jnp.asarray(dfj.synthetic_features(cfg, cfg.block_size))
   args = (params, ring, feats, 4, 1, 20)
@@ -297,7 +297,7 @@ def test_gpu_step_runs_as_one_command_buffer(tmp_path):
       import dataclasses, jax, jax.numpy as jnp, dflash_jax as dfj
       from dflash_jax import step as S
       cfg = dataclasses.replace(dfj.SEED_CONFIG, n_layer=2)
-      params = dfj.prepare_weights(cfg, dfj.synthetic_drafter(cfg, n_vocab=1024), "bf16")
+      params = dfj.prepare_weights(cfg, dfj.synthetic_drafter(cfg, n_vocab=8192), "bf16")
       ring = dfj.init_ring(cfg, ring_dtype="bf16")
       feats = jnp.asarray(dfj.synthetic_features(cfg, cfg.block_size))
       ring, d, l = S.draft_round_jit(params, ring, feats, 4, 1, 20)
