@@ -101,6 +101,29 @@ def sweep_gemm(bw: float, fmts: tuple[str, ...], shapes: tuple[str, ...]) -> lis
   return out
 
 
+def sweep_gate_up(fmts: tuple[str, ...]) -> list[dict]:
+  """The fused gate+up kernel (two weight streams, silu * up epilogue) at the seed's size."""
+  n_ff, k = 19968, 6656
+  x = jax.random.normal(jax.random.key(0), (16, k), jnp.float32)
+  w32 = np.asarray(jax.random.normal(jax.random.key(1), (2 * n_ff, k), jnp.float32)) / np.sqrt(k)
+  out = []
+  for fmt in fmts:
+    if fmt == "fp8":
+      wq, sc = (jnp.asarray(a) for a in quantize_fp8(w32))
+    else:
+      wq, sc = (jnp.asarray(a) for a in quantize_q8_0(w32))
+    nbytes = wq.nbytes + sc.nbytes
+    for bn, bk, nw in itertools.product((32, 64), (128, 256), (4, 8)):
+      f = functools.partial(G.skinny_matmul_gate_up, fmt=fmt, block_n=bn, block_k=bk,
+                            num_warps=nw, num_stages=3)
+      us, err = _time(f, x, wq, sc)
+      row = dict(kernel="skinny_gate_up", fmt=fmt, block_n=bn, block_k=bk, num_warps=nw,
+                 us=us, err=err, TBps=None if us is None else nbytes / us / 1e6)
+      print(json.dumps(row), flush=True)
+      out.append(row)
+  return out
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("what", nargs="*", default=["attention", "gemm"])
@@ -113,6 +136,8 @@ def main(argv=None) -> int:
   res = dict(copy_bw_TBps=bw / 1e12, device=jax.devices()[0].device_kind, rows=[])
   if "attention" in args.what:
     res["rows"] += sweep_attention(bw)
+  if "gate_up" in args.what:
+    res["rows"] += sweep_gate_up(tuple(f for f in args.fmts.split(",") if f != "bf16"))
   if "gemm" in args.what:
     res["rows"] += sweep_gemm(bw, tuple(args.fmts.split(",")), tuple(args.shapes.split(",")))
   with open(args.out, "w") as f:
