@@ -196,14 +196,16 @@ def prepare_weights(cfg: DFlashConfig, w: dict[str, np.ndarray], dtype: Any = "f
       lm_head=mat("lm_head"), layers=tuple(layers), cfg=cfg)
 
 
-def gemm_knobs(n: int, k: int) -> dict:
-  """Skinny-GEMM tiles from the H200 sweep (benchmarks/RESULTS.md): 64 x 128 tiles, and K
-  split 4 ways when the N tiles alone (N/64) cannot fill the GPU's 132 SMs several times."""
-  block_k = 128
+def gemm_knobs(fmt: str, n: int, k: int, gate_up: bool = False) -> dict:
+  """Skinny-GEMM tiles from the H200 sweeps (benchmarks/RESULTS.md, runs 2-5): 128-wide K
+  tiles (256 for q8_0's fused gate+up), 32-row N tiles for q8_0 and for the fused gate+up (two
+  accumulators), and K split 4 ways when N / block_n alone cannot fill the 132 SMs."""
+  block_k = 256 if fmt == "q8_0" and gate_up else 128
   while block_k > 32 and k % block_k:
     block_k //= 2
-  split_k = 4 if n <= 16384 and k // block_k >= 16 else 1
-  return dict(block_n=64, block_k=block_k, split_k=split_k, num_stages=3)
+  block_n = 32 if (fmt == "q8_0" or gate_up) else 64
+  split_k = 4 if not gate_up and n <= 16384 and k // block_k >= 16 else 1
+  return dict(block_n=block_n, block_k=block_k, split_k=split_k, num_stages=3)
 
 
 def linear(x: jax.Array, w, *, impl: str = "pallas", gate_up: bool = False) -> jax.Array:
@@ -222,7 +224,8 @@ def linear(x: jax.Array, w, *, impl: str = "pallas", gate_up: bool = False) -> j
             else skinny_gemm.skinny_matmul_reference)
       return fn(x, w.data, w.scale, fmt=w.fmt)
     fn = skinny_gemm.skinny_matmul_gate_up if gate_up else skinny_gemm.skinny_matmul
-    return fn(x, w.data, w.scale, fmt=w.fmt, **gemm_knobs(n // 2 if gate_up else n, k))
+    return fn(x, w.data, w.scale, fmt=w.fmt,
+              **gemm_knobs(w.fmt, n // 2 if gate_up else n, k, gate_up))
   dims = (((x.ndim - 1,), (1,)), ((), ()))
   if w.dtype == jnp.bfloat16:
     y = jax.lax.dot_general(x.astype(jnp.bfloat16), w, dims, preferred_element_type=jnp.float32)
