@@ -119,7 +119,8 @@ def full_ring(cfg: DFlashConfig, window: int, ring_dtype, seed: int = 1) -> Ring
                    pos=jnp.arange(window, dtype=jnp.int32))
 
 
-GEMM_RE = re.compile(r"gemm|gemv|xmma|nvjet|cutlass|cublas|matmul|sm90|sm80|triton_dot|dot_", re.I)
+GEMM_RE = re.compile(r"gemm|gemv|xmma|nvjet|cutlass|cublas|matmul|sm90|sm80|triton_dot|dot_|skinny",
+                     re.I)
 
 
 def classify(name: str, pallas_names: dict[str, str]) -> str:

@@ -26,8 +26,9 @@ import dflash_jax as dfj
 from benchmarks import common as C
 from dflash_jax import step as S
 
+# The fused (non-GEMM) Pallas kernels; the Pallas skinny GEMM counts as a GEMM (common.GEMM_RE).
 PALLAS = {"inject": "inject", "qk_norm_rope": "norm_rope", "ring_attn": "attention",
-          "accept": "accept", "skinny": "skinny_gemm"}
+          "accept": "accept"}
 GEMM_GROUPS = ("qkv", "o", "gate_up", "down")
 
 
