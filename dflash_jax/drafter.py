@@ -67,6 +67,8 @@ class DFlashDrafter:
     self.impl = impl
     self.params = prepare_weights(cfg, w, dtype, q8_0_blocks)
     self._ring = S.init_ring(cfg, window, ring_dtype)
+    if impl == "pallas":
+      S.attention_knobs(self._ring.window, self._ring.k.dtype)   # window limits, before use
     self.n_vocab = self.params.n_vocab
     self.max_position = -1   # highest position injected so far (host bookkeeping)
 
@@ -134,10 +136,14 @@ class DFlashDrafter:
                             jnp.asarray(n_past, jnp.int32), impl=self.impl)
 
   def accept(self, drafts, target_tokens) -> jax.Array:
+    """Agreeing prefix length; target_tokens may carry extra trailing entries (the bonus token
+    after the last draft), which are not compared."""
     d, t = jnp.asarray(drafts), jnp.asarray(target_tokens)
-    if d.shape != t.shape or d.ndim not in (1, 2):
-      raise ValueError(f"drafts and target_tokens must share a [n] or [B, n] shape, got "
-                       f"{list(d.shape)} and {list(t.shape)}")
+    if (d.ndim not in (1, 2) or t.ndim != d.ndim or t.shape[:-1] != d.shape[:-1]
+        or t.shape[-1] < d.shape[-1]):
+      raise ValueError(f"drafts [n] or [B, n] and target_tokens with at least n entries per row "
+                       f"needed, got {list(d.shape)} and {list(t.shape)}")
+    t = t[..., :d.shape[-1]]
     if not (jnp.issubdtype(d.dtype, jnp.integer) and jnp.issubdtype(t.dtype, jnp.integer)):
       raise ValueError(f"drafts and target_tokens must be integer, got {d.dtype} and {t.dtype}")
     return S.accept_jit(d, t, impl=self.impl)

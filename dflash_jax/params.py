@@ -164,6 +164,12 @@ def prepare_weights(cfg: DFlashConfig, w: dict[str, np.ndarray], dtype: Any = "f
     return quant.quantize_q8_0(w[name])
 
   def mat(*names):
+    if fmt in ("fp8", "q8_0"):
+      for n in names:
+        n_out, k = np.shape(w[n])
+        if n_out % 16 or k % 32:
+          raise ValueError(f"dtype {fmt!r}: tensor '{n}' is [{n_out}, {k}]; the skinny GEMM "
+                           "needs rows (N) a multiple of 16 and columns (K) a multiple of 32")
     if fmt == "q8_0":
       parts = [host_q8_0(n) for n in names]
       return QuantWeight(data=jnp.asarray(np.concatenate([p[0] for p in parts])),
@@ -204,6 +210,8 @@ def gemm_knobs(fmt: str, n: int, k: int, gate_up: bool = False) -> dict:
   while block_k > 32 and k % block_k:
     block_k //= 2
   block_n = 32 if (fmt == "q8_0" or gate_up) else 64
+  while block_n > 16 and n % block_n:
+    block_n //= 2
   split_k = 4 if not gate_up and n <= 16384 and k // block_k >= 16 else 1
   return dict(block_n=block_n, block_k=block_k, split_k=split_k, num_stages=3)
 

@@ -58,13 +58,11 @@ def attention_knobs(window: int, ring_dtype) -> dict:
   bits, far finer than the bf16 ring itself). fp32 ring: 64-slot tiles (128 spills when fp32
   tiles are split three ways) and 3 terms, fp32-accurate like the rest of that path.
   """
+  if window < 16 or window & (window - 1):
+    raise ValueError(f"the Pallas ring attention needs a power-of-2 window >= 16, got {window}")
   bf16 = jnp.dtype(ring_dtype) == jnp.bfloat16
-  block_k = 128 if bf16 else 64
-  while block_k > 16 and (window % block_k or window // block_k < 4):
-    block_k //= 2
-  splits = 16
-  while splits > 1 and window % (splits * block_k):
-    splits //= 2
+  block_k = max(16, min(128 if bf16 else 64, window // 4))
+  splits = max(1, min(16, window // block_k))
   return dict(block_k=block_k, splits=splits, terms=2 if bf16 else 3)
 
 

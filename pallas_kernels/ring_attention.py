@@ -160,6 +160,9 @@ def _check_args(name: str, q, k, v, ring_k, ring_v, ring_pos, n_past, layer: int
   check(w > 0 and w % (splits * block_k) == 0, name,
         "W must be a positive multiple of splits * block_k",
         (w, splits, block_k))
+  check(is_pow2(w // splits), name,
+        "W / splits must be a power of 2 (a split's positions load as one Triton tile)",
+        (w, splits))
 
 
 @functools.partial(jax.jit, static_argnames=["layer", "splits", "block_k", "num_warps",

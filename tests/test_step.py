@@ -186,7 +186,8 @@ def test_bad_inputs_raise_before_state_changes():
       (lambda: m.step(1, 4), "not past the injected positions"),
       (lambda: m.step(1, -2), "out of range"),
       (lambda: m.capture_step()(1, 3), "not past the injected positions"),
-      (lambda: m.accept(np.arange(3), np.arange(4.0)), "integer|shape"),
+      (lambda: m.accept(np.arange(3), np.arange(4.0)), "integer"),
+      (lambda: m.accept(np.arange(3), np.arange(2)), "at least n entries"),
       (lambda: m.draft_round(feats, 9, 1, 20), "n_new"),
   ]
   for fn, msg in cases:
@@ -202,6 +203,24 @@ def test_missing_target_tensors(missing):
   del w[missing]
   with pytest.raises(ValueError, match=missing):
     dfj.DFlashDrafter(CFG, w)
+
+
+def test_accept_ignores_the_bonus_entry():
+  m = dfj.DFlashDrafter(CFG, _weights())
+  d = np.array([4, 5, 6, 7], np.int32)
+  assert int(m.accept(d, np.array([4, 5, 6, 7, 99], np.int32))) == 4
+  assert int(m.accept(d, np.array([4, 9, 6, 7, 99], np.int32))) == 1
+  batched = m.accept(np.stack([d, d]), np.array([[4, 5, 0, 7, 1], [0, 5, 6, 7, 1]], np.int32))
+  np.testing.assert_array_equal(np.asarray(batched), [2, 0])
+
+
+def test_window_and_quantized_shape_limits():
+  with pytest.raises(ValueError, match="power-of-2 window"):
+    dfj.DFlashDrafter(CFG, _weights(), window=48)
+  dfj.DFlashDrafter(CFG, _weights(), window=48, impl="xla")     # the jnp twins have no limit
+  w = dfj.synthetic_drafter(CFG, n_vocab=500)
+  with pytest.raises(ValueError, match="'lm_head' is \\[500, 64\\].*multiple of 16"):
+    dfj.prepare_weights(CFG, w, "fp8")
 
 
 def test_bad_dtype_names():
