@@ -189,12 +189,17 @@ def test_bad_inputs_raise_before_state_changes():
       (lambda: m.accept(np.arange(3), np.arange(4.0)), "integer"),
       (lambda: m.accept(np.arange(3), np.arange(2)), "at least n entries"),
       (lambda: m.draft_round(feats, 9, 1, 20), "n_new"),
+      (lambda: m.draft_round(np.where(np.arange(5)[:, None] == 2, np.inf, feats), 3, 1, 20),
+       "NaN or Inf"),
   ]
   for fn, msg in cases:
     with pytest.raises(ValueError, match=msg):
       fn()
   chex.assert_trees_all_equal(_ring_snapshot(m), before)
   assert m.max_position == 4
+  # Rows past n_new are padding: a NaN there is never injected and is not an error.
+  m.draft_round(np.where(np.arange(5)[:, None] == 4, np.nan, feats), 3, 1, 20)
+  assert m.max_position == 19
 
 
 @pytest.mark.parametrize("missing", ["tok_embd", "lm_head"])
