@@ -79,53 +79,62 @@ def test_pallas_and_xla_paths_agree():
   chex.assert_trees_all_close(np.asarray(a.step(5, 45)), np.asarray(b.step(5, 45)), **BF16_TOL)
 
 
-def test_draft_round_equals_inject_then_step():
-  w = _weights()
-  params = dfj.prepare_weights(CFG, w, "fp32")
-  ring = dfj.init_ring(CFG)
-  feats = jnp.asarray(dfj.synthetic_features(CFG, 20, seed=3))
-  ring = S.inject_jit(params, ring, dfj.encode(params, feats), jnp.arange(20, dtype=jnp.int32))
-  new = jnp.asarray(dfj.synthetic_features(CFG, CFG.block_size, seed=4))
-  n_new, n_past, id_last = 3, 23, 11
+def check_draft_round_equals_inject_then_step(cfg, w, dtype, n_prefill):
+  params = dfj.prepare_weights(cfg, w, dtype)
+  ring = dfj.init_ring(cfg, ring_dtype=dtype)
+  feats = jnp.asarray(dfj.synthetic_features(cfg, n_prefill, seed=3))
+  ring = S.inject_jit(params, ring, dfj.encode(params, feats),
+                      jnp.arange(n_prefill, dtype=jnp.int32))
+  new = jnp.asarray(dfj.synthetic_features(cfg, cfg.block_size, seed=4))
+  n_new, n_past, id_last = 3, n_prefill + 3, 11
   ring_copy = jax.tree.map(jnp.copy, ring)
   ring_a, drafts, logits = S.draft_round_jit(params, ring, new, n_new, id_last, n_past)
   ring_b = S.inject_jit(params, ring_copy, dfj.encode(params, new[:n_new]),
-                        jnp.arange(20, 23, dtype=jnp.int32))
+                        jnp.arange(n_prefill, n_past, dtype=jnp.int32))
   logits_b = S.block_step_jit(params, ring_b, id_last, n_past)
   chex.assert_trees_all_equal(jax.tree.map(np.asarray, ring_a), jax.tree.map(np.asarray, ring_b))
   chex.assert_trees_all_close(np.asarray(logits), np.asarray(logits_b), atol=1e-6, rtol=1e-6)
   np.testing.assert_array_equal(np.asarray(drafts), np.asarray(S.greedy_drafts(logits_b)))
 
 
-def test_captured_step_replays_bitwise_and_leaves_ring_unchanged():
-  m, _ = _prefilled("bf16", "bf16", "pallas")
+def test_draft_round_equals_inject_then_step():
+  check_draft_round_equals_inject_then_step(CFG, _weights(), "fp32", 20)
+
+
+def check_replay_bitwise(m, id_last, n_past, replays=100):
+  """The captured step replayed between unrelated jitted and eager work: bitwise identical
+  logits every time, and the ring untouched."""
   step = m.capture_step()
   ring_before = jax.tree.map(np.asarray, m.ring)
-  first = np.asarray(step(7, 45))
+  first = np.asarray(step(id_last, n_past))
   unrelated = jax.jit(lambda a: jnp.tanh(a @ a.T).sum(0))
   x = jnp.asarray(np.random.default_rng(0).standard_normal((64, 64), np.float32))
-  for i in range(100):
+  for i in range(replays):
     x = x + 0.01 * unrelated(x)[None, :]          # unrelated jitted work
     _ = np.linalg.norm(np.asarray(x)) + i          # and eager host work in between
-    np.testing.assert_array_equal(np.asarray(step(7, 45)), first)
+    np.testing.assert_array_equal(np.asarray(step(id_last, n_past)), first)
   chex.assert_trees_all_equal(jax.tree.map(np.asarray, m.ring), ring_before)
 
 
-@pytest.mark.parametrize("dtype,ring_dtype", [("fp32", "fp32"), ("bf16", "bf16")])
-def test_speculative_loop_matches_reference(dtype, ring_dtype):
-  """Rounds of SPEC.md section 4 with random acceptances; the ring wraps several times."""
-  rng = np.random.default_rng(5)
-  w = _weights(seed=2)
-  m = dfj.DFlashDrafter(CFG, w, dtype=dtype, ring_dtype=ring_dtype)
-  ref = DFlashRef(CFG, w, dtype=dtype, ring_dtype=ring_dtype)
-  bsz, prompt = CFG.block_size, 12
-  feats = dfj.synthetic_features(CFG, prompt - 1, seed=9)
+def test_captured_step_replays_bitwise_and_leaves_ring_unchanged():
+  m, _ = _prefilled("bf16", "bf16", "pallas")
+  check_replay_bitwise(m, 7, 45)
+
+
+def check_speculative_loop(cfg, w, dtype, ring_dtype, prompt, rounds, seed=5):
+  """Rounds of SPEC.md section 4 with random acceptances, drafter against the reference."""
+  rng = np.random.default_rng(seed)
+  vocab = w["tok_embd"].shape[0]
+  m = dfj.DFlashDrafter(cfg, w, dtype=dtype, ring_dtype=ring_dtype)
+  ref = DFlashRef(cfg, w, dtype=dtype, ring_dtype=ring_dtype)
+  bsz = cfg.block_size
+  feats = dfj.synthetic_features(cfg, prompt - 1, seed=9)
   m.inject(m.encode(feats), np.arange(prompt - 1))
   ref.inject(ref.encode(feats), np.arange(prompt - 1))
   id_last, n_past, n_new = 42, prompt - 1, 0
-  pending = np.zeros((bsz, CFG.n_embd_fc), np.float32)
+  pending = np.zeros((bsz, cfg.n_embd_fc), np.float32)
   tol = _tol(dtype, ring_dtype)
-  for r in range(14):
+  for r in range(rounds):
     drafts, logits = m.draft_round(pending, n_new, id_last, n_past)
     want_logits = ref.step(id_last, n_past)
     chex.assert_trees_all_close(np.asarray(logits), want_logits, **tol)
@@ -133,17 +142,23 @@ def test_speculative_loop_matches_reference(dtype, ring_dtype):
     n_ok = int(rng.integers(0, bsz))
     target = ref_drafts.copy()
     if n_ok < bsz - 1:
-      target[n_ok] = (target[n_ok] + 1) % VOCAB
+      target[n_ok] = (target[n_ok] + 1) % vocab
     assert int(m.accept(ref_drafts, target)) == ref.accept(ref_drafts, target) == n_ok
-    pending = dfj.synthetic_features(CFG, bsz, seed=100 + r)
+    pending = dfj.synthetic_features(cfg, bsz, seed=100 + r)
     n_new = n_ok + 1
     ref.inject(ref.encode(pending[:n_new]), n_past + np.arange(n_new))
     n_past += n_new
-    id_last = int(target[n_ok]) if n_ok < bsz - 1 else int(rng.integers(VOCAB))
-  assert n_past > 2 * CFG.resolve_window()
+    id_last = int(target[n_ok]) if n_ok < bsz - 1 else int(rng.integers(vocab))
   drafts, logits = m.draft_round(pending, n_new, id_last, n_past)   # injects the last round's rows
   np.testing.assert_array_equal(np.asarray(m.ring.pos), ref.ring_pos)
   chex.assert_trees_all_close(np.asarray(logits), ref.step(id_last, n_past), **tol)
+  return n_past
+
+
+@pytest.mark.parametrize("dtype,ring_dtype", [("fp32", "fp32"), ("bf16", "bf16")])
+def test_speculative_loop_matches_reference(dtype, ring_dtype):
+  n_past = check_speculative_loop(CFG, _weights(seed=2), dtype, ring_dtype, prompt=12, rounds=14)
+  assert n_past > 2 * CFG.resolve_window()          # the ring wrapped several times
 
 
 def test_inject_donates_ring_in_place():
@@ -294,6 +309,20 @@ def test_gpu_real_dims_match_reference(dtype, ring_dtype):
   tol = _tol(dtype, ring_dtype)
   chex.assert_trees_all_close(logits, want, **tol)
   _assert_drafts_match(logits, want, tol)
+
+
+@pytest.mark.gpu
+def test_gpu_real_dims_replay_draft_round_and_loop():
+  cfg = dfj.SEED_CONFIG
+  w = dfj.synthetic_drafter(cfg, seed=0, n_vocab=8192)
+  m = dfj.DFlashDrafter(cfg, w, dtype="bf16", ring_dtype="bf16")
+  feats = dfj.synthetic_features(cfg, 2100, seed=1)
+  m.inject(m.encode(feats), np.arange(2100))
+  check_replay_bitwise(m, 17, 2100)
+  del m
+  check_draft_round_equals_inject_then_step(cfg, w, "bf16", 2040)     # wraps during the round
+  # Prompt 2040 plus ~8 tokens a round wraps the 2048-slot ring within the loop.
+  check_speculative_loop(cfg, w, "bf16", "bf16", prompt=2040, rounds=6)
 
 
 @pytest.mark.gpu
