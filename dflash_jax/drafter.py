@@ -69,8 +69,7 @@ class DFlashDrafter:
   def __init__(self, cfg: DFlashConfig, w: dict[str, np.ndarray], dtype: Any = "fp32",
                ring_dtype: Any = "fp32", window: int | None = None, impl: str = "pallas",
                q8_0_blocks: dict | None = None, check_finite: bool = True):
-    if impl not in S.IMPLS:
-      raise ValueError(f"impl must be one of {S.IMPLS}, got {impl!r}")
+    S.kernels(impl)   # rejects an unknown impl before any work
     self.cfg = cfg
     self.impl = impl
     # The NaN/Inf check of features is one device reduction and a host sync per call.
@@ -91,16 +90,21 @@ class DFlashDrafter:
   def window(self) -> int:
     return self._ring.window
 
-  def encode(self, features) -> jax.Array:
+  def _check_features(self, features, n_rows: int | None = None) -> jax.Array:
+    """features [T, n_target_layers n_embd], floating, rows < n_rows (default all) finite."""
     f = jnp.asarray(features)
     if f.ndim != 2 or f.shape[1] != self.cfg.n_embd_fc:
       raise ValueError(f"features must be [T, {self.cfg.n_embd_fc}] (n_target_layers "
                        f"{self.cfg.n_target_layers} x n_embd {self.cfg.n_embd}), got {list(f.shape)}")
     if not jnp.issubdtype(f.dtype, jnp.floating):
       raise ValueError(f"features must be floating point, got {f.dtype}")
-    if self.check_finite and not bool(_rows_finite(f, f.shape[0])):
+    n_rows = f.shape[0] if n_rows is None else n_rows
+    if self.check_finite and not bool(_rows_finite(f, n_rows)):
       raise ValueError("features hold NaN or Inf: one poisoned row would poison the ring")
-    return S.encode_jit(self.params, f, impl=self.impl)
+    return f
+
+  def encode(self, features) -> jax.Array:
+    return S.encode_jit(self.params, self._check_features(features), impl=self.impl)
 
   def inject(self, h, positions) -> None:
     h = jnp.asarray(h)
@@ -164,24 +168,16 @@ class DFlashDrafter:
     new_features [R, n_target_layers n_embd] (R static, padded); rows 0..n_new-1 go to positions
     n_past - n_new .. n_past - 1. Returns (drafts [B-1], logits [B, V]).
     """
-    f = jnp.asarray(new_features)
-    if f.ndim != 2 or f.shape[1] != self.cfg.n_embd_fc:
-      raise ValueError(f"new_features must be [R, {self.cfg.n_embd_fc}], got {list(f.shape)}")
-    if not jnp.issubdtype(f.dtype, jnp.floating):
-      raise ValueError(f"new_features must be floating point, got {f.dtype}")
     n_new_i = _host_int(n_new, "n_new")
     n = _host_int(n_past, "n_past")
     if n_new_i is None or n is None:
       raise ValueError("draft_round takes host integers for n_new and n_past")
-    if not 0 <= n_new_i <= f.shape[0]:
-      raise ValueError(f"n_new {n_new_i} must lie in [0, {f.shape[0]}]")
+    if not 0 <= n_new_i <= np.shape(new_features)[0]:
+      raise ValueError(f"n_new {n_new_i} must lie in [0, {np.shape(new_features)[0]}]")
     if n - n_new_i < 0:
       raise ValueError(f"n_past {n} - n_new {n_new_i} < 0: the new rows would sit at negative positions")
-    if self.check_finite and not bool(_rows_finite(f, n_new_i)):
-      raise ValueError("new_features hold NaN or Inf")
-    tok = _host_int(id_last, "id_last")
-    if tok is not None and not 0 <= tok < self.n_vocab:
-      raise ValueError(f"id_last {tok} is outside the vocab [0, {self.n_vocab})")
+    f = self._check_features(new_features, n_new_i)
+    self._check_step_args(id_last, n)
     self._ring, drafts, logits = S.draft_round_jit(
         self.params, self._ring, f, jnp.int32(n_new_i), jnp.asarray(id_last, jnp.int32),
         jnp.int32(n), impl=self.impl)

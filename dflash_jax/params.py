@@ -64,12 +64,6 @@ class QuantWeight:
   def shape(self) -> tuple[int, ...]:
     return tuple(self.data.shape)
 
-  def dequantize(self) -> np.ndarray:
-    """Host float32 [N, K]: the weight values the GEMM computes with."""
-    if self.fmt == "fp8":
-      return quant.dequantize_fp8(np.asarray(self.data), np.asarray(self.scale))
-    return quant.dequantize_q8_0(np.asarray(self.data), np.asarray(self.scale))
-
 
 @flax.struct.dataclass
 class LayerParams:

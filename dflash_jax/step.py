@@ -6,7 +6,7 @@ points donate the ring, so under XLA the inject kernels update it in place.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import flax.struct
 import jax
@@ -42,13 +42,22 @@ def init_ring(cfg: DFlashConfig, window: int | None = None, ring_dtype: Any = "f
                    pos=jnp.full((w,), -1, jnp.int32))
 
 
-def _kernels(impl: str):
+class Kernels(NamedTuple):
+  inject: Callable
+  qk_norm_rope: Callable
+  ring_attention: Callable
+  accept: Callable
+
+
+def kernels(impl: str) -> Kernels:
+  """The fused ops of one implementation: the Pallas kernels or their pure-jnp twins."""
   if impl not in IMPLS:
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
   if impl == "pallas":
-    return inject_k.inject, norm_rope_k.qk_norm_rope, attn_k.ring_attention
-  return (inject_k.inject_reference, norm_rope_k.qk_norm_rope_reference,
-          attn_k.ring_attention_reference)
+    return Kernels(inject_k.inject, norm_rope_k.qk_norm_rope, attn_k.ring_attention,
+                   accept_k.accept)
+  return Kernels(inject_k.inject_reference, norm_rope_k.qk_norm_rope_reference,
+                 attn_k.ring_attention_reference, accept_k.accept_reference)
 
 
 def attention_knobs(window: int, ring_dtype) -> dict:
@@ -79,11 +88,10 @@ def inject(params: DrafterParams, ring: RingState, h: jax.Array, positions: jax.
   Rows >= n_valid (default: all rows valid) write nothing. Later rows win on equal slots.
   """
   cfg = params.cfg
-  inject_fn, _, _ = _kernels(impl)
   t = h.shape[0]
   kv = linear(h, params.w_inject, impl=impl).reshape(t, cfg.n_layer, 2, cfg.n_head_kv, cfg.head_dim)
   n_valid = jnp.asarray(t if n_valid is None else n_valid, jnp.int32)
-  k, v, pos = inject_fn(ring.k, ring.v, ring.pos, kv, params.k_norm_all,
+  k, v, pos = kernels(impl).inject(ring.k, ring.v, ring.pos, kv, params.k_norm_all,
                         jnp.asarray(positions, jnp.int32), n_valid, params.inv_freq, eps=cfg.eps)
   return RingState(k=k, v=v, pos=pos)
 
@@ -95,7 +103,7 @@ def block_step(params: DrafterParams, ring: RingState, id_last: jax.Array, n_pas
   Reads the ring, never writes it.
   """
   cfg = params.cfg
-  _, norm_rope_fn, attn_fn = _kernels(impl)
+  ops = kernels(impl)
   n_past = jnp.asarray(n_past, jnp.int32)
   tokens = jnp.full((cfg.block_size,), cfg.mask_token_id, jnp.int32)
   tokens = tokens.at[0].set(jnp.asarray(id_last, jnp.int32))
@@ -105,9 +113,9 @@ def block_step(params: DrafterParams, ring: RingState, id_last: jax.Array, n_pas
   attn_dtype = jnp.float32 if params.weight_format == "fp32" else jnp.bfloat16
   for l, lp in enumerate(params.layers):
     qkv = linear(rms_norm(x, lp.attn_norm, cfg.eps), lp.wqkv, impl=impl)
-    q, k, v = norm_rope_fn(qkv, lp.q_norm, lp.k_norm, n_past, params.inv_freq,
+    q, k, v = ops.qk_norm_rope(qkv, lp.q_norm, lp.k_norm, n_past, params.inv_freq,
                            n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, eps=cfg.eps)
-    o = attn_fn(q, k, v, ring.k, ring.v, ring.pos, n_past, layer=l, out_dtype=attn_dtype,
+    o = ops.ring_attention(q, k, v, ring.k, ring.v, ring.pos, n_past, layer=l, out_dtype=attn_dtype,
                 **knobs)
     x = x + linear(o, lp.wo, impl=impl)
     hidden = linear(rms_norm(x, lp.ffn_norm, cfg.eps), lp.wgu, impl=impl, gate_up=True)
@@ -122,8 +130,7 @@ def greedy_drafts(logits: jax.Array) -> jax.Array:
 
 def accept(drafts: jax.Array, target_tokens: jax.Array, *, impl: str = "pallas") -> jax.Array:
   """Length of the agreeing prefix (first mismatch), int32 on device; [n] or batched [B, n]."""
-  fn = accept_k.accept if impl == "pallas" else accept_k.accept_reference
-  return fn(jnp.asarray(drafts, jnp.int32), jnp.asarray(target_tokens, jnp.int32))
+  return kernels(impl).accept(jnp.asarray(drafts, jnp.int32), jnp.asarray(target_tokens, jnp.int32))
 
 
 def draft_round(params: DrafterParams, ring: RingState, new_features: jax.Array, n_new: jax.Array,
