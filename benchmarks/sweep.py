@@ -60,7 +60,8 @@ GEMM_SHAPES = {"qkv": (6144, 6656), "o": (6656, 4096), "gate_up": (39936, 6656),
                "down": (6656, 19968), "lm_head8k": (8192, 6656)}
 
 
-def sweep_gemm(bw: float, fmts: tuple[str, ...], shapes: tuple[str, ...]) -> list[dict]:
+def sweep_gemm(bw: float, fmts: tuple[str, ...], shapes: tuple[str, ...],
+               wide: bool = False, split_ks: tuple[int, ...] = ()) -> list[dict]:
   rng = np.random.default_rng(0)
   out = []
   x = jnp.asarray(rng.standard_normal((16, 19968), np.float32))
@@ -86,9 +87,12 @@ def sweep_gemm(bw: float, fmts: tuple[str, ...], shapes: tuple[str, ...]) -> lis
       if fmt not in fmts:
         continue
       nbytes = wq.nbytes + (0 if sc is None else sc.nbytes)
-      splits = (1, 4) if n <= 8192 else (1,)
-      for bn, bk, ns, nw, sk in itertools.product((32, 64), (128, 256), (3,), (4,), splits):
-        if k % (bk * sk) and sk > 1:
+      splits = ((2, 4, 8) if wide else (1, 4)) if n <= 8192 else (1,)
+      splits = split_ks or splits
+      tiles = (((32, 64), (128, 256, 512), (3, 5), (4, 8)) if wide
+               else ((32, 64), (128, 256), (3,), (4,)))
+      for bn, bk, ns, nw, sk in itertools.product(*tiles, splits):
+        if sk > k // bk:
           continue
         f = functools.partial(G.skinny_matmul, fmt=fmt, block_n=bn, block_k=bk, num_stages=ns,
                               num_warps=nw, split_k=sk)
@@ -130,6 +134,8 @@ def main(argv=None) -> int:
   p.add_argument("--out", default="sweep.json")
   p.add_argument("--fmts", default="bf16,fp8,q8_0", help="GEMM formats")
   p.add_argument("--shapes", default=",".join(GEMM_SHAPES))
+  p.add_argument("--wide", action="store_true", help="GEMM: the wide tile grid")
+  p.add_argument("--split-ks", default="", help="GEMM: these split_k values (comma list)")
   args = p.parse_args(argv)
   bw = C.copy_bandwidth(1 << 30)
   print(f"copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
@@ -139,7 +145,9 @@ def main(argv=None) -> int:
   if "gate_up" in args.what:
     res["rows"] += sweep_gate_up(tuple(f for f in args.fmts.split(",") if f != "bf16"))
   if "gemm" in args.what:
-    res["rows"] += sweep_gemm(bw, tuple(args.fmts.split(",")), tuple(args.shapes.split(",")))
+    res["rows"] += sweep_gemm(bw, tuple(args.fmts.split(",")), tuple(args.shapes.split(",")),
+                              args.wide,
+                              tuple(int(v) for v in args.split_ks.split(",") if v))
   with open(args.out, "w") as f:
     json.dump(res, f, indent=1)
   return 0
