@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from dflash_jax.quant import dequantize_fp8, dequantize_q8_0, quantize_fp8, quantize_q8_0
+from dflash_jax.params import gemm_knobs
 from pallas_kernels.skinny_gemm import (skinny_matmul, skinny_matmul_gate_up,
                                         skinny_matmul_gate_up_reference, skinny_matmul_reference)
 
@@ -356,6 +357,20 @@ def test_gpu_skinny_matmul_real_sizes(fmt, n, k, split_k):
   assert out.shape == (16, n) and out.dtype == jnp.float32
   _assert_device_within(out, skinny_matmul_reference(x, w, s, fmt=fmt),
                         _device_bound(x, w, s, fmt), f"{fmt} {n}x{k} split_k={split_k}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, k", [(6144, 6656), (6656, 4096), (6656, 19968), (8192, 6656)])
+@pytest.mark.parametrize("fmt", ("bf16", "fp8", "q8_0"))
+def test_gpu_step_tiles_real_sizes(fmt, n, k):
+  """The tiles the step launches (gemm_knobs, uneven K splits included) at the seed's sizes."""
+  kx, kw = jax.random.split(jax.random.key(n * 3 + k))
+  x = jax.random.normal(kx, (16, k), jnp.float32)
+  w, s = _device_weights(fmt, n, k, kw)
+  knobs = gemm_knobs(fmt, n, k)
+  out = skinny_matmul(x, w, s, fmt=fmt, **knobs)
+  _assert_device_within(out, skinny_matmul_reference(x, w, s, fmt=fmt),
+                        _device_bound(x, w, s, fmt), f"{fmt} {n}x{k} {knobs}")
 
 
 @pytest.mark.gpu
