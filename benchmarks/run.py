@@ -353,6 +353,10 @@ def main(argv=None) -> int:
   try:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip() or "unknown"
+    # A tree that differs from HEAD (e.g. a copy whose git metadata lags) must say so.
+    if subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                      capture_output=True, text=True).stdout.strip():
+      commit += "+modified"
   except OSError:
     commit = "unknown"
   results = dict(date=stamp, device=jax.devices()[0].device_kind, jax=jax.__version__,
