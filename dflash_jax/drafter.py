@@ -76,8 +76,7 @@ class DFlashDrafter:
     self.check_finite = check_finite
     self.params = prepare_weights(cfg, w, dtype, q8_0_blocks)
     self._ring = S.init_ring(cfg, window, ring_dtype)
-    if impl == "pallas":
-      S.attention_knobs(self._ring.window, self._ring.k.dtype)   # window limits, before use
+    S.attention_knobs(self._ring.window, self._ring.k.dtype, impl)   # window limits, before use
     self.n_vocab = self.params.n_vocab
     self.max_position = -1   # highest position injected so far (host bookkeeping)
 

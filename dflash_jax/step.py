@@ -60,13 +60,16 @@ def kernels(impl: str) -> Kernels:
                  attn_k.ring_attention_reference, accept_k.accept_reference)
 
 
-def attention_knobs(window: int, ring_dtype) -> dict:
+def attention_knobs(window: int, ring_dtype, impl: str = "pallas") -> dict:
   """Ring attention launch shape and dot precision, from the H200 sweep (benchmarks/RESULTS.md).
 
   bf16 ring: 16 splits of one 128-slot tile, 2 bf16 terms per float32 operand (~16 mantissa
   bits, far finer than the bf16 ring itself). fp32 ring: 64-slot tiles (128 spills when fp32
   tiles are split three ways) and 3 terms, fp32-accurate like the rest of that path.
+  impl="xla": none (the jnp twin takes any window).
   """
+  if impl == "xla":
+    return {}
   if window < 16 or window & (window - 1):
     raise ValueError(f"the Pallas ring attention needs a power-of-2 window >= 16, got {window}")
   bf16 = jnp.dtype(ring_dtype) == jnp.bfloat16
@@ -108,7 +111,7 @@ def block_step(params: DrafterParams, ring: RingState, id_last: jax.Array, n_pas
   tokens = jnp.full((cfg.block_size,), cfg.mask_token_id, jnp.int32)
   tokens = tokens.at[0].set(jnp.asarray(id_last, jnp.int32))
   x = params.tok_embd[tokens].astype(jnp.float32)
-  knobs = attention_knobs(ring.window, ring.k.dtype)
+  knobs = attention_knobs(ring.window, ring.k.dtype, impl)
   # The output projection rounds its input to bf16 unless its weights are fp32: round here.
   attn_dtype = jnp.float32 if params.weight_format == "fp32" else jnp.bfloat16
   for l, lp in enumerate(params.layers):

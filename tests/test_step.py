@@ -250,7 +250,9 @@ def test_accept_ignores_the_bonus_entry():
 def test_window_and_quantized_shape_limits():
   with pytest.raises(ValueError, match="power-of-2 window"):
     dfj.DFlashDrafter(CFG, _weights(), window=48)
-  dfj.DFlashDrafter(CFG, _weights(), window=48, impl="xla")     # the jnp twins have no limit
+  m = dfj.DFlashDrafter(CFG, _weights(), window=48, impl="xla")  # the jnp twins have no limit
+  m.inject(m.encode(dfj.synthetic_features(CFG, 5)), np.arange(5))
+  assert np.isfinite(np.asarray(m.step(1, 5))).all()
   w = dfj.synthetic_drafter(CFG, n_vocab=500)
   with pytest.raises(ValueError, match="'lm_head' is \\[500, 64\\].*multiple of 16"):
     dfj.prepare_weights(CFG, w, "fp8")
