@@ -199,7 +199,7 @@ def bench_kernels(bw: float, iters: int, smoke: bool) -> dict:
   w = cfg.resolve_window()
   L, hq, hkv, d, b = cfg.n_layer, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.block_size
   g = hq // hkv
-  key = iter(jax.random.split(jax.random.key(0), 16))
+  key = iter(jax.random.split(jax.random.key(0), 32))
   rnd = lambda shape, dt=jnp.float32: jax.random.normal(next(key), shape, jnp.float32).astype(dt)
   inv = jnp.asarray(dfj.rope_inv_freq(d, cfg.rope_theta))
   out = {}
@@ -220,10 +220,11 @@ def bench_kernels(bw: float, iters: int, smoke: bool) -> dict:
     out[f"inject16_{rdt}"] = dict(
         device_us=C.device_ms(_without_copies(per)) * 1e3,
         kernels_us=[(n, t * 1e3) for n, t in C.kernel_medians(per)])
-  qkv = rnd((b, (hq + 2 * hkv) * d))
   f = jax.jit(functools.partial(N.qk_norm_rope, n_head=hq, n_head_kv=hkv, eps=cfg.eps))
-  per = C.cupti_kernels(f, qkv, rnd((d,)), rnd((d,)), jnp.int32(100), inv, iterations=iters)
-  out["qk_norm_rope"] = dict(device_us=C.device_ms(per) * 1e3)
+  for s in (1, 4):   # 4: the split-K partials of the quantized qkv projection
+    qkv = rnd((s, b, (hq + 2 * hkv) * d))
+    per = C.cupti_kernels(f, qkv, rnd((d,)), rnd((d,)), jnp.int32(100), inv, iterations=iters)
+    out[f"qk_norm_rope_parts{s}"] = dict(device_us=C.device_ms(per) * 1e3)
   dr = jax.random.randint(next(key), (b - 1,), 0, 100, jnp.int32)
   per = C.cupti_kernels(jax.jit(A.accept), dr, dr.at[7].set(-1), iterations=iters)
   out["accept"] = dict(device_us=C.device_ms(per) * 1e3)

@@ -215,24 +215,33 @@ def gemm_knobs(fmt: str, n: int, k: int, gate_up: bool = False) -> dict:
   return dict(block_n=block_n, block_k=block_k, split_k=split_k, num_stages=3)
 
 
-def linear(x: jax.Array, w, *, impl: str = "pallas", gate_up: bool = False) -> jax.Array:
-  """y = x @ w^T in float32 for a weight in (out, in) layout: THE GEMM entry point of the step.
+def linear(x: jax.Array, w, *, impl: str = "pallas", gate_up: bool = False,
+           partials: bool = False, out_dtype=jnp.float32) -> jax.Array:
+  """y = x @ w^T for a weight in (out, in) layout: THE GEMM entry point of the step.
 
   Dense bf16 weights: the activation is rounded to bf16 (the rounding SPEC.md section 5 names)
   and the product accumulates in float32 (XLA's GEMM). Dense fp32: full-precision float32
   (HIGHEST, so GPUs do not silently use TF32). QuantWeight: the Pallas skinny GEMM streams the
   1-byte weights (impl="xla": its jnp twin). gate_up: w holds gate rows then up rows and the
-  result is silu(gate) * up (fused into the skinny GEMM's epilogue).
+  result is silu(gate) * up (fused into the skinny GEMM's epilogue). The result is out_dtype,
+  or with partials=True the float32 split-K partial sums [S, M, N] (S = 1 unless the skinny
+  GEMM split K), left for the consuming kernel to add up (qk_norm_rope, residual_rms_norm).
   """
+  if partials and gate_up:
+    raise ValueError("linear: partials=True is for plain projections, not gate_up")
   if isinstance(w, QuantWeight):
     n, k = w.shape
     if impl == "xla":
       fn = (skinny_gemm.skinny_matmul_gate_up_reference if gate_up
             else skinny_gemm.skinny_matmul_reference)
-      return fn(x, w.data, w.scale, fmt=w.fmt)
-    fn = skinny_gemm.skinny_matmul_gate_up if gate_up else skinny_gemm.skinny_matmul
-    return fn(x, w.data, w.scale, fmt=w.fmt,
-              **gemm_knobs(w.fmt, n // 2 if gate_up else n, k, gate_up))
+      y = fn(x, w.data, w.scale, fmt=w.fmt)
+      return y[None] if partials else y.astype(out_dtype)
+    knobs = gemm_knobs(w.fmt, n // 2 if gate_up else n, k, gate_up)
+    if gate_up:
+      return skinny_gemm.skinny_matmul_gate_up(x, w.data, w.scale, fmt=w.fmt,
+                                               out_dtype=out_dtype, **knobs)
+    return skinny_gemm.skinny_matmul(x, w.data, w.scale, fmt=w.fmt, out_dtype=out_dtype,
+                                     keep_splits=partials, **knobs)
   dims = (((x.ndim - 1,), (1,)), ((), ()))
   if w.dtype == jnp.bfloat16:
     y = jax.lax.dot_general(x.astype(jnp.bfloat16), w, dims, preferred_element_type=jnp.float32)
@@ -241,8 +250,8 @@ def linear(x: jax.Array, w, *, impl: str = "pallas", gate_up: bool = False) -> j
                             preferred_element_type=jnp.float32)
   if gate_up:
     n_ff = y.shape[-1] // 2
-    return jax.nn.silu(y[..., :n_ff]) * y[..., n_ff:]
-  return y
+    y = jax.nn.silu(y[..., :n_ff]) * y[..., n_ff:]
+  return y[None] if partials else y.astype(out_dtype)
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:

@@ -112,16 +112,19 @@ def block_step(params: DrafterParams, ring: RingState, id_last: jax.Array, n_pas
   tokens = tokens.at[0].set(jnp.asarray(id_last, jnp.int32))
   x = params.tok_embd[tokens].astype(jnp.float32)
   knobs = attention_knobs(ring.window, ring.k.dtype, impl)
-  # The output projection rounds its input to bf16 unless its weights are fp32: round here.
-  attn_dtype = jnp.float32 if params.weight_format == "fp32" else jnp.bfloat16
+  # GEMM inputs are rounded to bf16 unless the weights are fp32; the attention and the gate+up
+  # epilogue round when they store (one launch fewer than rounding in the next GEMM's prologue).
+  act_dtype = jnp.float32 if params.weight_format == "fp32" else jnp.bfloat16
   for l, lp in enumerate(params.layers):
-    qkv = linear(rms_norm(x, lp.attn_norm, cfg.eps), lp.wqkv, impl=impl)
+    # The qkv projection's split-K partials are summed inside qk_norm_rope (no extra launch).
+    qkv = linear(rms_norm(x, lp.attn_norm, cfg.eps), lp.wqkv, impl=impl, partials=True)
     q, k, v = ops.qk_norm_rope(qkv, lp.q_norm, lp.k_norm, n_past, params.inv_freq,
-                           n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, eps=cfg.eps)
-    o = ops.ring_attention(q, k, v, ring.k, ring.v, ring.pos, n_past, layer=l, out_dtype=attn_dtype,
+                               n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, eps=cfg.eps)
+    o = ops.ring_attention(q, k, v, ring.k, ring.v, ring.pos, n_past, layer=l, out_dtype=act_dtype,
                 **knobs)
     x = x + linear(o, lp.wo, impl=impl)
-    hidden = linear(rms_norm(x, lp.ffn_norm, cfg.eps), lp.wgu, impl=impl, gate_up=True)
+    hidden = linear(rms_norm(x, lp.ffn_norm, cfg.eps), lp.wgu, impl=impl, gate_up=True,
+                    out_dtype=act_dtype)
     x = x + linear(hidden, lp.wd, impl=impl)
   return linear(rms_norm(x, params.out_norm, cfg.eps), params.lm_head, impl=impl)
 

@@ -1,8 +1,8 @@
 """Per-head RMS norm + NEOX rope of the block's fused QKV projection, re-laid out per kv head.
 
-One launch, grid over kv heads: program h normalises and ropes the G query heads of group h
-and kv head h, and copies v head h, emitting the layouts `ring_attention` reads
-(ARCHITECTURE.md, "Kernel signatures").
+One launch, one program per head: it sums the projection's split-K partials, then
+normalises and ropes a query or key head or copies a value head, emitting the layouts
+`ring_attention` reads (ARCHITECTURE.md, "Kernel signatures").
 """
 from __future__ import annotations
 
@@ -37,41 +37,65 @@ def rms_rope_halves(x1: jax.Array, x2: jax.Array, w1: jax.Array, w2: jax.Array,
   return a * c - b * s, b * c + a * s
 
 
-def _qk_norm_rope_kernel(n_past_ref, inv_ref, qn_ref, kn_ref, q_ref, k_ref, v_ref,
-                         q_out, k_out, v_out, *, group: int, eps: float):
-  t, d = k_ref.shape
+def _part_sum(x_ref, sl) -> jax.Array:
+  """parts[0] + parts[1] + ... in that order (the twin folds the same way)."""
+  acc = x_ref[0, :, sl]
+  for i in range(1, x_ref.shape[0]):
+    acc = acc + x_ref[i, :, sl]
+  return acc
+
+
+def _qk_norm_rope_kernel(n_past_ref, inv_ref, qn_ref, kn_ref, x_ref, q_out, k_out, v_out, *,
+                         group: int, eps: float):
+  # Program (h, j): query head h*G + j for j < G, kv head h's k for j == G, its v for G + 1.
+  _, t, d = x_ref.shape
   h = d // 2
-  pos = n_past_ref[0] + jnp.arange(t, dtype=jnp.int32)
-  inv = inv_ref[...]
-  qn1, qn2 = qn_ref[:h], qn_ref[h:]
-  # One 2-D [T, D/2] pass per query head of the group: rank-2 tiles are the shapes the
-  # Triton lowering is verified with.
-  for g in range(group):
-    y1, y2 = rms_rope_halves(q_ref[:, g, :h], q_ref[:, g, h:], qn1, qn2, pos, inv, eps)
-    q_out[:, g, :h] = y1
-    q_out[:, g, h:] = y2
-  y1, y2 = rms_rope_halves(k_ref[:, :h], k_ref[:, h:], kn_ref[:h], kn_ref[h:], pos, inv, eps)
-  k_out[:, :h] = y1
-  k_out[:, h:] = y2
-  v_out[...] = v_ref[...]
+  j = pl.program_id(1)
+  x1, x2 = _part_sum(x_ref, slice(0, h)), _part_sum(x_ref, slice(h, d))
+
+  @pl.when(j == group + 1)
+  def _():
+    v_out[:, :h] = x1
+    v_out[:, h:] = x2
+
+  @pl.when(j <= group)
+  def _():
+    is_k = j == group
+    pos = n_past_ref[0] + jnp.arange(t, dtype=jnp.int32)
+    w1 = jnp.where(is_k, kn_ref[:h], qn_ref[:h])
+    w2 = jnp.where(is_k, kn_ref[h:], qn_ref[h:])
+    y1, y2 = rms_rope_halves(x1, x2, w1, w2, pos, inv_ref[...], eps)
+
+    @pl.when(is_k)
+    def _():
+      k_out[:, :h] = y1
+      k_out[:, h:] = y2
+
+    @pl.when(j < group)
+    def _():
+      q_out[:, :h] = y1
+      q_out[:, h:] = y2
 
 
 def _check_args(name: str, qkv, q_norm, k_norm, n_past, inv_freq, n_head: int,
                 n_head_kv: int) -> tuple[int, int, int]:
-  check(qkv.ndim == 2, name, "qkv must be rank 2 [T, (Hq + 2 Hkv) * D]", qkv.shape)
+  check(qkv.ndim in (2, 3), name,
+        "qkv must be [T, (Hq + 2 Hkv) * D] or split-K partials [S, T, (Hq + 2 Hkv) * D]",
+        qkv.shape)
   check(qkv.dtype == jnp.float32, name, "qkv dtype must be float32", qkv.dtype)
   check(n_head_kv > 0 and n_head % n_head_kv == 0, name,
         "n_head must be a positive multiple of n_head_kv", (n_head, n_head_kv))
   check(q_norm.ndim == 1, name, "q_norm must be rank 1 [D]", q_norm.shape)
   d = q_norm.shape[0]
   g = n_head // n_head_kv
-  t = qkv.shape[0]
+  t = qkv.shape[-2]
+  check(qkv.shape[0] >= 1, name, "at least one partial", qkv.shape)
   check(is_pow2(d) and d >= 2, name, "head_dim must be a power of 2 >= 2", d)
   check(is_pow2(g), name, "n_head / n_head_kv must be a power of 2", g)
   check(is_pow2(t), name, "T (rows of qkv) must be a power of 2", t)
-  check(qkv.shape[1] == (n_head + 2 * n_head_kv) * d, name,
+  check(qkv.shape[-1] == (n_head + 2 * n_head_kv) * d, name,
         "qkv width must be (n_head + 2 n_head_kv) * head_dim",
-        (qkv.shape[1], (n_head + 2 * n_head_kv) * d))
+        (qkv.shape[-1], (n_head + 2 * n_head_kv) * d))
   for arr, nm, shape in ((q_norm, "q_norm", (d,)), (k_norm, "k_norm", (d,)),
                          (inv_freq, "inv_freq", (d // 2,))):
     check(arr.shape == shape, name, f"{nm} shape must be {shape}", arr.shape)
@@ -89,31 +113,38 @@ def qk_norm_rope(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array, n_past: j
                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """q, k: rms_head (q_norm / k_norm) then NEOX rope at n_past + t; v: re-laid out only.
 
-  qkv: [T, (Hq + 2 Hkv) * D] float32 (q heads, k heads, v heads). Returns float32
-  q [Hkv, T*G, D] (row r = token r // G, query head kvh*G + r % G), k and v [Hkv, T, D].
-  T, G and D must be powers of 2 (Triton tile sizes).
+  qkv: [T, (Hq + 2 Hkv) * D] float32 (q heads, k heads, v heads), or the split-K partials
+  [S, T, (Hq + 2 Hkv) * D] of the projection, summed here (parts[0] + parts[1] + ...) so the
+  step launches no separate reduction. Returns float32 q [Hkv, T*G, D] (row r = token r // G,
+  query head kvh*G + r % G), k and v [Hkv, T, D]. T, G and D must be powers of 2 (Triton
+  tile sizes). One program per head (grid Hkv x (G + 2)): one per kv head measured 5.2 us on
+  the H200, too few programs to hide the loads' latency.
   """
   name = "qk_norm_rope"
   t, g, d = _check_args(name, qkv, q_norm, k_norm, n_past, inv_freq, n_head, n_head_kv)
   hkv = n_head_kv
-  heads = qkv.reshape(t, n_head + 2 * hkv, d)
+  parts = qkv if qkv.ndim == 3 else qkv[None]
+  heads = parts.reshape(parts.shape[0], t, n_head + 2 * hkv, d)
+
+  def head_of(h, j):
+    return jnp.where(j < g, h * g + j, jnp.where(j == g, n_head + h, n_head + hkv + h))
+
   kernel = functools.partial(_qk_norm_rope_kernel, group=g, eps=eps)
   q, k, v = pl.pallas_call(
       kernel,
-      grid=(hkv,),
+      grid=(hkv, g + 2),
       in_specs=[
-          pl.BlockSpec((1,), lambda h: (0,)),
-          pl.BlockSpec((d // 2,), lambda h: (0,)),
-          pl.BlockSpec((d,), lambda h: (0,)),
-          pl.BlockSpec((d,), lambda h: (0,)),
-          pl.BlockSpec((t, g, d), lambda h: (0, h, 0)),
-          pl.BlockSpec((t, None, d), lambda h: (0, n_head + h, 0)),
-          pl.BlockSpec((t, None, d), lambda h: (0, n_head + hkv + h, 0)),
+          pl.BlockSpec((1,), lambda h, j: (0,)),
+          pl.BlockSpec((d // 2,), lambda h, j: (0,)),
+          pl.BlockSpec((d,), lambda h, j: (0,)),
+          pl.BlockSpec((d,), lambda h, j: (0,)),
+          pl.BlockSpec((parts.shape[0], t, None, d), lambda h, j: (0, 0, head_of(h, j), 0)),
       ],
+      # Programs j >= G map to q's last head block but store nothing there.
       out_specs=[
-          pl.BlockSpec((None, t, g, d), lambda h: (h, 0, 0, 0)),
-          pl.BlockSpec((None, t, d), lambda h: (h, 0, 0)),
-          pl.BlockSpec((None, t, d), lambda h: (h, 0, 0)),
+          pl.BlockSpec((None, t, None, d), lambda h, j: (h, 0, jnp.minimum(j, g - 1), 0)),
+          pl.BlockSpec((None, t, d), lambda h, j: (h, 0, 0)),
+          pl.BlockSpec((None, t, d), lambda h, j: (h, 0, 0)),
       ],
       out_shape=[
           jax.ShapeDtypeStruct((hkv, t, g, d), jnp.float32),
@@ -123,9 +154,19 @@ def qk_norm_rope(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array, n_past: j
       compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
       interpret=resolve_interpret(interpret),
       name=name,
-  )(n_past.reshape(1), inv_freq, q_norm, k_norm, heads, heads, heads)
+  )(n_past.reshape(1), inv_freq, q_norm, k_norm, heads)
   # [Hkv, T, G, D] -> [Hkv, T*G, D] merges adjacent axes: a free bitcast in XLA.
   return q.reshape(hkv, t * g, d), k, v
+
+
+def sum_parts(qkv: jax.Array) -> jax.Array:
+  """[S, ...] split-K partials -> their sum in the kernels' order; a [T, W] array as is."""
+  if qkv.ndim == 2:
+    return qkv
+  acc = qkv[0]
+  for i in range(1, qkv.shape[0]):
+    acc = acc + qkv[i]
+  return acc
 
 
 @functools.partial(jax.jit, static_argnames=["n_head", "n_head_kv", "eps"])
@@ -137,7 +178,7 @@ def qk_norm_rope_reference(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array,
   t, g, d = _check_args("qk_norm_rope_reference", qkv, q_norm, k_norm, n_past, inv_freq,
                         n_head, n_head_kv)
   h = d // 2
-  heads = qkv.reshape(t, n_head + 2 * n_head_kv, d)
+  heads = sum_parts(qkv).reshape(t, n_head + 2 * n_head_kv, d)
   pos = n_past.reshape(()) + jnp.arange(t, dtype=jnp.int32)
 
   def norm_rope(x, w):  # x: [T, H, D] -> [H, T, D]

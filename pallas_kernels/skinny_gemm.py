@@ -200,26 +200,32 @@ def _launch(x, w, scale, *, fmt: str, gate_up: bool, block_m: int, block_n: int,
 
 _STATIC = ("fmt", "block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages",
            "out_dtype", "interpret")
+_STATIC_MATMUL = _STATIC + ("keep_splits",)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
+@functools.partial(jax.jit, static_argnames=_STATIC_MATMUL)
 def skinny_matmul(x: jax.Array, w: jax.Array, scale: jax.Array | None = None, *, fmt: str,
                   block_m: int | None = None, block_n: int = 64, block_k: int = 128,
                   split_k: int = 1, num_warps: int = 4, num_stages: int = 3,
-                  out_dtype=jnp.float32, interpret: bool | None = None) -> jax.Array:
+                  out_dtype=jnp.float32, keep_splits: bool = False,
+                  interpret: bool | None = None) -> jax.Array:
   """x [M, K] @ dequant(w [N, K])^T -> [M, N] out_dtype, float32 accumulation.
 
   x (bfloat16 or float32) is rounded to bfloat16 for the dot, as a bf16-weight GEMM does.
   block_m None: next power of 2 >= M, clamped to [16, 64]. split_k > 1: K blocks are divided
-  among split_k programs per output tile and the float32 partials summed afterwards.
+  among split_k programs per output tile and the float32 partials summed afterwards, unless
+  keep_splits: then the float32 partials [split_k, M, N] are returned for the consumer to sum
+  (out_dtype is ignored; split_k = 1 gives [1, M, N]).
   """
   block_m = _default_block_m(x.shape[0]) if block_m is None else block_m
   _check_args("skinny_matmul", x, w, scale, fmt, block_m, block_n, block_k, split_k,
               w.shape[0] if w.ndim == 2 else 0)
   out = _launch(x.astype(jnp.bfloat16), w, scale, fmt=fmt, gate_up=False, block_m=block_m,
                 block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps,
-                num_stages=num_stages, out_dtype=out_dtype,
+                num_stages=num_stages, out_dtype=jnp.float32 if keep_splits else out_dtype,
                 interpret=resolve_interpret(interpret), name="skinny_matmul")
+  if keep_splits:
+    return out if split_k > 1 else out[None]
   if split_k > 1:
     out = out.sum(axis=0).astype(out_dtype)
   return out

@@ -180,6 +180,24 @@ def test_skinny_matmul_matches_twin_and_oracle(fmt, split_k, m):
   assert_within(out, np.asarray(ref, np.float64), 2 * bound, f"{fmt} vs twin")
 
 
+@pytest.mark.parametrize("split_k", (1, 3))
+def test_keep_splits_returns_the_partials(split_k):
+  """keep_splits: [split_k, M, N] float32 partials, each the product over its own K range,
+  whose in-order sum is the summed result (up to float32 summation order)."""
+  rng = np.random.default_rng(60 + split_k)
+  x = rng.standard_normal((16, K)).astype(np.float32)
+  w, s, wd = make_weights("q8_0", random_weights(rng, N, K))
+  parts = skinny_matmul(jnp.asarray(x), w, s, fmt="q8_0", block_k=64, split_k=split_k,
+                        keep_splits=True, out_dtype=jnp.bfloat16, interpret=True)
+  assert parts.shape == (split_k, 16, N) and parts.dtype == jnp.float32
+  per = -(-(K // 64) // split_k) * 64   # K columns per split (the last may be short or empty)
+  for i in range(split_k):
+    cols = slice(i * per, min((i + 1) * per, K))
+    want, bound = oracle(x[:, cols], wd[:, cols])
+    assert_within(parts[i], want, bound, f"partial {i}")
+  assert_within(np.asarray(parts, np.float64).sum(0), *oracle(x, wd), "sum of partials")
+
+
 @pytest.mark.parametrize("fmt", ("bf16", "q8_0"))
 def test_m_tiling_with_partial_last_tile(fmt):
   # M = 40 over 16-row tiles: three M programs per weight tile, the last one masked.

@@ -97,6 +97,31 @@ def test_matches_oracle_and_twin(t, hkv, g, d, n_past, scalar_shape):
   assert_all_close(run_kernel(c), c, twin_rtol=2e-6)
 
 
+@pytest.mark.parametrize("n_parts", [1, 3, 4])
+def test_split_k_partials_are_summed(n_parts):
+  """qkv given as [S, T, W] partials: the kernel sums them in order (same as the twin, bit for
+  bit on v) and the result is the norm/rope of that sum."""
+  c = make_case(20 + n_parts, t=8, hkv=2, g=4, d=32, n_past=999)
+  rng = np.random.default_rng(n_parts)
+  noise = jnp.asarray(rng.normal(size=(n_parts - 1,) + c["qkv"].shape), jnp.float32)
+  parts = jnp.concatenate([noise, (c["qkv"] - noise.sum(0))[None]], axis=0)
+  summed = c | dict(qkv=qkv_sum_in_order(parts))
+  out = run_kernel(c | dict(qkv=parts))
+  want = oracle(summed)
+  ref = run_twin(c | dict(qkv=parts))
+  for got, w, r in zip(out, want, ref):
+    np.testing.assert_allclose(np.asarray(got, np.float64), w, **F32_TOL)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(r), rtol=2e-6, atol=1e-6)
+  np.testing.assert_array_equal(np.asarray(out[2]), np.asarray(ref[2]))
+
+
+def qkv_sum_in_order(parts):
+  acc = np.asarray(parts[0])
+  for p in np.asarray(parts)[1:]:
+    acc = acc + p
+  return jnp.asarray(acc)
+
+
 def test_q_rows_are_token_major_within_group():
   """Row r of q[kvh] is token r // G of query head kvh*G + r % G (reshape to [T, G, D])."""
   c = make_case(11, t=8, hkv=2, g=4, d=16, n_past=3)
@@ -140,6 +165,8 @@ def test_limits_shapes_and_dtypes():
     run_kernel(c | dict(qkv=c["qkv"][:, :-16]))
   with pytest.raises(ValueError, match="n_past dtype must be int32"):
     run_kernel(c | dict(n_past=jnp.asarray(1.0, jnp.float32)))
+  with pytest.raises(ValueError, match="qkv must be"):
+    run_kernel(c | dict(qkv=c["qkv"][None, None]))
   with pytest.raises(ValueError, match="qkv dtype must be float32"):
     run_kernel(c | dict(qkv=c["qkv"].astype(jnp.bfloat16)))
   with pytest.raises(ValueError, match=r"k_norm shape must be \(16,\)"):

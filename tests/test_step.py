@@ -292,6 +292,34 @@ def test_quantized_step_is_bf16_step_on_dequantized_weights(fmt, impl):
   _assert_drafts_match(logits, want, BF16_TOL)
 
 
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "fp8", "q8_0"])
+def test_linear_partials_and_out_dtype(fmt):
+  """linear(partials=True) gives [S, M, N] float32 parts summing to the plain result (K split
+  4 ways here for the skinny GEMM: K // block_k >= 16); out_dtype rounds the result once."""
+  from dflash_jax import quant
+  from dflash_jax.params import QuantWeight, gemm_knobs, linear
+  rng = np.random.default_rng(3)
+  a = rng.standard_normal((64, 2048)).astype(np.float32) / 45
+  if fmt == "fp8":
+    wq = QuantWeight(*(jnp.asarray(v) for v in quant.quantize_fp8(a)), fmt="fp8")
+  elif fmt == "q8_0":
+    wq = QuantWeight(*(jnp.asarray(v) for v in quant.quantize_q8_0(a)), fmt="q8_0")
+  else:
+    wq = jnp.asarray(a, jnp.float32 if fmt == "fp32" else jnp.bfloat16)
+  x = jnp.asarray(rng.standard_normal((16, 2048)), jnp.float32)
+  y = linear(x, wq)
+  parts = linear(x, wq, partials=True)
+  n_split = gemm_knobs(fmt, 64, 2048)["split_k"] if fmt in ("fp8", "q8_0") else 1
+  assert parts.shape == (n_split, 16, 64) and parts.dtype == jnp.float32
+  assert fmt not in ("fp8", "q8_0") or n_split == 4
+  np.testing.assert_allclose(np.asarray(parts).sum(0), np.asarray(y), rtol=1e-5, atol=1e-5)
+  y16 = linear(x, wq, out_dtype=jnp.bfloat16)
+  assert y16.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(y16, np.float32), np.asarray(y), rtol=2.0 ** -7, atol=0)
+  with pytest.raises(ValueError, match="partials=True is for plain projections"):
+    linear(x, wq, gate_up=True, partials=True)
+
+
 def test_q8_0_blocks_taken_as_stored(tmp_path):
   """Tensors stored as Q8_0 in the GGUF reach the device as the same int8 blocks."""
   w = _weights()
