@@ -225,7 +225,7 @@ def linear(x: jax.Array, w, *, impl: str = "pallas", gate_up: bool = False,
   1-byte weights (impl="xla": its jnp twin). gate_up: w holds gate rows then up rows and the
   result is silu(gate) * up (fused into the skinny GEMM's epilogue). The result is out_dtype,
   or with partials=True the float32 split-K partial sums [S, M, N] (S = 1 unless the skinny
-  GEMM split K), left for the consuming kernel to add up (qk_norm_rope, residual_rms_norm).
+  GEMM split K), left for the consuming kernel to add up (qk_norm_rope).
   """
   if partials and gate_up:
     raise ValueError("linear: partials=True is for plain projections, not gate_up")

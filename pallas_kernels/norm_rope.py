@@ -159,7 +159,7 @@ def qk_norm_rope(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array, n_past: j
   return q.reshape(hkv, t * g, d), k, v
 
 
-def sum_parts(qkv: jax.Array) -> jax.Array:
+def _sum_parts(qkv: jax.Array) -> jax.Array:
   """[S, ...] split-K partials -> their sum in the kernels' order; a [T, W] array as is."""
   if qkv.ndim == 2:
     return qkv
@@ -178,7 +178,7 @@ def qk_norm_rope_reference(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array,
   t, g, d = _check_args("qk_norm_rope_reference", qkv, q_norm, k_norm, n_past, inv_freq,
                         n_head, n_head_kv)
   h = d // 2
-  heads = sum_parts(qkv).reshape(t, n_head + 2 * n_head_kv, d)
+  heads = _sum_parts(qkv).reshape(t, n_head + 2 * n_head_kv, d)
   pos = n_past.reshape(()) + jnp.arange(t, dtype=jnp.int32)
 
   def norm_rope(x, w):  # x: [T, H, D] -> [H, T, D]
