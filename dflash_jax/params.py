@@ -161,9 +161,10 @@ def prepare_weights(cfg: DFlashConfig, w: dict[str, np.ndarray], dtype: Any = "f
     if fmt in ("fp8", "q8_0"):
       for n in names:
         n_out, k = np.shape(w[n])
-        if n_out % 16 or k % 32:
+        if n_out % 16 or k % quant.Q8_0_BLOCK:
           raise ValueError(f"dtype {fmt!r}: tensor '{n}' is [{n_out}, {k}]; the skinny GEMM "
-                           "needs rows (N) a multiple of 16 and columns (K) a multiple of 32")
+                           f"needs rows (N) a multiple of 16 and columns (K) a multiple of "
+                           f"{quant.Q8_0_BLOCK}")
     if fmt == "q8_0":
       parts = [host_q8_0(n) for n in names]
       return QuantWeight(data=jnp.asarray(np.concatenate([p[0] for p in parts])),
@@ -229,28 +230,31 @@ def linear(x: jax.Array, w, *, impl: str = "pallas", gate_up: bool = False,
   """
   if partials and gate_up:
     raise ValueError("linear: partials=True is for plain projections, not gate_up")
-  if isinstance(w, QuantWeight):
+  if isinstance(w, QuantWeight) and impl != "xla":
     n, k = w.shape
-    if impl == "xla":
-      fn = (skinny_gemm.skinny_matmul_gate_up_reference if gate_up
-            else skinny_gemm.skinny_matmul_reference)
-      y = fn(x, w.data, w.scale, fmt=w.fmt)
-      return y[None] if partials else y.astype(out_dtype)
     knobs = gemm_knobs(w.fmt, n // 2 if gate_up else n, k, gate_up)
     if gate_up:
       return skinny_gemm.skinny_matmul_gate_up(x, w.data, w.scale, fmt=w.fmt,
                                                out_dtype=out_dtype, **knobs)
     return skinny_gemm.skinny_matmul(x, w.data, w.scale, fmt=w.fmt, out_dtype=out_dtype,
                                      keep_splits=partials, **knobs)
-  dims = (((x.ndim - 1,), (1,)), ((), ()))
-  if w.dtype == jnp.bfloat16:
-    y = jax.lax.dot_general(x.astype(jnp.bfloat16), w, dims, preferred_element_type=jnp.float32)
+  if isinstance(w, QuantWeight):
+    fn = (skinny_gemm.skinny_matmul_gate_up_reference if gate_up
+          else skinny_gemm.skinny_matmul_reference)
+    y = fn(x, w.data, w.scale, fmt=w.fmt)
   else:
-    y = jax.lax.dot_general(x.astype(jnp.float32), w, dims, precision=jax.lax.Precision.HIGHEST,
-                            preferred_element_type=jnp.float32)
-  if gate_up:
-    n_ff = y.shape[-1] // 2
-    y = jax.nn.silu(y[..., :n_ff]) * y[..., n_ff:]
+    dims = (((x.ndim - 1,), (1,)), ((), ()))
+    if w.dtype == jnp.bfloat16:
+      y = jax.lax.dot_general(x.astype(jnp.bfloat16), w, dims,
+                              preferred_element_type=jnp.float32)
+    else:
+      y = jax.lax.dot_general(x.astype(jnp.float32), w, dims,
+                              precision=jax.lax.Precision.HIGHEST,
+                              preferred_element_type=jnp.float32)
+    if gate_up:
+      n_ff = y.shape[-1] // 2
+      y = jax.nn.silu(y[..., :n_ff]) * y[..., n_ff:]
+  # Unsplit here: one "partial" for a consumer that expects [S, M, N].
   return y[None] if partials else y.astype(out_dtype)
 
 

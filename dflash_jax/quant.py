@@ -9,8 +9,9 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
+from pallas_kernels.skinny_gemm import Q8_0_BLOCK  # llama.cpp QK8_0, as the kernel reads it
+
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-Q8_0_BLOCK = 32  # llama.cpp QK8_0
 
 
 def _check_matrix(w: np.ndarray, name: str) -> np.ndarray:
