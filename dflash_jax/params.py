@@ -198,13 +198,13 @@ def prepare_weights(cfg: DFlashConfig, w: dict[str, np.ndarray], dtype: Any = "f
 
 
 def gemm_knobs(fmt: str, n: int, k: int, gate_up: bool = False) -> dict:
-  """Skinny-GEMM tiles from the H200 sweeps (benchmarks/RESULTS.md, runs 2-5 and 7): 128-wide
-  K tiles (256 for q8_0's fused gate+up and for long K), 32-row N tiles for q8_0 and for the
-  fused gate+up (two accumulators), and K split when N / block_n alone cannot fill the 132 SMs:
-  5 ways for a long K (the down projection: 39.6 vs 42.8 us fp8, 53.4 vs 61.9 us q8_0 split 4
-  ways), else 4."""
+  """Skinny-GEMM tiles from the H200 sweeps (benchmarks/RESULTS.md, runs 2-5, 7 and 9): 128-wide
+  K tiles (256 for q8_0 and for long K), 32-row N tiles for q8_0 and for the fused gate+up
+  (two accumulators), and K split when N / block_n alone cannot fill the 132 SMs: 5 ways for
+  a long K (the down projection: 39.6 vs 42.8 us fp8, 53.4 vs 61.9 us q8_0 split 4 ways),
+  else 4."""
   long_k = not gate_up and k >= 16384
-  block_k = 256 if (fmt == "q8_0" and gate_up) or long_k else 128
+  block_k = 256 if fmt == "q8_0" or long_k else 128
   while block_k > 32 and k % block_k:
     block_k //= 2
   block_n = 32 if (fmt == "q8_0" or gate_up) and not long_k else 64

@@ -21,6 +21,9 @@ block_k / 32] scales, rounded to bfloat16, one dot per K tile (1.7x faster on th
 an exact formulation with one K=32 dot per block and float32-scaled partials, RESULTS.md). So every format computes a
 bf16 GEMM on round_bf16(dequantized weights): the quantized drafter equals the bf16 drafter
 on the dequantized weights (for fp8 with power-of-two row scales the rounding is exact).
+The int8 -> float32 widening is inline PTX on the GPU (byte permutes and one float subtract,
+`_int8_to_f32`): the hardware int -> float convert issues at 16 per clock per SM on Hopper,
+below the rate the weight stream delivers bytes.
 
 Grid: (M tiles, N tiles, K splits). M tiles vary fastest so programs that share a weight
 tile run together and the repeat reads hit L2. split_k > 1 gives each program a contiguous
@@ -56,8 +59,35 @@ def _silu_mul(g: jax.Array, u: jax.Array) -> jax.Array:
   return g * jax.nn.sigmoid(g) * u
 
 
+# 4 int8 in one b32 -> 4 float32 holding the same integers: each byte biased to unsigned, put
+# under the exponent of 2^23 by prmt, then 2^23 + 128 subtracted (exact).
+_INT8_TO_F32_PTX = """{
+.reg .b32 u, t0, t1, t2, t3;
+xor.b32 u, $4, 0x80808080;
+prmt.b32 t0, u, 0x4B000000, 0x7650;
+prmt.b32 t1, u, 0x4B000000, 0x7651;
+prmt.b32 t2, u, 0x4B000000, 0x7652;
+prmt.b32 t3, u, 0x4B000000, 0x7653;
+sub.f32 $0, t0, 0f4B000080;
+sub.f32 $1, t1, 0f4B000080;
+sub.f32 $2, t2, 0f4B000080;
+sub.f32 $3, t3, 0f4B000080;
+}"""
+# The PTX takes 4 elements per instance: every thread must hold a multiple of 4 weight values.
+_PTX_PACK = 4
+
+
+def _int8_to_f32(w: jax.Array, interpret: bool) -> jax.Array:
+  if interpret:   # the interpreter runs no PTX; both widenings are exact
+    return w.astype(jnp.float32)
+  [f] = plt.elementwise_inline_asm(
+      _INT8_TO_F32_PTX, args=[w], constraints="=f,=f,=f,=f,r", pack=_PTX_PACK,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(w.shape, jnp.float32)])
+  return f
+
+
 def _skinny_kernel(x_ref, *refs, fmt: str, gate_up: bool, m: int, block_m: int,
-                   block_k: int, split_k: int, kb_total: int):
+                   block_k: int, split_k: int, kb_total: int, interpret: bool):
   """One [block_m, block_n] output tile (two weight streams when gate_up)."""
   n_w = 2 if gate_up else 1
   w_refs = refs[:n_w]
@@ -104,7 +134,8 @@ def _skinny_kernel(x_ref, *refs, fmt: str, gate_up: bool, m: int, block_m: int,
     x = load_x(k0, block_k)
     new = []
     for w_ref, s_ref, acc in zip(w_refs, s_refs, accs):
-      w = w_ref[:, pl.ds(k0, block_k)].astype(jnp.float32).reshape(block_n, n_sub, Q8_0_BLOCK)
+      w = _int8_to_f32(w_ref[:, pl.ds(k0, block_k)], interpret)
+      w = w.reshape(block_n, n_sub, Q8_0_BLOCK)
       d = s_ref[:, pl.ds(kb * n_sub, n_sub)]
       w = (w * d[:, :, None]).reshape(block_n, block_k).astype(jnp.bfloat16)
       new.append(acc + dot(x, w))
@@ -123,7 +154,7 @@ def _skinny_kernel(x_ref, *refs, fmt: str, gate_up: bool, m: int, block_m: int,
 
 
 def _check_args(kernel: str, x, w, scale, fmt: str, block_m: int, block_n: int,
-                block_k: int, split_k: int, n_out: int) -> None:
+                block_k: int, split_k: int, num_warps: int, n_out: int) -> None:
   """Limits shared by both entry points; n_out is the row count each weight stream covers."""
   check(fmt in FORMATS, kernel, f"fmt in {FORMATS}", fmt)
   check(x.ndim == 2, kernel, "x must be 2-D [M, K]", x.shape)
@@ -149,6 +180,9 @@ def _check_args(kernel: str, x, w, scale, fmt: str, block_m: int, block_n: int,
   if fmt == "q8_0":
     check(k % Q8_0_BLOCK == 0, kernel, "K % 32 == 0 for q8_0", k)
     check(block_k >= Q8_0_BLOCK, kernel, "block_k >= 32 for q8_0", block_k)
+    check(block_n * block_k >= _PTX_PACK * 32 * num_warps, kernel, "block_n * block_k >= "
+          f"{_PTX_PACK * 32} * num_warps for q8_0 ({_PTX_PACK} weights per thread)",
+          (block_n, block_k, num_warps))
   check(1 <= split_k <= k // block_k, kernel, f"1 <= split_k <= K // block_k = "
         f"{k // block_k}", split_k)
 
@@ -185,7 +219,8 @@ def _launch(x, w, scale, *, fmt: str, gate_up: bool, block_m: int, block_n: int,
     out_spec = pl.BlockSpec((None, block_m, block_n), lambda i, j, s: (s, i, j))
 
   kernel = functools.partial(_skinny_kernel, fmt=fmt, gate_up=gate_up, m=m, block_m=block_m,
-                             block_k=block_k, split_k=split_k, kb_total=k // block_k)
+                             block_k=block_k, split_k=split_k, kb_total=k // block_k,
+                             interpret=interpret)
   return pl.pallas_call(
       kernel,
       grid=grid,
@@ -219,7 +254,7 @@ def skinny_matmul(x: jax.Array, w: jax.Array, scale: jax.Array | None = None, *,
   """
   block_m = _default_block_m(x.shape[0]) if block_m is None else block_m
   _check_args("skinny_matmul", x, w, scale, fmt, block_m, block_n, block_k, split_k,
-              w.shape[0] if w.ndim == 2 else 0)
+              num_warps, w.shape[0] if w.ndim == 2 else 0)
   out = _launch(x.astype(jnp.bfloat16), w, scale, fmt=fmt, gate_up=False, block_m=block_m,
                 block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps,
                 num_stages=num_stages, out_dtype=jnp.float32 if keep_splits else out_dtype,
@@ -247,7 +282,7 @@ def skinny_matmul_gate_up(x: jax.Array, w_gu: jax.Array, scale: jax.Array | None
   kernel = "skinny_matmul_gate_up"
   check(w_gu.ndim == 2 and w_gu.shape[0] % 2 == 0, kernel, "w_gu 2-D [2 n_ff, K]", w_gu.shape)
   n_ff = w_gu.shape[0] // 2
-  _check_args(kernel, x, w_gu, scale, fmt, block_m, block_n, block_k, split_k, n_ff)
+  _check_args(kernel, x, w_gu, scale, fmt, block_m, block_n, block_k, split_k, num_warps, n_ff)
   xb = x.astype(jnp.bfloat16)
   interpret = resolve_interpret(interpret)
   if split_k == 1:

@@ -272,6 +272,31 @@ def test_q8_0_eight_blocks_per_tile(split_k):
                 "q8_0 gate_up block_k 256")
 
 
+def _q8_0_every_weight_exactly(interpret):
+  # x = identity: each output is one product plus exact zeros, so the kernel must return
+  # round_bf16(q * d) for every weight bit for bit. All 256 int8 values appear in every row
+  # (-128 too: a Q8_0 file may hold it) at shuffled positions, under random float32 scales.
+  n = k = 256
+  rng = np.random.default_rng(77)
+  qs = np.stack([rng.permutation(np.arange(-128, 128)) for _ in range(n)]).astype(np.int8)
+  d = rng.uniform(1e-3, 2.0, (n, k // 32)).astype(np.float32)
+  x = jnp.eye(k, dtype=jnp.float32)
+  out = skinny_matmul(x, jnp.asarray(qs), jnp.asarray(d), fmt="q8_0", block_n=32, block_k=128,
+                      interpret=interpret)
+  want = bf16_round(qs.astype(np.float32) * np.repeat(d, 32, axis=1)).T
+  np.testing.assert_array_equal(np.asarray(out), want)
+
+
+def test_q8_0_every_weight_exactly():
+  _q8_0_every_weight_exactly(interpret=True)
+
+
+@pytest.mark.gpu
+def test_gpu_q8_0_every_weight_exactly():
+  """The GPU widens int8 with inline PTX (the interpreter with a convert): same bits."""
+  _q8_0_every_weight_exactly(interpret=False)
+
+
 # ---------------------------------------------------------------------------------------------
 # Launch limits
 
@@ -302,6 +327,9 @@ def _args(fmt="bf16", m=16, n=N, k=K, w_dtype=None, scale="auto"):
     (_args(k=96), dict(fmt="bf16", block_k=64), r"K % block_k == 0 \(block_k=64\) \(got 96\)"),
     (_args("q8_0", k=48), dict(fmt="q8_0", block_k=16), r"K % 32 == 0 for q8_0 \(got 48\)"),
     (_args("q8_0"), dict(fmt="q8_0", block_k=16), r"block_k >= 32 for q8_0 \(got 16\)"),
+    (_args("q8_0"), dict(fmt="q8_0", block_n=16, block_k=32, num_warps=8),
+     r"block_n \* block_k >= 128 \* num_warps for q8_0 \(4 weights per thread\) "
+     r"\(got \(16, 32, 8\)\)"),
     (_args(), dict(fmt="bf16", split_k=3), r"1 <= split_k <= K // block_k = 2 \(got 3\)"),
     (_args(), dict(fmt="bf16", split_k=0), r"1 <= split_k <= K // block_k = 2 \(got 0\)"),
 ])
@@ -343,7 +371,7 @@ def _device_weights(fmt: str, n: int, k: int, key):
     w8 = jnp.clip(jax.random.normal(kw, (n, k), jnp.float32) * 100.0, -448, 448)
     w8 = w8.astype(jnp.float8_e4m3fn)
     return w8, jax.random.uniform(ks, (n,), jnp.float32, 1e-4, 1e-3)
-  qs = jax.random.randint(kw, (n, k), -127, 128, jnp.int32).astype(jnp.int8)
+  qs = jax.random.randint(kw, (n, k), -128, 128, jnp.int32).astype(jnp.int8)
   return qs, jax.random.uniform(ks, (n, k // 32), jnp.float32, 1e-4, 1e-3)
 
 

@@ -299,17 +299,17 @@ def test_linear_partials_and_out_dtype(fmt):
   from dflash_jax import quant
   from dflash_jax.params import QuantWeight, gemm_knobs, linear
   rng = np.random.default_rng(3)
-  a = rng.standard_normal((64, 2048)).astype(np.float32) / 45
+  a = rng.standard_normal((64, 4096)).astype(np.float32) / 64
   if fmt == "fp8":
     wq = QuantWeight(*(jnp.asarray(v) for v in quant.quantize_fp8(a)), fmt="fp8")
   elif fmt == "q8_0":
     wq = QuantWeight(*(jnp.asarray(v) for v in quant.quantize_q8_0(a)), fmt="q8_0")
   else:
     wq = jnp.asarray(a, jnp.float32 if fmt == "fp32" else jnp.bfloat16)
-  x = jnp.asarray(rng.standard_normal((16, 2048)), jnp.float32)
+  x = jnp.asarray(rng.standard_normal((16, 4096)), jnp.float32)
   y = linear(x, wq)
   parts = linear(x, wq, partials=True)
-  n_split = gemm_knobs(fmt, 64, 2048)["split_k"] if fmt in ("fp8", "q8_0") else 1
+  n_split = gemm_knobs(fmt, 64, 4096)["split_k"] if fmt in ("fp8", "q8_0") else 1
   assert parts.shape == (n_split, 16, 64) and parts.dtype == jnp.float32
   assert fmt not in ("fp8", "q8_0") or n_split == 4
   np.testing.assert_allclose(np.asarray(parts).sum(0), np.asarray(y), rtol=1e-5, atol=1e-5)
@@ -352,6 +352,24 @@ def test_gpu_real_dims_match_reference(dtype, ring_dtype):
   tol = _tol(dtype, ring_dtype)
   chex.assert_trees_all_close(logits, want, **tol)
   _assert_drafts_match(logits, want, tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ("fp8", "q8_0"))
+def test_gpu_real_dims_quantized_matches_twin(dtype):
+  """The quantized step at the seed's layer dims (2 layers): the compiled Pallas step (inline
+  PTX int8 widening for q8_0) against its jnp twin on the same weights and ring, and the
+  greedy drafts where the top-2 gap is clear."""
+  cfg = dataclasses.replace(dfj.SEED_CONFIG, n_layer=2)
+  w = dfj.synthetic_drafter(cfg, seed=0, n_vocab=8192)
+  feats = dfj.synthetic_features(cfg, 300, seed=1)
+  out = {}
+  for impl in ("pallas", "xla"):
+    m = dfj.DFlashDrafter(cfg, w, dtype=dtype, ring_dtype="bf16", impl=impl)
+    m.inject(m.encode(feats), np.arange(300))
+    out[impl] = np.asarray(m.capture_step()(17, 300))
+  chex.assert_trees_all_close(out["pallas"], out["xla"], **BF16_TOL)
+  _assert_drafts_match(out["pallas"], out["xla"], BF16_TOL)
 
 
 @pytest.mark.gpu
