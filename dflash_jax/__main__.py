@@ -26,7 +26,9 @@ def _parser() -> argparse.ArgumentParser:
   d.add_argument("--vocab", type=int, default=4096, help="synthetic target vocab size")
   d.add_argument("--prefill", type=int, default=100, help="prompt tokens")
   d.add_argument("--rounds", type=int, default=50)
-  d.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
+  d.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp8", "q8_0"),
+                 help="weights: fp8 is quantized at load; q8_0 keeps a Q8_0 file's blocks as "
+                      "stored (the synthetic drafter is then written as Q8_0)")
   d.add_argument("--ring-dtype", default="fp32", choices=("fp32", "bf16"))
   d.add_argument("--window", type=int, default=None, help="ring size (default: file's, else 2048)")
   d.add_argument("--impl", default="pallas", choices=("pallas", "xla"))
@@ -47,15 +49,20 @@ def _drafter(args):
     rng = np.random.default_rng(args.seed)
     w["tok_embd"] = rng.standard_normal((n_vocab, cfg.n_embd), dtype=np.float32)
     w["lm_head"] = rng.standard_normal((n_vocab, cfg.n_embd), dtype=np.float32) / np.sqrt(cfg.n_embd)
-    return cfg, w, args.gguf
+    return cfg, w, args.gguf, _q8_0_blocks(args, args.gguf)
   cfg = {"tiny": dfj.TINY_CONFIG, "small": dfj.DFlashConfig(**SMALL), "seed": dfj.SEED_CONFIG}[args.size]
   cfg = dataclasses.replace(cfg, mask_token_id=min(cfg.mask_token_id, args.vocab - 1))
   w = dfj.synthetic_drafter(cfg, seed=args.seed, n_vocab=args.vocab)
   path = os.path.join(tempfile.mkdtemp(prefix="dflash_demo_"), "synthetic-drafter.gguf")
-  dfj.save_drafter(path, cfg, w, tensor_type="F32")
+  dfj.save_drafter(path, cfg, w, tensor_type="Q8_0" if args.dtype == "q8_0" else "F32")
   cfg, loaded = dfj.load_drafter(path)
   loaded["tok_embd"], loaded["lm_head"] = w["tok_embd"], w["lm_head"]
-  return cfg, loaded, path
+  return cfg, loaded, path, _q8_0_blocks(args, path)
+
+
+def _q8_0_blocks(args, path):
+  import dflash_jax as dfj
+  return dfj.read_q8_0(path) if args.dtype == "q8_0" else None
 
 
 def demo(args) -> int:
@@ -63,13 +70,13 @@ def demo(args) -> int:
   from tqdm import tqdm
 
   import dflash_jax as dfj
-  cfg, w, source = _drafter(args)
+  cfg, w, source, q8_0_blocks = _drafter(args)
   print(f"drafter: {source}")
   print(f"config:  {cfg}")
   print(f"device:  {jax.devices()[0].device_kind} ({jax.default_backend()}), impl={args.impl}, "
         f"dtype={args.dtype}, ring_dtype={args.ring_dtype}")
   m = dfj.DFlashDrafter(cfg, w, dtype=args.dtype, ring_dtype=args.ring_dtype, window=args.window,
-                        impl=args.impl)
+                        impl=args.impl, q8_0_blocks=q8_0_blocks)
   rng = np.random.default_rng(args.seed + 1)
   bsz = cfg.block_size
 
