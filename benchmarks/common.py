@@ -87,7 +87,7 @@ def random_params(cfg: DFlashConfig, n_vocab: int, dtype, seed: int = 0) -> Draf
                          scale=jnp.full((n_out,), 1 / (64 * np.sqrt(n_in)), jnp.float32), fmt=fmt)
     if fmt == "q8_0":
       return QuantWeight(data=jnp.clip(w * 40, -127, 127).astype(jnp.int8),
-                         scale=jnp.full((n_out, n_in // 32), 1 / (40 * np.sqrt(n_in)), jnp.float16),
+                         scale=jnp.full((n_out, n_in // 32), 1 / (40 * np.sqrt(n_in)), jnp.float32),
                          fmt=fmt)
     return (w / np.sqrt(n_in)).astype(resolve_dtype(fmt))
 

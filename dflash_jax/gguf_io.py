@@ -77,7 +77,7 @@ def load_drafter(path: str | os.PathLike) -> tuple[DFlashConfig, dict[str, np.nd
 def read_q8_0(path: str | os.PathLike) -> dict[str, tuple[np.ndarray, np.ndarray]]:
   """The raw blocks of every matrix stored as Q8_0, without dequantizing.
 
-  Returns name -> (qs int8 [out, in], d float16 [out, in // 32], as stored); the weight is
+  Returns name -> (qs int8 [out, in], d float32 [out, in // 32]); the weight is
   `d[:, j, None] * qs[:, 32 j : 32 (j + 1)]`. Checks the file like `load_drafter` except for
   NaN/Inf (that needs dequantizing); load the file with `load_drafter` for the full check.
   """
@@ -88,7 +88,7 @@ def read_q8_0(path: str | os.PathLike) -> dict[str, tuple[np.ndarray, np.ndarray
   for name, t in _drafter_tensors(reader, cfg, path).items():
     if t.tensor_type == _QT.Q8_0 and len(t.shape) == 2:
       blocks = np.asarray(t.data).reshape(t.data.shape[0], -1, _Q8_0_BYTES)
-      d = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0]
+      d = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0].astype(np.float32)
       qs = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(blocks.shape[0], -1)
       out[name] = (qs, d)
   return out

@@ -49,13 +49,12 @@ def resolve_weight_format(dtype: Any) -> str:
 
 @flax.struct.dataclass
 class QuantWeight:
-  """A 1-byte weight matrix in (out, in) layout, K contiguous, with its scales.
+  """A 1-byte weight matrix in (out, in) layout, K contiguous, with its float32 scales.
 
-  fp8: float8_e4m3fn data and [N] float32 power-of-two row scales; q8_0: int8 data and
-  [N, K/32] float16 block scales (llama.cpp's Q8_0, as stored in the GGUF). Both compute as
-  bf16 weights round_bf16(dequantized) against bf16 activations with float32 accumulation, so
-  a quantized step is the bf16 step on the dequantized weights (for fp8 the rounding is exact:
-  4 significant bits times 2^k).
+  fp8: float8_e4m3fn data and [N] power-of-two row scales; q8_0: int8 data and [N, K/32]
+  block scales (llama.cpp's Q8_0). Both compute as bf16 weights round_bf16(dequantized)
+  against bf16 activations with float32 accumulation, so a quantized step is the bf16 step
+  on the dequantized weights (for fp8 the rounding is exact: 4 significant bits times 2^k).
   """
   data: jax.Array
   scale: jax.Array
@@ -155,9 +154,6 @@ def prepare_weights(cfg: DFlashConfig, w: dict[str, np.ndarray], dtype: Any = "f
       if qs.shape != np.shape(w[name]) or d.shape != (qs.shape[0], qs.shape[1] // 32):
         raise ValueError(f"q8_0 blocks of '{name}' have shapes {qs.shape}, {d.shape}; "
                          f"expected {np.shape(w[name])} and its [N, K/32] scales")
-      if qs.dtype != np.int8 or d.dtype != np.float16:
-        raise ValueError(f"q8_0 blocks of '{name}' are {qs.dtype}, {d.dtype}; expected int8 "
-                         "and float16 (as read_q8_0 returns them)")
       return qs, d
     return quant.quantize_q8_0(w[name])
 

@@ -56,9 +56,9 @@ def _roundf(x: np.ndarray) -> np.ndarray:
 def quantize_q8_0(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   """llama.cpp Q8_0: blocks of 32 along K, d = max|block| / 127, qs = roundf(x / d).
 
-  Returns (qs [N, K] int8, d [N, K // 32] float16). As in ggml-quants.c, qs is computed with
-  the float32 d and d is then stored as float16 (as in the file and on the device), so
-  dequantize_q8_0 reproduces a GGUF Q8_0 tensor bit for bit.
+  Returns (qs [N, K] int8, d [N, K // 32] float32). As in ggml-quants.c, qs is computed with
+  the float32 d and d is then stored as float16; the returned d is that float16 value widened
+  to float32, so dequantize_q8_0 reproduces a GGUF Q8_0 tensor bit for bit.
   """
   w = _check_matrix(w, "quantize_q8_0")
   n, k = w.shape
@@ -74,7 +74,7 @@ def quantize_q8_0(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   if not np.all(np.isfinite(d16)):
     raise ValueError("quantize_q8_0: block scale d must fit float16 (max|block| <= 65504*127, "
                      f"got max|w|={float(np.max(np.abs(w)))})")
-  return qs, d16
+  return qs, d16.astype(np.float32)
 
 
 def dequantize_q8_0(qs: np.ndarray, d: np.ndarray) -> np.ndarray:

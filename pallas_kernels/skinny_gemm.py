@@ -6,8 +6,8 @@ contiguous read of K-runs. Weight formats:
 
   "bf16": w bfloat16, scale None.
   "fp8":  w float8_e4m3fn, scale [N] float32 per output row (applied in the epilogue).
-  "q8_0": w int8, scale [N, K // 32] float16 per 32-wide K block (llama.cpp Q8_0, d as
-          stored); each 32-block's weights are scaled (in float32) inside the K loop.
+  "q8_0": w int8, scale [N, K // 32] float32 per 32-wide K block (llama.cpp Q8_0 with d
+          widened from float16); each 32-block's partial dot is scaled inside the K loop.
 
 1-byte weights are widened in registers to bfloat16, which is exact for int8 and for fp8
 e4m3 values; fp8 goes through float32 first because Triton's direct fp8 -> bf16 conversion
@@ -45,7 +45,6 @@ from pallas_kernels._common import check, is_pow2, resolve_interpret
 FORMATS = ("bf16", "fp8", "q8_0")
 Q8_0_BLOCK = 32
 _WEIGHT_DTYPE = {"bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn, "q8_0": jnp.int8}
-_SCALE_DTYPE = {"fp8": jnp.float32, "q8_0": jnp.float16}
 _DOT_NT = (((1,), (1,)), ((), ()))  # x [m, k] . w [n, k] -> [m, n]
 _MAX_DEFAULT_BLOCK_M = 64
 
@@ -137,7 +136,7 @@ def _skinny_kernel(x_ref, *refs, fmt: str, gate_up: bool, m: int, block_m: int,
     for w_ref, s_ref, acc in zip(w_refs, s_refs, accs):
       w = _int8_to_f32(w_ref[:, pl.ds(k0, block_k)], interpret)
       w = w.reshape(block_n, n_sub, Q8_0_BLOCK)
-      d = s_ref[:, pl.ds(kb * n_sub, n_sub)].astype(jnp.float32)
+      d = s_ref[:, pl.ds(kb * n_sub, n_sub)]
       w = (w * d[:, :, None]).reshape(block_n, block_k).astype(jnp.bfloat16)
       new.append(acc + dot(x, w))
     return tuple(new)
@@ -170,10 +169,9 @@ def _check_args(kernel: str, x, w, scale, fmt: str, block_m: int, block_n: int,
     check(scale is None, kernel, "scale must be None for fmt='bf16'", type(scale))
   else:
     want = (n,) if fmt == "fp8" else (n, k // Q8_0_BLOCK)
-    s_dtype = jnp.dtype(_SCALE_DTYPE[fmt])
-    check(scale is not None, kernel, f"scale {want} {s_dtype} required for fmt={fmt!r}", None)
+    check(scale is not None, kernel, f"scale {want} float32 required for fmt={fmt!r}", None)
     check(scale.shape == want, kernel, f"scale shape {want} for fmt={fmt!r}", scale.shape)
-    check(scale.dtype == s_dtype, kernel, f"scale dtype {s_dtype} for fmt={fmt!r}", scale.dtype)
+    check(scale.dtype == jnp.float32, kernel, "scale dtype float32", scale.dtype)
   check(m >= 1, kernel, "M >= 1", m)
   for name, b in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
     check(is_pow2(b) and b >= 16, kernel, f"{name} a power of 2 >= 16", b)
@@ -304,7 +302,7 @@ def _dequantize(w: jax.Array, scale: jax.Array | None, fmt: str) -> jax.Array:
     return w.astype(jnp.float32)
   if fmt == "fp8":
     return w.astype(jnp.float32) * scale[:, None]
-  deq = w.astype(jnp.float32) * jnp.repeat(scale.astype(jnp.float32), Q8_0_BLOCK, axis=1)
+  deq = w.astype(jnp.float32) * jnp.repeat(scale, Q8_0_BLOCK, axis=1)
   return deq.astype(jnp.bfloat16).astype(jnp.float32)
 
 

@@ -210,7 +210,7 @@ def test_read_q8_0_matches_dequantized(tmp_path):
   for name, (qs, d) in raw.items():
     out, cols = w[name].shape
     assert qs.dtype == np.int8 and qs.shape == (out, cols)
-    assert d.dtype == np.float16 and d.shape == (out, cols // 32)
+    assert d.dtype == np.float32 and d.shape == (out, cols // 32)
     assert qs.flags.c_contiguous and d.flags.c_contiguous
     rebuilt = (d[:, :, None] * qs.reshape(out, cols // 32, 32).astype(np.float32))
     np.testing.assert_array_equal(rebuilt.reshape(out, cols), w2[name], err_msg=name)

@@ -90,10 +90,10 @@ def test_q8_0_matches_gguf_bit_for_bit():
   # zero where np.round would round to even (2.5 -> 3, -0.5 -> -1).
   w[5, 32:64] = np.array([127.0, 2.5, -0.5, 0.5, -3.5] + [1.25] * 27, np.float32)
   qs, d = quantize_q8_0(w)
-  assert qs.dtype == np.int8 and d.dtype == np.float16 and d.shape == (16, 8)
+  assert qs.dtype == np.int8 and d.dtype == np.float32 and d.shape == (16, 8)
 
   packed = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0).reshape(16, 8, 34)
-  d_gguf = packed[..., :2].copy().view(np.float16)[..., 0]
+  d_gguf = packed[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
   qs_gguf = packed[..., 2:].copy().view(np.int8).reshape(16, 256)
   np.testing.assert_array_equal(d, d_gguf)
   np.testing.assert_array_equal(qs, qs_gguf)
@@ -275,11 +275,11 @@ def test_q8_0_eight_blocks_per_tile(split_k):
 def _q8_0_every_weight_exactly(interpret):
   # x = identity: each output is one product plus exact zeros, so the kernel must return
   # round_bf16(q * d) for every weight bit for bit. All 256 int8 values appear in every row
-  # (-128 too: a Q8_0 file may hold it) at shuffled positions, under random float16 scales.
+  # (-128 too: a Q8_0 file may hold it) at shuffled positions, under random float32 scales.
   n = k = 256
   rng = np.random.default_rng(77)
   qs = np.stack([rng.permutation(np.arange(-128, 128)) for _ in range(n)]).astype(np.int8)
-  d = rng.uniform(1e-3, 2.0, (n, k // 32)).astype(np.float16)
+  d = rng.uniform(1e-3, 2.0, (n, k // 32)).astype(np.float32)
   x = jnp.eye(k, dtype=jnp.float32)
   out = skinny_matmul(x, jnp.asarray(qs), jnp.asarray(d), fmt="q8_0", block_n=32, block_k=128,
                       interpret=interpret)
@@ -307,7 +307,7 @@ def _args(fmt="bf16", m=16, n=N, k=K, w_dtype=None, scale="auto"):
   w = jnp.ones((n, k), w_dtype)
   if scale == "auto":
     scale = {"bf16": None, "fp8": jnp.ones((n,), jnp.float32),
-             "q8_0": jnp.ones((n, max(k // 32, 1)), jnp.float16)}[fmt]
+             "q8_0": jnp.ones((n, max(k // 32, 1)), jnp.float32)}[fmt]
   return x, w, scale
 
 
@@ -317,9 +317,7 @@ def _args(fmt="bf16", m=16, n=N, k=K, w_dtype=None, scale="auto"):
     (_args("fp8", w_dtype=jnp.int8), dict(fmt="fp8"), r"w dtype float8_e4m3fn"),
     (_args(scale=jnp.ones((N,), jnp.float32)), dict(fmt="bf16"), "scale must be None"),
     (_args("fp8", scale=None), dict(fmt="fp8"), r"scale \(128,\) float32 required"),
-    (_args("q8_0", scale=jnp.ones((N, 8), jnp.float32)), dict(fmt="q8_0"),
-     r"scale dtype float16 for fmt='q8_0' \(got float32\)"),
-    (_args("q8_0", scale=jnp.ones((N,), jnp.float16)), dict(fmt="q8_0"),
+    (_args("q8_0", scale=jnp.ones((N,), jnp.float32)), dict(fmt="q8_0"),
      r"scale shape \(128, 8\) for fmt='q8_0' \(got \(128,\)\)"),
     (_args("fp8", scale=jnp.ones((N,), jnp.bfloat16)), dict(fmt="fp8"), "scale dtype float32"),
     (_args(), dict(fmt="bf16", block_n=48), r"block_n a power of 2 >= 16 \(got 48\)"),
@@ -374,7 +372,7 @@ def _device_weights(fmt: str, n: int, k: int, key):
     w8 = w8.astype(jnp.float8_e4m3fn)
     return w8, jax.random.uniform(ks, (n,), jnp.float32, 1e-4, 1e-3)
   qs = jax.random.randint(kw, (n, k), -128, 128, jnp.int32).astype(jnp.int8)
-  return qs, jax.random.uniform(ks, (n, k // 32), jnp.float32, 1e-4, 1e-3).astype(jnp.float16)
+  return qs, jax.random.uniform(ks, (n, k // 32), jnp.float32, 1e-4, 1e-3)
 
 
 def _device_bound(x, w, s, fmt):
