@@ -154,6 +154,9 @@ def prepare_weights(cfg: DFlashConfig, w: dict[str, np.ndarray], dtype: Any = "f
       if qs.shape != np.shape(w[name]) or d.shape != (qs.shape[0], qs.shape[1] // 32):
         raise ValueError(f"q8_0 blocks of '{name}' have shapes {qs.shape}, {d.shape}; "
                          f"expected {np.shape(w[name])} and its [N, K/32] scales")
+      if qs.dtype != np.int8 or d.dtype != np.float32:
+        raise ValueError(f"q8_0 blocks of '{name}' are {qs.dtype}, {d.dtype}; expected int8 "
+                         "and float32 (as read_q8_0 returns them)")
       return qs, d
     return quant.quantize_q8_0(w[name])
 

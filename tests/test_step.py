@@ -334,6 +334,10 @@ def test_q8_0_blocks_taken_as_stored(tmp_path):
   np.testing.assert_array_equal(np.asarray(params.layers[1].wd.scale), d)
   with pytest.raises(ValueError, match="q8_0_blocks given"):
     dfj.prepare_weights(cfg, loaded, "fp8", q8_0_blocks=blocks)
+  narrowed = dict(blocks, **{"blk.1.ffn_down": (qs, d.astype(np.float16))})
+  with pytest.raises(ValueError, match=r"'blk.1.ffn_down' are int8, float16; expected int8 and "
+                                       "float32"):
+    dfj.prepare_weights(cfg, loaded, "q8_0", q8_0_blocks=narrowed)
 
 
 # ----------------------------------------------------------------------------- GPU, real dims
