@@ -49,7 +49,7 @@ def _drafter(args):
     rng = np.random.default_rng(args.seed)
     w["tok_embd"] = rng.standard_normal((n_vocab, cfg.n_embd), dtype=np.float32)
     w["lm_head"] = rng.standard_normal((n_vocab, cfg.n_embd), dtype=np.float32) / np.sqrt(cfg.n_embd)
-    return cfg, w, args.gguf, _q8_0_blocks(args, args.gguf)
+    return cfg, w, args.gguf
   cfg = {"tiny": dfj.TINY_CONFIG, "small": dfj.DFlashConfig(**SMALL), "seed": dfj.SEED_CONFIG}[args.size]
   cfg = dataclasses.replace(cfg, mask_token_id=min(cfg.mask_token_id, args.vocab - 1))
   w = dfj.synthetic_drafter(cfg, seed=args.seed, n_vocab=args.vocab)
@@ -57,12 +57,7 @@ def _drafter(args):
   dfj.save_drafter(path, cfg, w, tensor_type="Q8_0" if args.dtype == "q8_0" else "F32")
   cfg, loaded = dfj.load_drafter(path)
   loaded["tok_embd"], loaded["lm_head"] = w["tok_embd"], w["lm_head"]
-  return cfg, loaded, path, _q8_0_blocks(args, path)
-
-
-def _q8_0_blocks(args, path):
-  import dflash_jax as dfj
-  return dfj.read_q8_0(path) if args.dtype == "q8_0" else None
+  return cfg, loaded, path
 
 
 def demo(args) -> int:
@@ -70,7 +65,8 @@ def demo(args) -> int:
   from tqdm import tqdm
 
   import dflash_jax as dfj
-  cfg, w, source, q8_0_blocks = _drafter(args)
+  cfg, w, source = _drafter(args)
+  q8_0_blocks = dfj.read_q8_0(source) if args.dtype == "q8_0" else None
   print(f"drafter: {source}")
   print(f"config:  {cfg}")
   print(f"device:  {jax.devices()[0].device_kind} ({jax.default_backend()}), impl={args.impl}, "

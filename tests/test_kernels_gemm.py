@@ -272,7 +272,9 @@ def test_q8_0_eight_blocks_per_tile(split_k):
                 "q8_0 gate_up block_k 256")
 
 
-def _q8_0_every_weight_exactly(interpret):
+@pytest.mark.parametrize("interpret", [True, pytest.param(False, marks=pytest.mark.gpu)])
+def test_q8_0_every_weight_exactly(interpret):
+  """On the GPU int8 is widened by inline PTX, in the interpreter by a convert: same bits."""
   # x = identity: each output is one product plus exact zeros, so the kernel must return
   # round_bf16(q * d) for every weight bit for bit. All 256 int8 values appear in every row
   # (-128 too: a Q8_0 file may hold it) at shuffled positions, under random float32 scales.
@@ -285,16 +287,6 @@ def _q8_0_every_weight_exactly(interpret):
                       interpret=interpret)
   want = bf16_round(qs.astype(np.float32) * np.repeat(d, 32, axis=1)).T
   np.testing.assert_array_equal(np.asarray(out), want)
-
-
-def test_q8_0_every_weight_exactly():
-  _q8_0_every_weight_exactly(interpret=True)
-
-
-@pytest.mark.gpu
-def test_gpu_q8_0_every_weight_exactly():
-  """The GPU widens int8 with inline PTX (the interpreter with a convert): same bits."""
-  _q8_0_every_weight_exactly(interpret=False)
 
 
 # ---------------------------------------------------------------------------------------------
