@@ -200,12 +200,17 @@ def prepare_weights(cfg: DFlashConfig, w: dict[str, np.ndarray], dtype: Any = "f
       lm_head=mat("lm_head"), layers=tuple(layers), cfg=cfg)
 
 
+# Rows up to which dense bf16 GEMMs run on the skinny kernel: one M tile (the kernel's
+# largest default block_m) streams the weights exactly once.
+SKINNY_MAX_M = skinny_gemm.MAX_DEFAULT_BLOCK_M
+
+
 def gemm_knobs(fmt: str, n: int, k: int, gate_up: bool = False) -> dict:
-  """Skinny-GEMM tiles from the H200 sweeps (benchmarks/RESULTS.md, runs 2-5, 7 and 9): 128-wide
-  K tiles (256 for q8_0 and for long K), 32-row N tiles for q8_0 and for the fused gate+up
-  (two accumulators), and K split when N / block_n alone cannot fill the 132 SMs: 5 ways for
-  a long K (the down projection: 39.6 vs 42.8 us fp8, 53.4 vs 61.9 us q8_0 split 4 ways),
-  else 4."""
+  """Skinny-GEMM tiles from the H200 sweeps (benchmarks/RESULTS.md, runs 2-5, 7, 9 and 10):
+  128-wide K tiles (256 for q8_0 and for long K), 32-row N tiles for q8_0 and for the fused
+  gate+up (two accumulators), and K split when N / block_n alone cannot fill the 132 SMs: 5
+  ways for a long K (the down projection: 39.6 vs 42.8 us fp8, 53.4 vs 61.9 us q8_0 split 4
+  ways), else 4. bf16 takes fp8's tiles (the best of four tile sets in the bf16 step, run 10)."""
   long_k = not gate_up and k >= 16384
   block_k = 256 if fmt == "q8_0" or long_k else 128
   while block_k > 32 and k % block_k:
@@ -224,22 +229,28 @@ def linear(x: jax.Array, w, *, impl: str = "pallas", gate_up: bool = False,
   """y = x @ w^T for a weight in (out, in) layout: THE GEMM entry point of the step.
 
   Dense bf16 weights: the activation is rounded to bf16 (the rounding SPEC.md section 5 names)
-  and the product accumulates in float32 (XLA's GEMM). Dense fp32: full-precision float32
-  (HIGHEST, so GPUs do not silently use TF32). QuantWeight: the Pallas skinny GEMM streams the
-  1-byte weights (impl="xla": its jnp twin). gate_up: w holds gate rows then up rows and the
+  and the product accumulates in float32; up to SKINNY_MAX_M rows the Pallas skinny GEMM
+  streams the weights (in the bf16 step it beats XLA's GEMMs, mostly by needing no split-K
+  reduce or convert launches: RESULTS.md run 10), beyond that XLA's GEMM (prefill row
+  counts, where a GEMM that reads the weights once per 64-row tile would lose). Dense fp32:
+  XLA, full-precision float32 (HIGHEST, so GPUs do not silently use TF32). QuantWeight: the
+  Pallas skinny GEMM streams the 1-byte weights at any row count (impl="xla": its jnp twin,
+  which dequantizes in XLA). gate_up: w holds gate rows then up rows and the
   result is silu(gate) * up (fused into the skinny GEMM's epilogue). The result is out_dtype,
   or with partials=True the float32 split-K partial sums [S, M, N] (S = 1 unless the skinny
   GEMM split K), left for the consuming kernel to add up (qk_norm_rope).
   """
   if partials and gate_up:
     raise ValueError("linear: partials=True is for plain projections, not gate_up")
-  if isinstance(w, QuantWeight) and impl != "xla":
-    n, k = w.shape
-    knobs = gemm_knobs(w.fmt, n // 2 if gate_up else n, k, gate_up)
+  if impl != "xla" and (isinstance(w, QuantWeight) or (
+      w.dtype == jnp.bfloat16 and x.ndim == 2 and x.shape[0] <= SKINNY_MAX_M)):
+    data, scale, fmt = (w.data, w.scale, w.fmt) if isinstance(w, QuantWeight) else (w, None, "bf16")
+    n, k = data.shape
+    knobs = gemm_knobs(fmt, n // 2 if gate_up else n, k, gate_up)
     if gate_up:
-      return skinny_gemm.skinny_matmul_gate_up(x, w.data, w.scale, fmt=w.fmt,
-                                               out_dtype=out_dtype, **knobs)
-    return skinny_gemm.skinny_matmul(x, w.data, w.scale, fmt=w.fmt, out_dtype=out_dtype,
+      return skinny_gemm.skinny_matmul_gate_up(x, data, scale, fmt=fmt, out_dtype=out_dtype,
+                                               **knobs)
+    return skinny_gemm.skinny_matmul(x, data, scale, fmt=fmt, out_dtype=out_dtype,
                                      keep_splits=partials, **knobs)
   if isinstance(w, QuantWeight):
     fn = (skinny_gemm.skinny_matmul_gate_up_reference if gate_up

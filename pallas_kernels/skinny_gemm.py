@@ -46,13 +46,13 @@ FORMATS = ("bf16", "fp8", "q8_0")
 Q8_0_BLOCK = 32
 _WEIGHT_DTYPE = {"bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn, "q8_0": jnp.int8}
 _DOT_NT = (((1,), (1,)), ((), ()))  # x [m, k] . w [n, k] -> [m, n]
-_MAX_DEFAULT_BLOCK_M = 64
+MAX_DEFAULT_BLOCK_M = 64
 
 
 def _default_block_m(m: int) -> int:
   # One M tile up to 64 rows streams the weights exactly once; beyond that the accumulator
   # would cost too many registers, so tile M and rely on L2 for the repeat weight reads.
-  return min(max(16, pl.next_power_of_2(m)), _MAX_DEFAULT_BLOCK_M)
+  return min(max(16, pl.next_power_of_2(m)), MAX_DEFAULT_BLOCK_M)
 
 
 def _silu_mul(g: jax.Array, u: jax.Array) -> jax.Array:

@@ -309,15 +309,29 @@ def test_linear_partials_and_out_dtype(fmt):
   x = jnp.asarray(rng.standard_normal((16, 4096)), jnp.float32)
   y = linear(x, wq)
   parts = linear(x, wq, partials=True)
-  n_split = gemm_knobs(fmt, 64, 4096)["split_k"] if fmt in ("fp8", "q8_0") else 1
+  n_split = gemm_knobs(fmt, 64, 4096)["split_k"] if fmt != "fp32" else 1
   assert parts.shape == (n_split, 16, 64) and parts.dtype == jnp.float32
-  assert fmt not in ("fp8", "q8_0") or n_split == 4
+  assert fmt == "fp32" or n_split == 4
   np.testing.assert_allclose(np.asarray(parts).sum(0), np.asarray(y), rtol=1e-5, atol=1e-5)
   y16 = linear(x, wq, out_dtype=jnp.bfloat16)
   assert y16.dtype == jnp.bfloat16
   np.testing.assert_allclose(np.asarray(y16, np.float32), np.asarray(y), rtol=2.0 ** -7, atol=0)
   with pytest.raises(ValueError, match="partials=True is for plain projections"):
     linear(x, wq, gate_up=True, partials=True)
+
+
+def test_linear_bf16_runs_skinny_up_to_64_rows():
+  """Dense bf16 weights: the Pallas skinny GEMM for block-sized row counts, XLA's GEMM for
+  prefill-sized ones; both agree with the jnp path to float32 summation order."""
+  from dflash_jax.params import SKINNY_MAX_M, linear
+  rng = np.random.default_rng(4)
+  w = jnp.asarray(rng.standard_normal((96, 256)) / 16, jnp.bfloat16)
+  for m, kernel in ((16, True), (SKINNY_MAX_M, True), (SKINNY_MAX_M + 1, False)):
+    x = jnp.asarray(rng.standard_normal((m, 256)), jnp.float32)
+    jaxpr = str(jax.make_jaxpr(lambda x, w: linear(x, w))(x, w))
+    assert ("pallas_call" in jaxpr) == kernel, (m, kernel)
+    np.testing.assert_allclose(np.asarray(linear(x, w)), np.asarray(linear(x, w, impl="xla")),
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_q8_0_blocks_taken_as_stored(tmp_path):
