@@ -205,6 +205,15 @@ def prepare_weights(cfg: DFlashConfig, w: dict[str, np.ndarray], dtype: Any = "f
 SKINNY_MAX_M = skinny_gemm.MAX_DEFAULT_BLOCK_M
 
 
+def _bf16_skinny(x: jax.Array, w: jax.Array, gate_up: bool) -> bool:
+  """Dense bf16 runs on the skinny GEMM for block-sized row counts and shapes its tiles cover
+  (rows per weight stream a multiple of 16, K a multiple of 32); otherwise on XLA's GEMM."""
+  if w.dtype != jnp.bfloat16 or x.ndim != 2 or x.shape[0] > SKINNY_MAX_M:
+    return False
+  n_out = w.shape[0] // 2 if gate_up else w.shape[0]
+  return n_out % 16 == 0 and w.shape[1] % 32 == 0
+
+
 def gemm_knobs(fmt: str, n: int, k: int, gate_up: bool = False) -> dict:
   """Skinny-GEMM tiles from the H200 sweeps (benchmarks/RESULTS.md, runs 2-5, 7, 9 and 10):
   128-wide K tiles (256 for q8_0 and for long K), 32-row N tiles for q8_0 and for the fused
@@ -231,8 +240,9 @@ def linear(x: jax.Array, w, *, impl: str = "pallas", gate_up: bool = False,
   Dense bf16 weights: the activation is rounded to bf16 (the rounding SPEC.md section 5 names)
   and the product accumulates in float32; up to SKINNY_MAX_M rows the Pallas skinny GEMM
   streams the weights (in the bf16 step it beats XLA's GEMMs, mostly by needing no split-K
-  reduce or convert launches: RESULTS.md run 10), beyond that XLA's GEMM (prefill row
-  counts, where a GEMM that reads the weights once per 64-row tile would lose). Dense fp32:
+  reduce or convert launches: RESULTS.md run 10), beyond that (prefill row counts, where a
+  GEMM that reads the weights once per 64-row tile would lose) or for shapes its tiles do not
+  cover (`_bf16_skinny`), XLA's GEMM. Dense fp32:
   XLA, full-precision float32 (HIGHEST, so GPUs do not silently use TF32). QuantWeight: the
   Pallas skinny GEMM streams the 1-byte weights at any row count (impl="xla": its jnp twin,
   which dequantizes in XLA). gate_up: w holds gate rows then up rows and the
@@ -242,8 +252,7 @@ def linear(x: jax.Array, w, *, impl: str = "pallas", gate_up: bool = False,
   """
   if partials and gate_up:
     raise ValueError("linear: partials=True is for plain projections, not gate_up")
-  if impl != "xla" and (isinstance(w, QuantWeight) or (
-      w.dtype == jnp.bfloat16 and x.ndim == 2 and x.shape[0] <= SKINNY_MAX_M)):
+  if impl != "xla" and (isinstance(w, QuantWeight) or _bf16_skinny(x, w, gate_up)):
     data, scale, fmt = (w.data, w.scale, w.fmt) if isinstance(w, QuantWeight) else (w, None, "bf16")
     n, k = data.shape
     knobs = gemm_knobs(fmt, n // 2 if gate_up else n, k, gate_up)

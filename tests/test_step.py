@@ -321,15 +321,18 @@ def test_linear_partials_and_out_dtype(fmt):
 
 
 def test_linear_bf16_runs_skinny_up_to_64_rows():
-  """Dense bf16 weights: the Pallas skinny GEMM for block-sized row counts, XLA's GEMM for
-  prefill-sized ones; both agree with the jnp path to float32 summation order."""
+  """Dense bf16 weights: the Pallas skinny GEMM for block-sized row counts and shapes its
+  tiles cover, XLA's GEMM for prefill-sized row counts or other shapes (a vocab of 100 rows);
+  every case agrees with the jnp path to float32 summation order."""
   from dflash_jax.params import SKINNY_MAX_M, linear
   rng = np.random.default_rng(4)
-  w = jnp.asarray(rng.standard_normal((96, 256)) / 16, jnp.bfloat16)
-  for m, kernel in ((16, True), (SKINNY_MAX_M, True), (SKINNY_MAX_M + 1, False)):
-    x = jnp.asarray(rng.standard_normal((m, 256)), jnp.float32)
+  for (n, k), m, kernel in (((96, 256), 16, True), ((96, 256), SKINNY_MAX_M, True),
+                            ((96, 256), SKINNY_MAX_M + 1, False), ((100, 256), 16, False),
+                            ((96, 200), 16, False)):
+    w = jnp.asarray(rng.standard_normal((n, k)) / 16, jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
     jaxpr = str(jax.make_jaxpr(lambda x, w: linear(x, w))(x, w))
-    assert ("pallas_call" in jaxpr) == kernel, (m, kernel)
+    assert ("pallas_call" in jaxpr) == kernel, (n, k, m, kernel)
     np.testing.assert_allclose(np.asarray(linear(x, w)), np.asarray(linear(x, w, impl="xla")),
                                rtol=1e-5, atol=1e-5)
 
