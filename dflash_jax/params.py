@@ -164,10 +164,10 @@ def prepare_weights(cfg: DFlashConfig, w: dict[str, np.ndarray], dtype: Any = "f
     if fmt in ("fp8", "q8_0"):
       for n in names:
         n_out, k = np.shape(w[n])
-        if n_out % 16 or k % quant.Q8_0_BLOCK:
+        if not _skinny_tiles_fit(n_out, k):
           raise ValueError(f"dtype {fmt!r}: tensor '{n}' is [{n_out}, {k}]; the skinny GEMM "
-                           f"needs rows (N) a multiple of 16 and columns (K) a multiple of "
-                           f"{quant.Q8_0_BLOCK}")
+                           f"needs rows (N) a multiple of {_SKINNY_MIN_N} and columns (K) a "
+                           f"multiple of {_SKINNY_MIN_K}")
     if fmt == "q8_0":
       parts = [host_q8_0(n) for n in names]
       return QuantWeight(data=jnp.asarray(np.concatenate([p[0] for p in parts])),
@@ -205,13 +205,20 @@ def prepare_weights(cfg: DFlashConfig, w: dict[str, np.ndarray], dtype: Any = "f
 SKINNY_MAX_M = skinny_gemm.MAX_DEFAULT_BLOCK_M
 
 
+# The smallest tiles gemm_knobs falls back to (block_n halves down to 16, block_k to 32).
+_SKINNY_MIN_N, _SKINNY_MIN_K = 16, 32
+
+
+def _skinny_tiles_fit(n_out: int, k: int) -> bool:
+  return n_out % _SKINNY_MIN_N == 0 and k % _SKINNY_MIN_K == 0
+
+
 def _bf16_skinny(x: jax.Array, w: jax.Array, gate_up: bool) -> bool:
-  """Dense bf16 runs on the skinny GEMM for block-sized row counts and shapes its tiles cover
-  (rows per weight stream a multiple of 16, K a multiple of 32); otherwise on XLA's GEMM."""
+  """Dense bf16 runs on the skinny GEMM for block-sized row counts and shapes its tiles cover;
+  otherwise on XLA's GEMM."""
   if w.dtype != jnp.bfloat16 or x.ndim != 2 or x.shape[0] > SKINNY_MAX_M:
     return False
-  n_out = w.shape[0] // 2 if gate_up else w.shape[0]
-  return n_out % 16 == 0 and w.shape[1] % 32 == 0
+  return _skinny_tiles_fit(w.shape[0] // 2 if gate_up else w.shape[0], w.shape[1])
 
 
 def gemm_knobs(fmt: str, n: int, k: int, gate_up: bool = False) -> dict:
@@ -222,10 +229,10 @@ def gemm_knobs(fmt: str, n: int, k: int, gate_up: bool = False) -> dict:
   ways), else 4. bf16 takes fp8's tiles (the best of four tile sets in the bf16 step, run 10)."""
   long_k = not gate_up and k >= 16384
   block_k = 256 if fmt == "q8_0" or long_k else 128
-  while block_k > 32 and k % block_k:
+  while block_k > _SKINNY_MIN_K and k % block_k:
     block_k //= 2
   block_n = 32 if (fmt == "q8_0" or gate_up) and not long_k else 64
-  while block_n > 16 and n % block_n:
+  while block_n > _SKINNY_MIN_N and n % block_n:
     block_n //= 2
   split_k = 1
   if not gate_up and n <= 16384 and k // block_k >= 16:
