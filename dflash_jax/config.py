@@ -6,14 +6,25 @@ import dataclasses
 import numpy as np
 
 
+SLIDING, FULL = "sliding_attention", "full_attention"
+LAYER_TYPES = (SLIDING, FULL)   # HF `layer_types` spellings
+DEFAULT_WINDOW = 2048
+DEFAULT_CAPACITY = 8192
+
+
 @dataclasses.dataclass(frozen=True)
 class DFlashConfig:
   """Everything about a drafter's shape that a compiled step depends on.
 
   Frozen and hashable, so it can be a static argument of `jax.jit`.
   `target_layers` follows llama.cpp: HF `target_layer_ids` + 1.
-  `window` is the ring size from the GGUF (None when the file has none; callers
-  then choose, default 2048).
+  `window` is the sliding window W from the file (None when the file has none; callers
+  then choose, default 2048). `layer_types` gives each layer's attention kind (SPEC.md
+  section 7): "sliding_attention" (a ring of W slots, visibility `0 <= q - p < W`) or
+  "full_attention" (every injected position < n_past visible; a cache of a caller-chosen
+  capacity, `resolve_capacity`). None means every layer slides (an all-sliding tuple is
+  stored as None, so configs read from different formats compare equal). `context_length`
+  is the target's context length when the file states it.
   """
   n_layer: int
   n_embd: int
@@ -27,6 +38,8 @@ class DFlashConfig:
   mask_token_id: int
   block_size: int = 16
   window: int | None = None
+  layer_types: tuple[str, ...] | None = None
+  context_length: int | None = None
 
   def __post_init__(self):
     problems = []
@@ -48,6 +61,16 @@ class DFlashConfig:
       problems.append(f"mask_token_id must be >= 0, got {self.mask_token_id}")
     if self.window is not None and self.window <= 0:
       problems.append(f"window must be positive or None, got {self.window}")
+    if self.context_length is not None and self.context_length <= 0:
+      problems.append(f"context_length must be positive or None, got {self.context_length}")
+    if self.layer_types is not None:
+      kinds = tuple(self.layer_types)
+      bad = sorted(set(kinds) - set(LAYER_TYPES))
+      if bad:
+        problems.append(f"layer_types must hold {LAYER_TYPES}, got {bad}")
+      elif not problems and len(kinds) != self.n_layer:
+        problems.append(f"layer_types has {len(kinds)} entries for n_layer {self.n_layer}")
+      object.__setattr__(self, "layer_types", None if set(kinds) <= {SLIDING} else kinds)
     if problems:
       raise ValueError("invalid DFlashConfig: " + "; ".join(problems))
     object.__setattr__(self, "target_layers", tuple(int(t) for t in self.target_layers))
@@ -67,11 +90,29 @@ class DFlashConfig:
     return self.n_head // self.n_head_kv
 
   def resolve_window(self, window: int | None = None) -> int:
-    """The ring size: an explicit `window`, else the file's, else 2048."""
-    w = window if window is not None else (self.window if self.window is not None else 2048)
+    """The sliding window: an explicit `window`, else the file's, else 2048."""
+    w = window if window is not None else (self.window if self.window is not None else
+                                           DEFAULT_WINDOW)
     if w <= 0:
       raise ValueError(f"window must be positive, got {w}")
     return int(w)
+
+  def resolve_capacity(self, capacity: int | None = None) -> int:
+    """Positions a full-attention layer's cache holds: explicit, else context_length, else
+    DEFAULT_CAPACITY. Injecting a position >= capacity is an error, never a wrap."""
+    c = capacity if capacity is not None else (
+        self.context_length if self.context_length is not None else DEFAULT_CAPACITY)
+    if c <= 0:
+      raise ValueError(f"capacity must be positive, got {c}")
+    return int(c)
+
+  @property
+  def kinds(self) -> tuple[str, ...]:
+    """Each layer's attention kind ("sliding_attention" when layer_types is None)."""
+    return self.layer_types if self.layer_types is not None else (SLIDING,) * self.n_layer
+
+  def is_sliding(self, layer: int) -> bool:
+    return self.kinds[layer] == SLIDING
 
 
 def rope_inv_freq(head_dim: int, theta: float) -> np.ndarray:
