@@ -9,10 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.config import DFlashConfig, rope_inv_freq
-from dflash_jax.params import (DrafterParams, LayerParams, QuantWeight, resolve_dtype,
-                               resolve_weight_format)
-from dflash_jax.step import RingState
+from dflash_jax.config import FULL, SLIDING, DFlashConfig, rope_inv_freq
+from dflash_jax.params import (DrafterParams, InjectParams, LayerParams, QuantWeight,
+                               resolve_dtype, resolve_weight_format)
+from dflash_jax.step import KVCache, RingState
 
 ON_GPU = jax.default_backend() == "gpu"
 
@@ -98,10 +98,11 @@ def random_params(cfg: DFlashConfig, n_vocab: int, dtype, seed: int = 0) -> Draf
       attn_norm=norm(e), wqkv=mat((hq + 2 * hkv) * d, e), q_norm=norm(d), k_norm=norm(d),
       wo=mat(e, hq * d), ffn_norm=norm(e), wgu=mat(2 * cfg.n_ff, e), wd=mat(e, cfg.n_ff))
       for _ in range(cfg.n_layer))
+  inject = tuple(InjectParams(w=mat(len(layers) * 2 * hkv * d, e),
+                              k_norm=jnp.stack([norm(d) for _ in layers]), kind=kind)
+                 for kind, layers in cfg.kind_groups)
   return DrafterParams(
-      fc=mat(e, cfg.n_embd_fc), enc_norm=norm(e), out_norm=norm(e),
-      w_inject=mat(cfg.n_layer * 2 * hkv * d, e),
-      k_norm_all=jnp.stack([norm(d) for _ in range(cfg.n_layer)]),
+      fc=mat(e, cfg.n_embd_fc), enc_norm=norm(e), out_norm=norm(e), inject=inject,
       inv_freq=jnp.asarray(rope_inv_freq(d, cfg.rope_theta)),
       tok_embd=jax.random.normal(next(keys), (n_vocab, e), jnp.float32).astype(
           jnp.float32 if fmt == "fp32" else jnp.bfloat16),
@@ -109,14 +110,43 @@ def random_params(cfg: DFlashConfig, n_vocab: int, dtype, seed: int = 0) -> Draf
       layers=layers, cfg=cfg)
 
 
-def full_ring(cfg: DFlashConfig, window: int, ring_dtype, seed: int = 1) -> RingState:
-  """A ring with every slot filled (positions 0..W-1), as after a long prefill."""
+def filled_cache(n_layer: int, cfg: DFlashConfig, slots: int, ring_dtype, positions,
+                 kind: str = SLIDING, seed: int = 1) -> KVCache:
+  """A cache of `slots` slots for n_layer layers holding random K/V at `positions` (slot
+  p % slots for a sliding ring, p for a full-attention cache; the rest empty)."""
   dt = resolve_dtype(ring_dtype)
   kk, kv = jax.random.split(jax.random.key(seed))
-  shape = (cfg.n_layer, cfg.n_head_kv, window, cfg.head_dim)
-  return RingState(k=jax.random.normal(kk, shape, jnp.float32).astype(dt),
-                   v=jax.random.normal(kv, shape, jnp.float32).astype(dt),
-                   pos=jnp.arange(window, dtype=jnp.int32))
+  shape = (n_layer, cfg.n_head_kv, slots, cfg.head_dim)
+  positions = np.asarray(positions, np.int64)
+  pos = np.full((slots,), -1, np.int32)
+  pos[positions % slots if kind == SLIDING else positions] = positions
+  return KVCache(k=jax.random.normal(kk, shape, jnp.float32).astype(dt),
+                 v=jax.random.normal(kv, shape, jnp.float32).astype(dt),
+                 pos=jnp.asarray(pos), kind=kind)
+
+
+def full_ring(cfg: DFlashConfig, window: int, ring_dtype, seed: int = 1) -> KVCache:
+  """One ring of every layer with every slot filled (positions 0..W-1), as after a long
+  prefill: the operands of a kernel benchmark."""
+  return filled_cache(cfg.n_layer, cfg, window, ring_dtype, np.arange(window), seed=seed)
+
+
+def filled_state(cfg: DFlashConfig, ring_dtype, n_past: int, window: int,
+                 capacity: int | None = None, seed: int = 1) -> RingState:
+  """The drafter's ring after committing positions 0..n_past-1: the sliding ring holds the
+  last W of them, the full-attention cache (capacity >= n_past) all of them."""
+  caches = {}
+  for kind, layers in cfg.kind_groups:
+    if kind == SLIDING:
+      caches[kind] = filled_cache(len(layers), cfg, window, ring_dtype,
+                                  np.arange(max(0, n_past - window), n_past), kind, seed)
+    else:
+      if capacity is None or capacity < n_past:
+        raise ValueError(f"a full-attention cache for n_past {n_past} needs capacity >= n_past, "
+                         f"got {capacity}")
+      caches[kind] = filled_cache(len(layers), cfg, capacity, ring_dtype, np.arange(n_past),
+                                  kind, seed + 1)
+  return RingState(sliding=caches.get(SLIDING), full=caches.get(FULL))
 
 
 GEMM_RE = re.compile(r"gemm|gemv|xmma|nvjet|cutlass|cublas|matmul|sm90|sm80|triton_dot|dot_|skinny",

@@ -34,18 +34,49 @@ GEMM_GROUPS = ("qkv", "o", "gate_up", "down")
 
 @dataclasses.dataclass(frozen=True)
 class Case:
+  """One benchmarked step: the ring holds positions 0..n_past-1 (the sliding ring the last
+  `window` of them, the full-attention cache of `capacity` slots all of them, every slot
+  live), n_past = max(window, capacity). peer: also time the PyTorch peer."""
   name: str
   cfg: dfj.DFlashConfig
   n_vocab: int
   dtype: str
   ring_dtype: str
   window: int = 2048
+  capacity: int | None = None
+  peer: bool = True
+
+  @property
+  def n_past(self) -> int:
+    return max(self.window, self.capacity or 0)
+
+
+SLIDE, FULL = dfj.config.SLIDING, dfj.config.FULL
+
+
+def shape_variants(base: dfj.DFlashConfig, label: str, n_vocab: int, window: int,
+                   group3: dict, window_b: int, capacity: int) -> list[Case]:
+  """Issue 13's drafter shapes beside `base` (bf16 weights and ring): blocks 10 and 7, a
+  GQA group of 3 (`group3` heads), a window that is not a power of 2 (window_b), and 4
+  sliding + 1 full layers (a full-attention cache of `capacity` slots)."""
+  mixed = dataclasses.replace(base, n_layer=5, layer_types=(SLIDE,) * 4 + (FULL,))
+  shapes = [(f"{label}-b10", dataclasses.replace(base, block_size=10), window, None),
+            (f"{label}-b7", dataclasses.replace(base, block_size=7), window, None),
+            (f"{label}-g3", dataclasses.replace(base, **group3), window, None),
+            (f"{label}-w{window_b}", base, window_b, None),
+            (f"{label}-4s1f-c{capacity}", mixed, window, capacity)]
+  return [Case(f"{name} V{n_vocab} wbf16 rbf16", cfg, n_vocab, "bf16", "bf16", w, c, peer=False)
+          for name, cfg, w, c in shapes]
 
 
 def gpu_cases() -> list[Case]:
   seed, qwen = dfj.SEED_CONFIG, dfj.QWEN3_8B_CONFIG
   cases = [Case(f"seed V8192 w{d} r{r}", seed, 8192, d, r)
            for d, r in (("bf16", "bf16"), ("bf16", "fp32"), ("fp32", "bf16"), ("fp32", "fp32"))]
+  # Group 3 as 24 / 8 heads: the seed's kv heads, head_dim and ring (the same attention grid
+  # and ring bytes), q/o projections 3/4 of the seed's (97% of its weight bytes); only G
+  # (T*G = 48 query rows per kv head, not a power of 2) differs.
+  cases[1:1] = shape_variants(seed, "seed", 8192, 2048, dict(n_head=24), 3000, 8192)
   cases += [Case(f"seed V8192 w{f} rbf16", seed, 8192, f, "bf16") for f in ("fp8", "q8_0")]
   cases += [Case(f"seed V202048 w{f} rbf16", seed, 202048, f, "bf16") for f in ("bf16", "fp8")]
   cases += [Case(f"qwen3-8b V151936 w{f} rbf16", qwen, 151936, f, "bf16") for f in ("bf16", "fp8")]
@@ -54,13 +85,16 @@ def gpu_cases() -> list[Case]:
 
 def smoke_cases() -> list[Case]:
   cfg = dataclasses.replace(dfj.TINY_CONFIG, window=64)
-  return [Case("tiny wbf16 rbf16", cfg, 512, "bf16", "bf16", 64),
-          Case("tiny wfp32 rfp32", cfg, 512, "fp32", "fp32", 64),
-          Case("tiny wfp8 rbf16", cfg, 512, "fp8", "bf16", 64)]
+  cases = [Case("tiny wbf16 rbf16", cfg, 512, "bf16", "bf16", 64),
+           Case("tiny wfp32 rfp32", cfg, 512, "fp32", "fp32", 64),
+           Case("tiny wfp8 rbf16", cfg, 512, "fp8", "bf16", 64)]
+  # The shape variants with the GPU list's construction, at tiny dims.
+  return cases + shape_variants(cfg, "tiny", 512, 64, dict(n_head=6), 48, 128)
 
 
 def step_bytes(params: dfj.DrafterParams, ring: S.RingState) -> int:
-  """Bytes one block step must move: every layer weight, the LM head, the ring, the logits."""
+  """Bytes one block step must move: every layer weight, the LM head, every cache slot (all
+  live in these cases), the block's embedding rows and its logits (block_size rows)."""
   cfg = params.cfg
   embd_rows = cfg.block_size * cfg.n_embd * params.tok_embd.dtype.itemsize
   logits = cfg.block_size * params.n_vocab * 4
@@ -90,11 +124,12 @@ def _without_copies(per_iter):
 def bench_case(case: Case, bw: float, iters: int, torch_peer: bool) -> dict:
   cfg = case.cfg
   params = C.random_params(cfg, case.n_vocab, case.dtype)
-  ring = C.full_ring(cfg, case.window, case.ring_dtype)
-  id_last, n_past = jnp.int32(1), jnp.int32(case.window)
+  ring = C.filled_state(cfg, case.ring_dtype, case.n_past, case.window, case.capacity)
+  id_last, n_past = jnp.int32(1), jnp.int32(case.n_past)
   scalar = jax.ShapeDtypeStruct((), jnp.int32)
   res: dict = dict(case=case.name, n_vocab=case.n_vocab, dtype=case.dtype,
-                   ring_dtype=case.ring_dtype, window=case.window, cfg=dataclasses.asdict(cfg))
+                   ring_dtype=case.ring_dtype, window=case.window, capacity=case.capacity,
+                   n_past=case.n_past, cfg=dataclasses.asdict(cfg))
 
   t0 = time.perf_counter()
   step = S.block_step_jit.lower(params, ring, scalar, scalar, impl="pallas").compile()
@@ -118,10 +153,11 @@ def bench_case(case: Case, bw: float, iters: int, torch_peer: bool) -> dict:
   per = C.cupti_kernels(dr, params, ring, feats, jnp.int32(cfg.block_size), id_last,
                         n_past, iterations=max(3, iters // 2))
   res["draft_round_device_ms"] = C.device_ms(_without_copies(per))
-  pre_feats = jax.random.normal(jax.random.key(4), (2048, cfg.n_embd_fc), jnp.float32)
-  prefill = jax.jit(lambda p, r, f: S.inject(p, r, S.encode(p, f), jnp.arange(2048, dtype=jnp.int32)))
+  n_pre = res["prefill_rows"] = min(2048, case.capacity or 2048)   # positions a cache holds
+  pre_feats = jax.random.normal(jax.random.key(4), (n_pre, cfg.n_embd_fc), jnp.float32)
+  prefill = jax.jit(lambda p, r, f: S.inject(p, r, S.encode(p, f), jnp.arange(n_pre, dtype=jnp.int32)))
   per = C.cupti_kernels(prefill, params, ring, pre_feats, iterations=max(3, iters // 5))
-  res["prefill2048_device_ms"] = C.device_ms(_without_copies(per))
+  res["prefill_device_ms"] = C.device_ms(_without_copies(per))
 
   t0 = time.perf_counter()
   xla = S.block_step_jit.lower(params, ring, scalar, scalar, impl="xla").compile()
@@ -133,7 +169,7 @@ def bench_case(case: Case, bw: float, iters: int, torch_peer: bool) -> dict:
   a = np.asarray(step(params, ring, id_last, n_past))
   b = np.asarray(xla(params, ring, id_last, n_past))
   res["pallas_vs_xla_max_abs_logit_diff"] = float(np.abs(a - b).max())
-  if torch_peer and case.dtype in ("fp32", "bf16"):
+  if torch_peer and case.peer and case.dtype in ("fp32", "bf16"):
     res.update(bench_torch(case, params, ring, a, check_logits=case.n_vocab == 8192
                            and case.dtype == case.ring_dtype == "bf16"))
   return res
@@ -152,8 +188,9 @@ def bench_torch(case: Case, params, ring, our_logits, check_logits: bool) -> dic
   tdt = torch.bfloat16 if case.dtype == "bf16" else torch.float32
   out = {}
   if check_logits:
-    peer = TP.TorchDrafterStep(fields, host_weights(params), np.asarray(ring.k.astype(jnp.float32)),
-                               np.asarray(ring.v.astype(jnp.float32)), np.asarray(ring.pos),
+    r = ring.sliding   # the peer has one sliding ring (peer cases have no full layers)
+    peer = TP.TorchDrafterStep(fields, host_weights(params), np.asarray(r.k.astype(jnp.float32)),
+                               np.asarray(r.v.astype(jnp.float32)), np.asarray(r.pos),
                                dtype=tdt, device="cuda")
   else:
     peer = TP.TorchDrafterStep.random(fields, case.n_vocab, tdt, "cuda", window=case.window)
@@ -206,7 +243,7 @@ def bench_kernels(bw: float, iters: int, smoke: bool) -> dict:
   for rdt in ("bf16", "fp32"):
     ring = C.full_ring(cfg, w, rdt)
     q, k, v = rnd((hkv, b * g, d)), rnd((hkv, b, d)), rnd((hkv, b, d))
-    knobs = S.attention_knobs(w, ring.k.dtype)
+    knobs = S.attention_knobs(ring)
     f = jax.jit(functools.partial(R.ring_attention, layer=L - 1, **knobs))
     per = C.cupti_kernels(f, q, k, v, ring.k, ring.v, ring.pos, jnp.int32(w), iterations=iters)
     ring_bytes = 2 * hkv * w * d * ring.k.dtype.itemsize
@@ -272,7 +309,7 @@ def markdown(results: dict) -> str:
            f"- copy bandwidth (read+write): {results['copy_bw_TBps']:.2f} TB/s", ""]
   if results.get("steps"):
     lines += ["| case | step device ms | wall ms | floor ms | floor frac | fused frac | xla step ms | "
-              "ours/xla | torch eager ms | torch graph ms | graph/ours | draft_round ms | prefill 2048 ms | compile s |",
+              "ours/xla | torch eager ms | torch graph ms | graph/ours | draft_round ms | prefill ms (rows) | compile s |",
               "|" + "---|" * 14]
     for r in results["steps"]:
       tg = r.get("torch_graph", {}).get("median_ms")
@@ -283,7 +320,7 @@ def markdown(results: dict) -> str:
           f"{r['floor_fraction']:.3f} | {r['fused_fraction']:.3f} | {r['xla_step_device_ms']:.3f} | "
           f"{r['xla_step_device_ms'] / r['step_device_ms']:.2f}x | {fmt(te)} | {fmt(tg)} | "
           f"{'-' if tg is None else f'{tg / r['step_device_ms']:.2f}x'} | {r['draft_round_device_ms']:.3f} | "
-          f"{r['prefill2048_device_ms']:.3f} | {r['compile_s']:.1f} |")
+          f"{r['prefill_device_ms']:.3f} ({r['prefill_rows']}) | {r['compile_s']:.1f} |")
     lines += ["", "Phases (ms per step, all layers; per layer = /n_layer for the layer phases):", ""]
     for r in results["steps"]:
       ph = ", ".join(f"{k} {v:.4f}" for k, v in sorted(r["phases_ms"].items(), key=lambda kv: -kv[1]))

@@ -3,8 +3,9 @@ from dflash_jax.config import DFlashConfig, rope_inv_freq
 from dflash_jax.drafter import CapturedStep, DFlashDrafter
 from dflash_jax.gguf_io import (DrafterFormatError, config_from_hf, load_drafter, read_q8_0,
                                save_drafter)
-from dflash_jax.params import DrafterParams, LayerParams, linear, prepare_weights, resolve_dtype
-from dflash_jax.step import (RingState, accept, block_step, draft_round, encode, greedy_drafts,
+from dflash_jax.params import (DrafterParams, InjectParams, LayerParams, linear, prepare_weights,
+                               resolve_dtype)
+from dflash_jax.step import (KVCache, RingState, accept, block_step, draft_round, encode, greedy_drafts,
                              init_ring, inject)
 from dflash_jax.synthetic import (QWEN3_8B_CONFIG, SEED_CONFIG, TINY_CONFIG, drafter_tensor_shapes,
                                   synthetic_drafter, synthetic_features)

@@ -114,6 +114,27 @@ class DFlashConfig:
   def is_sliding(self, layer: int) -> bool:
     return self.kinds[layer] == SLIDING
 
+  def layers_of(self, kind: str) -> tuple[int, ...]:
+    """The layers of one attention kind, in layer order (their order in that kind's cache)."""
+    return tuple(l for l, k in enumerate(self.kinds) if k == kind)
+
+  @property
+  def kind_groups(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """(kind, layers) for each kind some layer has, sliding first: one K/V cache each."""
+    return tuple((k, self.layers_of(k)) for k in LAYER_TYPES if self.layers_of(k))
+
+  def index_in_kind(self, layer: int) -> int:
+    """Where layer sits in its kind's stacked cache."""
+    return self.layers_of(self.kinds[layer]).index(layer)
+
+  def resolve_width(self, width: int | None = None) -> int:
+    """The block width (SPEC.md section 6): block_size when None, else 2 <= width <=
+    block_size."""
+    w = self.block_size if width is None else width
+    if isinstance(w, bool) or not isinstance(w, (int, np.integer)) or not 2 <= w <= self.block_size:
+      raise ValueError(f"width must be an int in [2, block_size {self.block_size}], got {width!r}")
+    return int(w)
+
 
 def rope_inv_freq(head_dim: int, theta: float) -> np.ndarray:
   """NEOX inverse frequencies theta^(-2i/hd), i < hd/2: computed in float64, returned as float32.

@@ -78,6 +78,15 @@ class LayerParams:
 
 
 @flax.struct.dataclass
+class InjectParams:
+  """The inject GEMM of one attention kind's layers (`cfg.layers_of(kind)`, in layer order),
+  which share one K/V cache: one GEMM and one inject launch per kind."""
+  w: jax.Array             # [L_kind 2 Hkv D, n_embd]: each layer's wk then wv
+  k_norm: jax.Array        # [L_kind, D] f32
+  kind: str = flax.struct.field(pytree_node=False)
+
+
+@flax.struct.dataclass
 class DrafterParams:
   """All device weights of a drafter plus its static config.
 
@@ -87,8 +96,7 @@ class DrafterParams:
   fc: jax.Array            # [n_embd, n_target_layers n_embd]
   enc_norm: jax.Array      # [n_embd] f32
   out_norm: jax.Array      # [n_embd] f32
-  w_inject: jax.Array      # [L 2 Hkv D, n_embd]: every layer's wk then wv, for one inject GEMM
-  k_norm_all: jax.Array    # [L, D] f32
+  inject: tuple[InjectParams, ...]   # one per `cfg.kind_groups` entry, same order
   inv_freq: jax.Array      # [D/2] f32, from the host float64 table
   tok_embd: jax.Array      # [n_vocab, n_embd]
   lm_head: jax.Array       # [n_vocab, n_embd]
@@ -188,13 +196,14 @@ def prepare_weights(cfg: DFlashConfig, w: dict[str, np.ndarray], dtype: Any = "f
         attn_norm=vec(p + "attn_norm"), wqkv=mat(p + "attn_q", p + "attn_k", p + "attn_v"),
         q_norm=vec(p + "attn_q_norm"), k_norm=vec(p + "attn_k_norm"), wo=mat(p + "attn_output"),
         ffn_norm=vec(p + "ffn_norm"), wgu=mat(p + "ffn_gate", p + "ffn_up"), wd=mat(p + "ffn_down")))
-  inject_names = [f"blk.{i}.attn_{kv}" for i in range(cfg.n_layer) for kv in ("k", "v")]
+  inject = tuple(
+      InjectParams(w=mat(*[f"blk.{i}.attn_{kv}" for i in layers for kv in ("k", "v")]),
+                   k_norm=jnp.asarray(np.stack([w[f"blk.{i}.attn_k_norm"] for i in layers]),
+                                      jnp.float32), kind=kind)
+      for kind, layers in cfg.kind_groups)
   embd_dtype = resolve_dtype(fmt) if fmt in ("fp32", "bf16") else jnp.bfloat16
   return DrafterParams(
-      fc=mat("fc"), enc_norm=vec("enc.output_norm"), out_norm=vec("output_norm"),
-      w_inject=mat(*inject_names),
-      k_norm_all=jnp.asarray(np.stack([w[f"blk.{i}.attn_k_norm"] for i in range(cfg.n_layer)]),
-                             jnp.float32),
+      fc=mat("fc"), enc_norm=vec("enc.output_norm"), out_norm=vec("output_norm"), inject=inject,
       inv_freq=jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta)),
       tok_embd=jnp.asarray(np.asarray(w["tok_embd"], np.float32), embd_dtype),
       lm_head=mat("lm_head"), layers=tuple(layers), cfg=cfg)

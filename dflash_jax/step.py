@@ -12,7 +12,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.config import DFlashConfig
+from dflash_jax.config import FULL, SLIDING, DFlashConfig
 from dflash_jax.params import DrafterParams, linear, resolve_dtype, rms_norm
 from pallas_kernels import accept as accept_k
 from pallas_kernels import inject as inject_k
@@ -23,23 +23,65 @@ IMPLS = ("pallas", "xla")
 
 
 @flax.struct.dataclass
-class RingState:
-  """The drafter's K/V ring: k, v [L, Hkv, W, D] in the ring dtype; pos [W] int32 (-1 empty)."""
+class KVCache:
+  """The stored K/V of one attention kind's layers (`cfg.layers_of(kind)`, stacked in layer
+  order): k, v [L_kind, Hkv, S, D] in the ring dtype, pos [S] int32 (-1 = empty), shared by
+  those layers. "sliding_attention": a ring of S = W slots, position p in slot p % W, later
+  rows win. "full_attention": S = capacity slots, position p in slot p; p >= S is never
+  stored (DFlashDrafter raises before such an inject)."""
   k: jax.Array
   v: jax.Array
   pos: jax.Array
+  kind: str = flax.struct.field(pytree_node=False)
 
   @property
-  def window(self) -> int:
+  def slots(self) -> int:
     return int(self.pos.shape[-1])
 
+  @property
+  def window(self) -> int | None:
+    """The attention window: the slot count of a sliding ring, None for full attention."""
+    return self.slots if self.kind == SLIDING else None
 
-def init_ring(cfg: DFlashConfig, window: int | None = None, ring_dtype: Any = "fp32") -> RingState:
-  w = cfg.resolve_window(window)
+
+@flax.struct.dataclass
+class RingState:
+  """Every layer's stored K/V: one KVCache per attention kind that some layer has (None for
+  the other). A drafter whose layers all slide has exactly `sliding` (the one ring of all
+  layers). Every leaf may take a leading batch axis (vmap) in front of these shapes."""
+  sliding: KVCache | None = None
+  full: KVCache | None = None
+
+  def cache(self, kind: str) -> KVCache:
+    c = self.sliding if kind == SLIDING else self.full
+    if c is None:
+      raise ValueError(f"this ring holds no {kind} layers")
+    return c
+
+  @property
+  def window(self) -> int | None:
+    """The sliding window W (None when no layer slides)."""
+    return None if self.sliding is None else self.sliding.slots
+
+  @property
+  def capacity(self) -> int | None:
+    """Positions the full-attention cache holds (None when no layer has full attention)."""
+    return None if self.full is None else self.full.slots
+
+
+def init_ring(cfg: DFlashConfig, window: int | None = None, ring_dtype: Any = "fp32",
+              capacity: int | None = None) -> RingState:
+  """Empty caches for cfg's layer kinds: a ring of `cfg.resolve_window(window)` slots for the
+  sliding layers, `cfg.resolve_capacity(capacity)` slots for the full-attention layers (each
+  argument is unused when no layer has its kind)."""
   dt = resolve_dtype(ring_dtype, "ring_dtype")
-  shape = (cfg.n_layer, cfg.n_head_kv, w, cfg.head_dim)
-  return RingState(k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt),
-                   pos=jnp.full((w,), -1, jnp.int32))
+  caches = {}
+  for kind, layers in cfg.kind_groups:
+    n = cfg.resolve_window(window) if kind == SLIDING else cfg.resolve_capacity(capacity)
+    shape = (len(layers), cfg.n_head_kv, n, cfg.head_dim)
+    caches[kind] = KVCache(k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt),
+                           pos=jnp.full((n,), -1, jnp.int32), kind=kind)
+  return RingState(sliding=caches.get(SLIDING), full=caches.get(FULL))
 
 
 class Kernels(NamedTuple):
@@ -60,22 +102,25 @@ def kernels(impl: str) -> Kernels:
                  attn_k.ring_attention_reference, accept_k.accept_reference)
 
 
-def attention_knobs(window: int, ring_dtype, impl: str = "pallas") -> dict:
-  """Ring attention launch shape and dot precision, from the H200 sweep (benchmarks/RESULTS.md).
+def attention_knobs(cache: KVCache, impl: str = "pallas") -> dict:
+  """Ring attention launch shape and dot precision for one cache, from the H200 sweep
+  (benchmarks/RESULTS.md), plus its static `window`.
 
   bf16 ring: 16 splits of one 128-slot tile, 2 bf16 terms per float32 operand (~16 mantissa
   bits, far finer than the bf16 ring itself). fp32 ring: 64-slot tiles (128 spills when fp32
   tiles are split three ways) and 3 terms, fp32-accurate like the rest of that path.
-  impl="xla": none (the jnp twin takes any window).
+  impl="xla": the window only (the jnp twin takes any cache).
   """
   if impl == "xla":
-    return {}
-  if window < 16 or window & (window - 1):
-    raise ValueError(f"the Pallas ring attention needs a power-of-2 window >= 16, got {window}")
-  bf16 = jnp.dtype(ring_dtype) == jnp.bfloat16
-  block_k = max(16, min(128 if bf16 else 64, window // 4))
-  splits = max(1, min(16, window // block_k))
-  return dict(block_k=block_k, splits=splits, terms=2 if bf16 else 3)
+    return dict(window=cache.window)
+  slots = cache.slots
+  if slots < 16 or slots & (slots - 1):
+    raise ValueError(f"the Pallas ring attention needs a power-of-2 slot count >= 16 "
+                     f"({cache.kind} cache), got {slots}")
+  bf16 = jnp.dtype(cache.k.dtype) == jnp.bfloat16
+  block_k = max(16, min(128 if bf16 else 64, slots // 4))
+  splits = max(1, min(16, slots // block_k))
+  return dict(block_k=block_k, splits=splits, terms=2 if bf16 else 3, window=cache.window)
 
 
 def encode(params: DrafterParams, features: jax.Array, *,
@@ -86,32 +131,46 @@ def encode(params: DrafterParams, features: jax.Array, *,
 
 def inject(params: DrafterParams, ring: RingState, h: jax.Array, positions: jax.Array,
            n_valid: jax.Array | int | None = None, *, impl: str = "pallas") -> RingState:
-  """Project h through every layer's wk/wv (one GEMM) and store K/V at positions % window.
+  """Store K/V of h [T, n_embd] at `positions` in every layer: per attention kind, one GEMM
+  through its layers' wk/wv and one inject launch into its cache.
 
-  Rows >= n_valid (default: all rows valid) write nothing. Later rows win on equal slots.
+  Rows >= n_valid (default: all rows valid) write nothing. Sliding rings write slot
+  pos % W, later rows winning a shared slot; full-attention caches write slot pos and drop
+  pos >= capacity (no check inside jit: DFlashDrafter checks on the host).
   """
   cfg = params.cfg
   t = h.shape[0]
-  kv = linear(h, params.w_inject, impl=impl).reshape(t, cfg.n_layer, 2, cfg.n_head_kv, cfg.head_dim)
   n_valid = jnp.asarray(t if n_valid is None else n_valid, jnp.int32)
-  k, v, pos = kernels(impl).inject(ring.k, ring.v, ring.pos, kv, params.k_norm_all,
-                        jnp.asarray(positions, jnp.int32), n_valid, params.inv_freq, eps=cfg.eps)
-  return RingState(k=k, v=v, pos=pos)
+  positions = jnp.asarray(positions, jnp.int32)
+  caches = {}
+  for ip in params.inject:
+    cache = ring.cache(ip.kind)
+    kv = linear(h, ip.w, impl=impl).reshape(t, ip.k_norm.shape[0], 2, cfg.n_head_kv,
+                                             cfg.head_dim)
+    k, v, pos = kernels(impl).inject(cache.k, cache.v, cache.pos, kv, ip.k_norm, positions,
+                                     n_valid, params.inv_freq, eps=cfg.eps,
+                                     wrap=ip.kind == SLIDING)
+    caches[ip.kind] = KVCache(k=k, v=v, pos=pos, kind=ip.kind)
+  return RingState(sliding=caches.get(SLIDING), full=caches.get(FULL))
 
 
 def block_step(params: DrafterParams, ring: RingState, id_last: jax.Array, n_past: jax.Array,
-               *, impl: str = "pallas") -> jax.Array:
-  """One denoising pass over [id_last, mask, ...] at positions n_past.. -> logits [B, n_vocab].
+               *, width: int | None = None, impl: str = "pallas") -> jax.Array:
+  """One denoising pass over [id_last, mask x (w-1)] at positions n_past.. -> logits
+  [w, n_vocab], w = width (static; default block_size; 2 <= w <= block_size).
 
-  Reads the ring, never writes it.
+  The block's own keys are its w rows (non-causal). Each layer reads its kind's cache (a
+  sliding layer the slots within its window, a full-attention layer every position
+  < n_past); the ring is never written.
   """
   cfg = params.cfg
+  w = cfg.resolve_width(width)
   ops = kernels(impl)
   n_past = jnp.asarray(n_past, jnp.int32)
-  tokens = jnp.full((cfg.block_size,), cfg.mask_token_id, jnp.int32)
+  tokens = jnp.full((w,), cfg.mask_token_id, jnp.int32)
   tokens = tokens.at[0].set(jnp.asarray(id_last, jnp.int32))
   x = params.tok_embd[tokens].astype(jnp.float32)
-  knobs = attention_knobs(ring.window, ring.k.dtype, impl)
+  knobs = {kind: attention_knobs(ring.cache(kind), impl) for kind, _ in cfg.kind_groups}
   # GEMM inputs are rounded to bf16 unless the weights are fp32; the attention and the gate+up
   # epilogue round when they store (one launch fewer than rounding in the next GEMM's prologue).
   act_dtype = jnp.float32 if params.weight_format == "fp32" else jnp.bfloat16
@@ -120,8 +179,10 @@ def block_step(params: DrafterParams, ring: RingState, id_last: jax.Array, n_pas
     qkv = linear(rms_norm(x, lp.attn_norm, cfg.eps), lp.wqkv, impl=impl, partials=True)
     q, k, v = ops.qk_norm_rope(qkv, lp.q_norm, lp.k_norm, n_past, params.inv_freq,
                                n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, eps=cfg.eps)
-    o = ops.ring_attention(q, k, v, ring.k, ring.v, ring.pos, n_past, layer=l, out_dtype=act_dtype,
-                **knobs)
+    kind = cfg.kinds[l]
+    cache = ring.cache(kind)
+    o = ops.ring_attention(q, k, v, cache.k, cache.v, cache.pos, n_past,
+                           layer=cfg.index_in_kind(l), out_dtype=act_dtype, **knobs[kind])
     x = x + linear(o, lp.wo, impl=impl)
     hidden = linear(rms_norm(x, lp.ffn_norm, cfg.eps), lp.wgu, impl=impl, gate_up=True,
                     out_dtype=act_dtype)
@@ -130,7 +191,7 @@ def block_step(params: DrafterParams, ring: RingState, id_last: jax.Array, n_pas
 
 
 def greedy_drafts(logits: jax.Array) -> jax.Array:
-  """Block positions 1..B-1; argmax breaks ties to the lowest token id."""
+  """Block positions 1..w-1 of logits [w, V]; argmax breaks ties to the lowest token id."""
   return jnp.argmax(logits[1:], axis=-1).astype(jnp.int32)
 
 
@@ -140,26 +201,29 @@ def accept(drafts: jax.Array, target_tokens: jax.Array, *, impl: str = "pallas")
 
 
 def draft_round(params: DrafterParams, ring: RingState, new_features: jax.Array, n_new: jax.Array,
-                id_last: jax.Array, n_past: jax.Array, *, impl: str = "pallas"):
-  """One speculative round in one call: encode + inject the newly committed rows, then draft.
+                id_last: jax.Array, n_past: jax.Array, *, width: int | None = None,
+                impl: str = "pallas"):
+  """One speculative round in one call: encode + inject the newly committed rows, then draft
+  a block of w = width rows (static, default block_size).
 
   new_features [R, n_target_layers n_embd] holds the committed rows' features padded to a
   static R (block_size in the usual loop); rows 0..n_new-1 are injected at positions
   n_past - n_new + i (the rows committed since the last round end at n_past - 1).
-  Returns (ring, drafts [B-1] int32, logits [B, n_vocab]).
+  Returns (ring, drafts [w-1] int32, logits [w, n_vocab]).
   """
   n_past = jnp.asarray(n_past, jnp.int32)
   n_new = jnp.asarray(n_new, jnp.int32)
   positions = n_past - n_new + jnp.arange(new_features.shape[0], dtype=jnp.int32)
   ring = inject(params, ring, encode(params, new_features, impl=impl), positions, n_new,
                 impl=impl)
-  logits = block_step(params, ring, id_last, n_past, impl=impl)
+  logits = block_step(params, ring, id_last, n_past, width=width, impl=impl)
   return ring, greedy_drafts(logits), logits
 
 
 # Jitted entry points. The ring is donated wherever it is returned.
 encode_jit = jax.jit(encode, static_argnames=("impl",))
 inject_jit = jax.jit(inject, static_argnames=("impl",), donate_argnames=("ring",))
-block_step_jit = jax.jit(block_step, static_argnames=("impl",))
-draft_round_jit = jax.jit(draft_round, static_argnames=("impl",), donate_argnames=("ring",))
+block_step_jit = jax.jit(block_step, static_argnames=("width", "impl"))
+draft_round_jit = jax.jit(draft_round, static_argnames=("width", "impl"),
+                          donate_argnames=("ring",))
 accept_jit = jax.jit(accept, static_argnames=("impl",))

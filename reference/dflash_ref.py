@@ -262,21 +262,13 @@ class DFlashRef:
     gated = silu(self._linear(f, p + "ffn_gate")) * self._linear(f, p + "ffn_up")
     return x + self._linear(gated, p + "ffn_down")
 
-  def check_width(self, width: int | None) -> int:
-    """The block width: block_size when None, else 2 <= width <= block_size (SPEC.md 6)."""
-    b = self.cfg.block_size
-    w = b if width is None else width
-    if not isinstance(w, (int, np.integer)) or not 2 <= w <= b:
-      raise ValueError(f"width must be an int in [2, block_size {b}], got {width!r}")
-    return int(w)
-
   def step(self, id_last: int, n_past: int, width: int | None = None) -> np.ndarray:
     """Logits [w, n_vocab] float32 of the block [id_last, mask x (w-1)] at n_past + i.
 
     w = width (default block_size); the block's own keys are its w rows only.
     """
     cfg = self.cfg
-    w = self.check_width(width)
+    w = cfg.resolve_width(width)
     if not 0 <= int(id_last) < self.n_vocab:
       raise ValueError(f"id_last {id_last} is outside the vocab [0, {self.n_vocab})")
     if int(n_past) < 0:
@@ -295,7 +287,7 @@ class DFlashRef:
     logits = np.asarray(logits)
     if logits.ndim != 2 or logits.shape[1] != self.n_vocab:
       raise ValueError(f"logits must be [w, {self.n_vocab}], got shape {logits.shape}")
-    self.check_width(logits.shape[0])
+    self.cfg.resolve_width(logits.shape[0])
     return np.argmax(logits[1:], axis=-1).astype(np.int32)
 
   def accept(self, drafts: np.ndarray, target_tokens: np.ndarray) -> int:

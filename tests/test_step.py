@@ -46,6 +46,17 @@ def _assert_drafts_match(logits, ref_logits, tol):
   np.testing.assert_array_equal(got[clear], want[clear])
 
 
+def _assert_ring_matches(m, ref, tol):
+  """Each kind's device cache equals the reference's stack: slots exactly, K/V within tol."""
+  for cache, (k, v, pos) in ((m.ring.sliding, (ref.ring_k, ref.ring_v, ref.ring_pos)),
+                             (m.ring.full, (ref.cache_k, ref.cache_v, ref.cache_pos))):
+    assert (cache is None) == (pos is None)
+    if cache is not None:
+      np.testing.assert_array_equal(np.asarray(cache.pos), pos)
+      chex.assert_trees_all_close(np.asarray(cache.k, np.float32), k, **tol)
+      chex.assert_trees_all_close(np.asarray(cache.v, np.float32), v, **tol)
+
+
 def _prefilled(dtype, ring_dtype, impl, n_rows=45, seed=0):
   w = _weights(seed=seed)
   m = dfj.DFlashDrafter(CFG, w, dtype=dtype, ring_dtype=ring_dtype, impl=impl)
@@ -61,9 +72,7 @@ def _prefilled(dtype, ring_dtype, impl, n_rows=45, seed=0):
 @pytest.mark.parametrize("dtype,ring_dtype", PRECISIONS)
 def test_block_step_matches_reference(dtype, ring_dtype, impl):
   m, ref = _prefilled(dtype, ring_dtype, impl)
-  np.testing.assert_array_equal(np.asarray(m.ring.pos), ref.ring_pos)
-  chex.assert_trees_all_close(np.asarray(m.ring.k, np.float32), ref.ring_k, **_tol(dtype, ring_dtype))
-  chex.assert_trees_all_close(np.asarray(m.ring.v, np.float32), ref.ring_v, **_tol(dtype, ring_dtype))
+  _assert_ring_matches(m, ref, _tol(dtype, ring_dtype))
   step = m.capture_step()
   for id_last, n_past in [(3, 45), (100, 50)]:
     logits = step(id_last, n_past)
@@ -134,13 +143,15 @@ def test_captured_step_replays_bitwise_and_leaves_ring_unchanged():
   check_replay_bitwise(m, 7, 45)
 
 
-def check_speculative_loop(cfg, w, dtype, ring_dtype, prompt, rounds, seed=5):
-  """Rounds of SPEC.md section 4 with random acceptances, drafter against the reference."""
+def check_speculative_loop(cfg, w, dtype, ring_dtype, prompt, rounds, seed=5, width=None,
+                           impl="pallas", **ring_args):
+  """Rounds of SPEC.md section 4 with random acceptances and blocks of `width` rows, drafter
+  against the reference (ring_args: window, capacity)."""
   rng = np.random.default_rng(seed)
   vocab = w["tok_embd"].shape[0]
-  m = dfj.DFlashDrafter(cfg, w, dtype=dtype, ring_dtype=ring_dtype)
-  ref = DFlashRef(cfg, w, dtype=dtype, ring_dtype=ring_dtype)
-  bsz = cfg.block_size
+  m = dfj.DFlashDrafter(cfg, w, dtype=dtype, ring_dtype=ring_dtype, impl=impl, **ring_args)
+  ref = DFlashRef(cfg, w, dtype=dtype, ring_dtype=ring_dtype, **ring_args)
+  bsz = cfg.resolve_width(width)
   feats = dfj.synthetic_features(cfg, prompt - 1, seed=9)
   m.inject(m.encode(feats), np.arange(prompt - 1))
   ref.inject(ref.encode(feats), np.arange(prompt - 1))
@@ -148,8 +159,8 @@ def check_speculative_loop(cfg, w, dtype, ring_dtype, prompt, rounds, seed=5):
   pending = np.zeros((bsz, cfg.n_embd_fc), np.float32)
   tol = _tol(dtype, ring_dtype)
   for r in range(rounds):
-    drafts, logits = m.draft_round(pending, n_new, id_last, n_past)
-    want_logits = ref.step(id_last, n_past)
+    drafts, logits = m.draft_round(pending, n_new, id_last, n_past, width=width)
+    want_logits = ref.step(id_last, n_past, width)
     chex.assert_trees_all_close(np.asarray(logits), want_logits, **tol)
     ref_drafts = ref.drafts(want_logits)
     n_ok = int(rng.integers(0, bsz))
@@ -162,9 +173,9 @@ def check_speculative_loop(cfg, w, dtype, ring_dtype, prompt, rounds, seed=5):
     ref.inject(ref.encode(pending[:n_new]), n_past + np.arange(n_new))
     n_past += n_new
     id_last = int(target[n_ok]) if n_ok < bsz - 1 else int(rng.integers(vocab))
-  drafts, logits = m.draft_round(pending, n_new, id_last, n_past)   # injects the last round's rows
-  np.testing.assert_array_equal(np.asarray(m.ring.pos), ref.ring_pos)
-  chex.assert_trees_all_close(np.asarray(logits), ref.step(id_last, n_past), **tol)
+  drafts, logits = m.draft_round(pending, n_new, id_last, n_past, width=width)   # injects the last round's rows
+  _assert_ring_matches(m, ref, tol)
+  chex.assert_trees_all_close(np.asarray(logits), ref.step(id_last, n_past, width), **tol)
   return n_past
 
 
@@ -172,6 +183,122 @@ def check_speculative_loop(cfg, w, dtype, ring_dtype, prompt, rounds, seed=5):
 def test_speculative_loop_matches_reference(dtype, ring_dtype):
   n_past = check_speculative_loop(CFG, _weights(seed=2), dtype, ring_dtype, prompt=12, rounds=14)
   assert n_past > 2 * CFG.resolve_window()          # the ring wrapped several times
+
+
+SLIDE, FULL = dfj.config.SLIDING, dfj.config.FULL
+# Issue 13's drafter shapes at tiny dims: odd blocks, GQA groups and head dims, windows that
+# are not powers of 2, and 4 sliding + 1 full layers with the full layer inside the stack
+# (a wrong layer -> cache entry mapping shows there, not with a trailing full layer).
+SHAPES = {
+    "b7-g3-w48": dict(block_size=7, n_head=6, n_head_kv=2, window=48),
+    "b10-g5-d48-w1000": dict(block_size=10, n_head=5, n_head_kv=1, head_dim=48, window=1000),
+    "b16-g1-d64": dict(block_size=16, n_head=2, n_head_kv=2, head_dim=64),
+    "b8-g6-mixed": dict(n_layer=5, n_head=12, n_head_kv=2, layer_types=(SLIDE, SLIDE, FULL, SLIDE,
+                                                                        SLIDE), window=16,
+                        context_length=96),
+}
+# Widths drafted per shape (None = block_size): a block-16 drafter drafting 2, 5 and 8 rows.
+WIDTHS = {"b16-g1-d64": (2, 5, 8, None)}
+
+
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_drafter_shapes_match_reference(shape, impl):
+  cfg = dataclasses.replace(CFG, **SHAPES[shape])
+  w = _weights(cfg)
+  m = dfj.DFlashDrafter(cfg, w, impl=impl)
+  ref = DFlashRef(cfg, w)
+  # Past the window (the ring wraps), within the full layer's capacity.
+  n = min(cfg.resolve_window() + 7, cfg.resolve_capacity() - 10)
+  feats = dfj.synthetic_features(cfg, n, seed=2)
+  m.inject(m.encode(feats), np.arange(n))
+  ref.inject(ref.encode(feats), np.arange(n))
+  _assert_ring_matches(m, ref, FP32_TOL)
+  for width in WIDTHS.get(shape, (None,)):
+    logits = m.capture_step(width)(3, n)
+    want = ref.step(3, n, width)
+    chex.assert_shape(logits, (cfg.resolve_width(width), VOCAB))
+    chex.assert_trees_all_close(np.asarray(logits), want, **FP32_TOL)
+    _assert_drafts_match(logits, want, FP32_TOL)
+
+
+MIXED = dataclasses.replace(CFG, **SHAPES["b8-g6-mixed"])
+
+
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+def test_mixed_kinds_speculative_loop_at_width_5(impl):
+  """bf16 draft rounds of 5 rows: the 16-slot ring wraps while the full layer's cache fills."""
+  n_past = check_speculative_loop(MIXED, _weights(MIXED, seed=3), "bf16", "bf16", prompt=20,
+                                  rounds=8, width=5, impl=impl, capacity=64)
+  assert n_past > 20 + 16
+
+
+def test_full_capacity_is_checked_before_any_state_change():
+  m = dfj.DFlashDrafter(MIXED, _weights(MIXED), impl="xla", capacity=32)
+  assert (m.window, m.capacity) == (16, 32)
+  feats = dfj.synthetic_features(MIXED, 30)
+  m.inject(m.encode(feats), np.arange(30))
+  before = _ring_snapshot(m)
+  h = m.encode(feats[:3])
+  msg = r"position {} does not fit the full_attention cache \(layers \[2\] hold positions < capacity 32"
+  with pytest.raises(ValueError, match=msg.format(32)):
+    m.inject(h, np.array([30, 31, 32]))
+  with pytest.raises(ValueError, match=msg.format(33)):
+    m.draft_round(feats[:4], 4, 1, 34)          # rows at 30..33
+  chex.assert_trees_all_equal(_ring_snapshot(m), before)
+  assert m.max_position == 29
+  m.draft_round(feats[:4], 2, 1, 32)            # rows at 30, 31: the last two slots
+  np.testing.assert_array_equal(np.asarray(m.ring.full.pos), np.arange(32))
+  assert np.isfinite(np.asarray(m.step(1, 40))).all()   # reading past the capacity is fine
+
+
+def test_xla_path_has_no_kernel_limits():
+  """Shapes no Triton tile takes (head_dim 6, window 5, block 3, group 3, 11 cache slots): the
+  jnp twins run them as the reference does."""
+  cfg = dataclasses.replace(CFG, n_head=3, n_head_kv=1, head_dim=6, block_size=3, window=5,
+                            layer_types=(FULL, SLIDE))
+  w = _weights(cfg)
+  m = dfj.DFlashDrafter(cfg, w, impl="xla", capacity=11)
+  ref = DFlashRef(cfg, w, capacity=11)
+  feats = dfj.synthetic_features(cfg, 9)
+  for rows in (slice(0, 6), slice(6, 9)):
+    m.inject(m.encode(feats[rows]), np.arange(9)[rows])
+    ref.inject(ref.encode(feats[rows]), np.arange(9)[rows])
+  _assert_ring_matches(m, ref, FP32_TOL)
+  for width in (2, None):
+    chex.assert_trees_all_close(np.asarray(m.step(4, 10, width)), ref.step(4, 10, width),
+                                **FP32_TOL)
+
+
+def _pallas_calls(fn, *args) -> list[str]:
+  """Names of the pallas_calls fn traces to (nested jits included), in order."""
+  def walk(jaxpr):
+    for e in jaxpr.eqns:
+      if e.primitive.name == "pallas_call":
+        yield str(e.params["name"])
+      else:
+        for v in e.params.values():
+          inner = getattr(v, "jaxpr", v)
+          if hasattr(inner, "eqns"):
+            yield from walk(inner)
+  return list(walk(jax.make_jaxpr(fn)(*args).jaxpr))
+
+
+def test_inject_is_one_gemm_and_one_launch_per_kind():
+  """A single-kind drafter keeps one ring (today's arrays) and one inject launch; a mixed one
+  adds one cache and one launch for its full layers."""
+  ring = dfj.init_ring(CFG, ring_dtype="bf16")
+  assert ring.full is None
+  chex.assert_shape(jax.tree.leaves(ring), [(2, 2, 32, 16), (2, 2, 32, 16), (32,)])
+  for cfg, kinds in ((CFG, 1), (MIXED, 2)):
+    params = dfj.prepare_weights(cfg, _weights(cfg), "bf16")
+    ring = dfj.init_ring(cfg, ring_dtype="bf16", capacity=64)
+    h = jnp.ones((cfg.block_size, cfg.n_embd), jnp.float32)
+    calls = _pallas_calls(lambda p, r, x: S.inject(p, r, x, jnp.arange(8, dtype=jnp.int32)),
+                          params, ring, h)
+    assert calls.count("inject") == kinds and len(calls) == 2 * kinds, calls
+    if kinds == 2:
+      assert [c.k.shape[0] for c in (ring.sliding, ring.full)] == [4, 1]
 
 
 def test_inject_donates_ring_in_place():
@@ -183,7 +310,7 @@ def test_inject_donates_ring_in_place():
   ring_bytes = sum(x.nbytes for x in jax.tree.leaves(ring))
   assert compiled.memory_analysis().alias_size_in_bytes == ring_bytes
   new_ring = S.inject_jit(params, ring, h, pos)
-  assert ring.k.is_deleted() and ring.v.is_deleted() and ring.pos.is_deleted()
+  assert all(x.is_deleted() for x in jax.tree.leaves(ring))
   with pytest.raises(RuntimeError, match="deleted"):
     S.block_step_jit(params, ring, 1, 16)        # the donated ring is gone
   S.block_step_jit(params, new_ring, 1, 16).block_until_ready()
@@ -203,7 +330,8 @@ def test_bad_inputs_raise_before_state_changes():
   cases = [
       (lambda: m.encode(feats[:, :-1]), "features must be"),
       (lambda: m.encode(feats.astype(np.int32)), "floating point"),
-      (lambda: m.encode(np.where(np.arange(CFG.n_embd_fc) == 3, np.nan, feats)), "NaN"),
+      (lambda: m.encode(np.where(np.arange(5)[:, None] == 3, np.nan, feats)),
+       "features row 3 holds NaN"),
       (lambda: m.inject(h, np.arange(4)), "positions must be 5"),
       (lambda: m.inject(h, np.arange(5) - 1), "positions must lie"),
       (lambda: m.inject(h, np.arange(5) + 2**31 - 3), "positions must lie"),
@@ -212,13 +340,17 @@ def test_bad_inputs_raise_before_state_changes():
       (lambda: m.step(VOCAB, 5), "outside the vocab"),
       (lambda: m.step(-1, 5), "outside the vocab"),
       (lambda: m.step(1, 4), "not past the injected positions"),
-      (lambda: m.step(1, -2), "out of range"),
+      (lambda: m.step(1, -2), r"n_past -2 out of range \[0, 2147483639\]"),
+      (lambda: m.step(1, 2**31 - 8), r"n_past 2147483640 out of range \[0, 2147483639\]"),
+      (lambda: m.step(1, 5, width=1), r"width must be an int in \[2, block_size 8\]"),
+      (lambda: m.capture_step(width=9), "width must be"),
       (lambda: m.capture_step()(1, 3), "not past the injected positions"),
       (lambda: m.accept(np.arange(3), np.arange(4.0)), "integer"),
       (lambda: m.accept(np.arange(3), np.arange(2)), "at least n entries"),
       (lambda: m.draft_round(feats, 9, 1, 20), "n_new"),
       (lambda: m.draft_round(np.where(np.arange(5)[:, None] == 2, np.inf, feats), 3, 1, 20),
-       "NaN or Inf"),
+       "features row 2 holds NaN or Inf"),
+      (lambda: m.draft_round(feats, 3, 1, 20, width=9), "width must be"),
   ]
   for fn, msg in cases:
     with pytest.raises(ValueError, match=msg):
@@ -285,7 +417,7 @@ def test_quantized_step_is_bf16_step_on_dequantized_weights(fmt, impl):
   feats = dfj.synthetic_features(CFG, 40, seed=1)
   m.inject(m.encode(feats), np.arange(40))
   ref.inject(ref.encode(feats), np.arange(40))
-  chex.assert_trees_all_close(np.asarray(m.ring.k, np.float32), ref.ring_k, **BF16_TOL)
+  _assert_ring_matches(m, ref, BF16_TOL)
   logits = m.capture_step()(9, 40)
   want = ref.step(9, 40)
   chex.assert_trees_all_close(np.asarray(logits), want, **BF16_TOL)
@@ -420,9 +552,9 @@ def test_gpu_draft_round_aliases_ring_without_copy():
   assert " copy(" not in hlo and "copy-start" not in hlo
   ring_bytes = sum(x.nbytes for x in jax.tree.leaves(ring))
   assert compiled.memory_analysis().alias_size_in_bytes == ring_bytes
-  ptr = ring.k.unsafe_buffer_pointer()
+  ptr = ring.sliding.k.unsafe_buffer_pointer()
   new_ring, _, _ = S.draft_round_jit(*args)
-  assert new_ring.k.unsafe_buffer_pointer() == ptr
+  assert new_ring.sliding.k.unsafe_buffer_pointer() == ptr
 
 
 @pytest.mark.gpu

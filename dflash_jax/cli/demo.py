@@ -77,7 +77,7 @@ def demo(args) -> int:
   t0 = time.perf_counter()
   n = args.prefill
   m.inject(m.encode(dfj.synthetic_features(cfg, n - 1, seed=args.seed + 2)), np.arange(n - 1))
-  jax.block_until_ready(m.ring.k)
+  jax.block_until_ready(m.ring)
   print(f"prefill: {n - 1} rows injected into a {m.window}-slot ring in "
         f"{(time.perf_counter() - t0) * 1e3:.1f} ms (includes compile)")
 
