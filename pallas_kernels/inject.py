@@ -58,7 +58,7 @@ def _inject_kernel(n_valid_ref, pos_ref, inv_ref, kn_ref, k_ref, v_ref, _rk_in, 
     # then drops them instead of racing a live lane on a shared slot.
     dst = jnp.where(keep, slot, w + jnp.arange(br, dtype=jnp.int32))
     k1, k2 = rms_rope_halves(k_ref[:, :h].astype(jnp.float32), k_ref[:, h:].astype(jnp.float32),
-                             kn_ref[:h], kn_ref[h:], pos, inv_ref[...], eps)
+                             kn_ref[:h], kn_ref[h:], pos, inv_ref[...], eps, d)
     m = keep[:, None]
     half = jnp.arange(h, dtype=jnp.int32)[None, :]
     plt.store(rk_out.at[dst[:, None], half], k1.astype(rk_out.dtype), mask=m)
@@ -72,19 +72,20 @@ def _inject_kernel(n_valid_ref, pos_ref, inv_ref, kn_ref, k_ref, v_ref, _rk_in, 
       plt.store(rp_out.at[dst], pos, mask=keep)
 
 
-def _check_args(name: str, ring_k, ring_v, ring_pos, kv, k_norm, positions, n_valid,
-                inv_freq) -> tuple[int, int, int, int, int]:
-  check(ring_k.ndim == 4, name, "ring_k must be rank 4 [L, Hkv, W, D]", ring_k.shape)
-  n_layer, hkv, w, d = ring_k.shape
+def _check_shapes(name: str, ring_k, ring_v, ring_pos, kv, k_norm, positions, n_valid,
+                  inv_freq) -> tuple[int, int, int, int, int]:
+  """Shape and dtype checks shared by the kernel and its twin; returns (L, Hkv, S, D, T)."""
+  check(ring_k.ndim == 4, name, "ring_k must be rank 4 [L, Hkv, S, D]", ring_k.shape)
+  n_layer, hkv, s, d = ring_k.shape
   check(ring_v.shape == ring_k.shape, name, "ring_v shape must equal ring_k's",
         (ring_v.shape, ring_k.shape))
-  check(is_pow2(d) and d >= 2, name, "head_dim must be a power of 2 >= 2", d)
-  check(w >= 1 and n_layer >= 1 and hkv >= 1, name, "L, Hkv and W must be >= 1",
-        (n_layer, hkv, w))
+  check(d >= 2 and d % 2 == 0, name, "head_dim must be even and >= 2", d)
+  check(s >= 1 and n_layer >= 1 and hkv >= 1, name, "L, Hkv and S (ring slots) must be >= 1",
+        (n_layer, hkv, s))
   for arr, nm in ((ring_k, "ring_k"), (ring_v, "ring_v"), (kv, "kv")):
     check(arr.dtype in _FLOAT_STORAGE, name, f"{nm} dtype must be float32 or bfloat16",
           arr.dtype)
-  check(ring_pos.shape == (w,), name, f"ring_pos shape must be (W,) = {(w,)}", ring_pos.shape)
+  check(ring_pos.shape == (s,), name, f"ring_pos shape must be (S,) = {(s,)}", ring_pos.shape)
   check(ring_pos.dtype == jnp.int32, name, "ring_pos dtype must be int32", ring_pos.dtype)
   check(kv.ndim == 5, name, "kv must be rank 5 [T, L, 2, Hkv, D]", kv.shape)
   t = kv.shape[0]
@@ -102,7 +103,7 @@ def _check_args(name: str, ring_k, ring_v, ring_pos, kv, k_norm, positions, n_va
   check(inv_freq.shape == (d // 2,), name, f"inv_freq shape must be (D/2,) = {(d // 2,)}",
         inv_freq.shape)
   check(inv_freq.dtype == jnp.float32, name, "inv_freq dtype must be float32", inv_freq.dtype)
-  return n_layer, hkv, w, d, t
+  return n_layer, hkv, s, d, t
 
 
 @functools.partial(jax.jit, static_argnames=["eps", "block_rows", "num_warps", "num_stages",
@@ -121,8 +122,9 @@ def inject(ring_k: jax.Array, ring_v: jax.Array, ring_pos: jax.Array, kv: jax.Ar
   ring_pos), aliased to the inputs.
   """
   name = "inject"
-  n_layer, hkv, w, d, t = _check_args(name, ring_k, ring_v, ring_pos, kv, k_norm, positions,
-                                      n_valid, inv_freq)
+  n_layer, hkv, w, d, t = _check_shapes(name, ring_k, ring_v, ring_pos, kv, k_norm,
+                                        positions, n_valid, inv_freq)
+  check(is_pow2(d), name, "head_dim must be a power of 2", d)
   check(is_pow2(block_rows), name, "block_rows must be a power of 2", block_rows)
   n_tiles = pl.cdiv(t, block_rows)
   pad = n_tiles * block_rows - t
@@ -159,28 +161,30 @@ def inject(ring_k: jax.Array, ring_v: jax.Array, ring_pos: jax.Array, kv: jax.Ar
   )(n_valid.reshape(1), positions, inv_freq, k_norm, kv, kv, ring_k, ring_v, ring_pos)
 
 
-@functools.partial(jax.jit, static_argnames=["eps"])
+@functools.partial(jax.jit, static_argnames=["eps", "wrap"])
 def inject_reference(ring_k: jax.Array, ring_v: jax.Array, ring_pos: jax.Array, kv: jax.Array,
                      k_norm: jax.Array, positions: jax.Array, n_valid: jax.Array,
-                     inv_freq: jax.Array, *, eps: float
+                     inv_freq: jax.Array, *, eps: float, wrap: bool = True
                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Pure-jnp twin of `inject` (same arguments, minus the tuning knobs)."""
-  n_layer, hkv, w, d, t = _check_args("inject_reference", ring_k, ring_v, ring_pos, kv,
-                                      k_norm, positions, n_valid, inv_freq)
+  """Pure-jnp twin of `inject` (same arguments, minus the tuning knobs); any shape."""
+  n_layer, hkv, s, d, t = _check_shapes("inject_reference", ring_k, ring_v, ring_pos, kv,
+                                        k_norm, positions, n_valid, inv_freq)
   h = d // 2
   rows = jnp.arange(t)
-  slot = positions % w
+  slot = positions % s if wrap else positions
   valid = rows < n_valid.reshape(())
+  if not wrap:
+    valid &= (slot >= 0) & (slot < s)
   later = (rows[None, :] > rows[:, None]) & valid[None, :] & (slot[None, :] == slot[:, None])
   # Only the last valid row per slot is scattered, so the scatter has no duplicate index.
-  dst = jnp.where(valid & ~later.any(axis=1), slot, w)
+  dst = jnp.where(valid & ~later.any(axis=1), slot, s)
 
   k = kv[:, :, 0].astype(jnp.float32).transpose(1, 2, 0, 3).reshape(n_layer, hkv * t, d)
   pos = jnp.tile(positions, hkv)
 
   def norm_rope(x, wn):  # one layer: [Hkv*T, D]
     return jnp.concatenate(rms_rope_halves(x[:, :h], x[:, h:], wn[:h], wn[h:], pos, inv_freq,
-                                           eps), axis=-1)
+                                           eps, d), axis=-1)
 
   k = jax.vmap(norm_rope)(k, k_norm).reshape(n_layer, hkv, t, d)
   v = kv[:, :, 1].transpose(1, 2, 0, 3)

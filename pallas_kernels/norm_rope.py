@@ -18,17 +18,18 @@ from pallas_kernels._common import check, is_pow2, resolve_interpret
 
 
 def rms_rope_halves(x1: jax.Array, x2: jax.Array, w1: jax.Array, w2: jax.Array,
-                    pos: jax.Array, inv_freq: jax.Array, eps: float
+                    pos: jax.Array, inv_freq: jax.Array, eps: float, head_dim: int
                     ) -> tuple[jax.Array, jax.Array]:
   """rms_head then NEOX rope of rows split into halves (x1 = x[:, :D/2], x2 = x[:, D/2:]).
 
   Works on halves because Pallas Triton cannot slice or concatenate register values: kernels
-  load and store the two halves through sliced Refs. x1, x2: [R, D/2] float32; w1, w2: [D/2]
-  float32; pos: [R] int32; inv_freq: [D/2] float32. Shared by the kernels and their twins so
-  that both round identically.
+  load and store the two halves through sliced Refs. x1, x2: [R, H] float32 with H >= D/2
+  (head_dim D); w1, w2: [H] float32; pos: [R] int32; inv_freq: [H] float32. Lanes past D/2
+  (a kernel's power-of-2 padding) must hold zeros in x1, x2: they add nothing to the mean
+  square, which divides by head_dim. Shared by the kernels and their twins so that both round
+  identically.
   """
-  d = 2 * x1.shape[-1]
-  ms = (jnp.sum(x1 * x1, axis=-1) + jnp.sum(x2 * x2, axis=-1)) / d
+  ms = (jnp.sum(x1 * x1, axis=-1) + jnp.sum(x2 * x2, axis=-1)) / head_dim
   r = lax.rsqrt(ms + eps)[:, None]
   a = x1 * r * w1[None, :]
   b = x2 * r * w2[None, :]
@@ -64,7 +65,7 @@ def _qk_norm_rope_kernel(n_past_ref, inv_ref, qn_ref, kn_ref, x_ref, q_out, k_ou
     pos = n_past_ref[0] + jnp.arange(t, dtype=jnp.int32)
     w1 = jnp.where(is_k, kn_ref[:h], qn_ref[:h])
     w2 = jnp.where(is_k, kn_ref[h:], qn_ref[h:])
-    y1, y2 = rms_rope_halves(x1, x2, w1, w2, pos, inv_ref[...], eps)
+    y1, y2 = rms_rope_halves(x1, x2, w1, w2, pos, inv_ref[...], eps, d)
 
     @pl.when(is_k)
     def _():
@@ -77,22 +78,22 @@ def _qk_norm_rope_kernel(n_past_ref, inv_ref, qn_ref, kn_ref, x_ref, q_out, k_ou
       q_out[:, h:] = y2
 
 
-def _check_args(name: str, qkv, q_norm, k_norm, n_past, inv_freq, n_head: int,
-                n_head_kv: int) -> tuple[int, int, int]:
+def _check_shapes(name: str, qkv, q_norm, k_norm, n_past, inv_freq, n_head: int,
+                  n_head_kv: int) -> tuple[int, int, int]:
+  """Shape and dtype checks shared by the kernel and its twin; returns (T, G, D)."""
   check(qkv.ndim in (2, 3), name,
         "qkv must be [T, (Hq + 2 Hkv) * D] or split-K partials [S, T, (Hq + 2 Hkv) * D]",
         qkv.shape)
   check(qkv.dtype == jnp.float32, name, "qkv dtype must be float32", qkv.dtype)
-  check(n_head_kv > 0 and n_head % n_head_kv == 0, name,
+  check(n_head_kv > 0 and n_head % n_head_kv == 0 and n_head > 0, name,
         "n_head must be a positive multiple of n_head_kv", (n_head, n_head_kv))
   check(q_norm.ndim == 1, name, "q_norm must be rank 1 [D]", q_norm.shape)
   d = q_norm.shape[0]
   g = n_head // n_head_kv
   t = qkv.shape[-2]
   check(qkv.shape[0] >= 1, name, "at least one partial", qkv.shape)
-  check(is_pow2(d) and d >= 2, name, "head_dim must be a power of 2 >= 2", d)
-  check(is_pow2(g), name, "n_head / n_head_kv must be a power of 2", g)
-  check(is_pow2(t), name, "T (rows of qkv) must be a power of 2", t)
+  check(t >= 1, name, "T (rows of qkv) must be >= 1", t)
+  check(d >= 2 and d % 2 == 0, name, "head_dim must be even and >= 2", d)
   check(qkv.shape[-1] == (n_head + 2 * n_head_kv) * d, name,
         "qkv width must be (n_head + 2 n_head_kv) * head_dim",
         (qkv.shape[-1], (n_head + 2 * n_head_kv) * d))
@@ -121,7 +122,9 @@ def qk_norm_rope(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array, n_past: j
   the H200, too few programs to hide the loads' latency.
   """
   name = "qk_norm_rope"
-  t, g, d = _check_args(name, qkv, q_norm, k_norm, n_past, inv_freq, n_head, n_head_kv)
+  t, g, d = _check_shapes(name, qkv, q_norm, k_norm, n_past, inv_freq, n_head, n_head_kv)
+  check(is_pow2(d), name, "head_dim must be a power of 2", d)
+  check(is_pow2(t), name, "T (rows of qkv) must be a power of 2", t)
   hkv = n_head_kv
   parts = qkv if qkv.ndim == 3 else qkv[None]
   heads = parts.reshape(parts.shape[0], t, n_head + 2 * hkv, d)
@@ -174,9 +177,9 @@ def qk_norm_rope_reference(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array,
                            n_past: jax.Array, inv_freq: jax.Array, *, n_head: int,
                            n_head_kv: int, eps: float
                            ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Pure-jnp twin of `qk_norm_rope` (same arguments, minus the tuning knobs)."""
-  t, g, d = _check_args("qk_norm_rope_reference", qkv, q_norm, k_norm, n_past, inv_freq,
-                        n_head, n_head_kv)
+  """Pure-jnp twin of `qk_norm_rope` (same arguments, minus the tuning knobs); any shape."""
+  t, g, d = _check_shapes("qk_norm_rope_reference", qkv, q_norm, k_norm, n_past, inv_freq,
+                          n_head, n_head_kv)
   h = d // 2
   heads = _sum_parts(qkv).reshape(t, n_head + 2 * n_head_kv, d)
   pos = n_past.reshape(()) + jnp.arange(t, dtype=jnp.int32)
@@ -185,7 +188,7 @@ def qk_norm_rope_reference(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array,
     n = x.shape[1]
     rows = jnp.transpose(x, (1, 0, 2)).reshape(n * t, d)
     y1, y2 = rms_rope_halves(rows[:, :h], rows[:, h:], w[:h], w[h:], jnp.tile(pos, n),
-                             inv_freq, eps)
+                             inv_freq, eps, d)
     return jnp.concatenate([y1, y2], axis=-1).reshape(n, t, d)
 
   q = norm_rope(heads[:, :n_head], q_norm)                       # [Hq, T, D]

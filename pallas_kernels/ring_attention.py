@@ -129,35 +129,47 @@ def _combine_kernel(o_ref, m_ref, l_ref, own_o_ref, own_m_ref, own_l_ref, out_re
   out_ref[...] = (num / denom[:, None]).astype(out_ref.dtype)
 
 
-def _check_args(name: str, q, k, v, ring_k, ring_v, ring_pos, n_past, layer: int,
-                splits: int, block_k: int, terms: int) -> None:
+def _check_shapes(name: str, q, k, v, ring_k, ring_v, ring_pos, n_past, layer: int,
+                  window: int | None) -> None:
+  """Shape and dtype checks shared by the kernel and its twin."""
   check(q.ndim == 3, name, "q must be rank 3 [Hkv, T*G, D]", q.shape)
   hkv, rows, d = q.shape
+  check(hkv >= 1 and d >= 1, name, "Hkv and D must be >= 1", (hkv, d))
   check(k.ndim == 3 and k.shape[0] == hkv and k.shape[2] == d, name,
         "k must be [Hkv, T, D] matching q", (k.shape, q.shape))
   t = k.shape[1]
   check(v.shape == k.shape, name, "v shape must equal k shape", (v.shape, k.shape))
   for arr, nm in ((q, "q"), (k, "k"), (v, "v")):
     check(arr.dtype == jnp.float32, name, f"{nm} dtype must be float32", arr.dtype)
-  check(is_pow2(d) and d % 16 == 0, name, "D must be a power of 2 and a multiple of 16", d)
-  check(is_pow2(rows) and rows >= 16, name, "T*G (rows of q) must be a power of 2 >= 16",
-        rows)
-  check(t >= 1 and rows % t == 0, name, "T*G (rows of q) must be a multiple of T",
-        (rows, t))
+  check(t >= 1 and rows >= t and rows % t == 0, name,
+        "T*G (rows of q) must be a positive multiple of T (rows of k)", (rows, t))
   check(ring_k.ndim == 4 and ring_k.shape[1:] == (hkv, ring_k.shape[2], d), name,
-        "ring_k must be [L, Hkv, W, D] matching q", (ring_k.shape, q.shape))
+        "ring_k must be [L, Hkv, S, D] matching q", (ring_k.shape, q.shape))
   check(ring_v.shape == ring_k.shape, name, "ring_v shape must equal ring_k shape",
         (ring_v.shape, ring_k.shape))
   check(ring_k.dtype in (jnp.float32, jnp.bfloat16), name,
         "ring dtype must be float32 or bfloat16", ring_k.dtype)
   check(ring_v.dtype == ring_k.dtype, name, "ring_v dtype must equal ring_k dtype",
         (ring_v.dtype, ring_k.dtype))
-  n_layer, w = ring_k.shape[0], ring_k.shape[2]
+  n_layer, s = ring_k.shape[0], ring_k.shape[2]
+  check(s >= 1, name, "S (ring slots) must be >= 1", s)
   check(0 <= layer < n_layer, name, "layer must index the ring's L layers", (layer, n_layer))
-  check(ring_pos.shape == (w,), name, "ring_pos must be [W]", (ring_pos.shape, w))
+  check(ring_pos.shape == (s,), name, "ring_pos must be [S]", (ring_pos.shape, s))
   check(ring_pos.dtype == jnp.int32, name, "ring_pos dtype must be int32", ring_pos.dtype)
   check(n_past.shape in ((), (1,)), name, "n_past must be a scalar or (1,)", n_past.shape)
   check(n_past.dtype == jnp.int32, name, "n_past dtype must be int32", n_past.dtype)
+  check(window is None or (isinstance(window, int) and window >= 1), name,
+        "window must be None (full attention) or an int >= 1", window)
+
+
+def _check_launch(name: str, q, ring_k, splits: int, block_k: int, terms: int) -> None:
+  """Limits of the Pallas kernel only (the twin has none)."""
+  d = q.shape[2]
+  rows = q.shape[1]
+  w = ring_k.shape[2]
+  check(is_pow2(d) and d % 16 == 0, name, "D must be a power of 2 and a multiple of 16", d)
+  check(is_pow2(rows) and rows >= 16, name, "T*G (rows of q) must be a power of 2 >= 16",
+        rows)
   check(is_pow2(splits), name, "splits must be a power of 2", splits)
   check(is_pow2(block_k) and block_k >= 16, name, "block_k must be a power of 2 >= 16",
         block_k)
@@ -170,12 +182,13 @@ def _check_args(name: str, q, k, v, ring_k, ring_v, ring_pos, n_past, layer: int
         (w, splits))
 
 
-@functools.partial(jax.jit, static_argnames=["layer", "splits", "block_k", "num_warps",
-                                             "num_stages", "terms", "out_dtype", "interpret"])
+@functools.partial(jax.jit, static_argnames=["layer", "window", "splits", "block_k",
+                                             "num_warps", "num_stages", "terms", "out_dtype",
+                                             "interpret"])
 def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, ring_k: jax.Array,
                    ring_v: jax.Array, ring_pos: jax.Array, n_past: jax.Array, *,
-                   layer: int, splits: int = 16, block_k: int = 128, num_warps: int = 4,
-                   num_stages: int = 2, terms: int = 3, out_dtype=jnp.float32,
+                   layer: int, window: int | None, splits: int = 16, block_k: int = 128,
+                   num_warps: int = 4, num_stages: int = 2, terms: int = 3, out_dtype=jnp.float32,
                    interpret: bool | None = None) -> jax.Array:
   """Attention of the block's queries over its own keys and ring layer `layer`.
 
@@ -188,7 +201,10 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, ring_k: jax.Array,
   accuracy; 2: ~16 mantissa bits, fewer MMAs).
   """
   name = "ring_attention"
-  _check_args(name, q, k, v, ring_k, ring_v, ring_pos, n_past, layer, splits, block_k, terms)
+  _check_shapes(name, q, k, v, ring_k, ring_v, ring_pos, n_past, layer, window)
+  _check_launch(name, q, ring_k, splits, block_k, terms)
+  check(window == ring_k.shape[2], name, "window must equal the ring's slot count",
+        (window, ring_k.shape[2]))
   interpret = resolve_interpret(interpret)
   hkv, rows, d = q.shape
   t = k.shape[1]
@@ -243,29 +259,34 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, ring_k: jax.Array,
   return out.reshape(t, hkv * group * d)
 
 
-@functools.partial(jax.jit, static_argnames=["layer", "splits", "block_k", "num_warps",
-                                             "num_stages", "terms", "out_dtype", "interpret"])
+@functools.partial(jax.jit, static_argnames=["layer", "window", "splits", "block_k",
+                                             "num_warps", "num_stages", "terms", "out_dtype",
+                                             "interpret"])
 def ring_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, ring_k: jax.Array,
                              ring_v: jax.Array, ring_pos: jax.Array, n_past: jax.Array, *,
-                             layer: int, splits: int = 16, block_k: int = 128,
-                             num_warps: int = 4, num_stages: int = 2, terms: int = 3,
-                             out_dtype=jnp.float32,
+                             layer: int, window: int | None, splits: int = 16,
+                             block_k: int = 128, num_warps: int = 4, num_stages: int = 2,
+                             terms: int = 3, out_dtype=jnp.float32,
                              interpret: bool | None = None) -> jax.Array:
   """Pure-jnp twin of `ring_attention`: the full score matrix, float32, precision HIGHEST.
 
-  Takes the kernel's knobs so that it is a drop-in replacement; they do not affect it.
+  Any shape. Takes the kernel's knobs so that it is a drop-in replacement; they do not
+  affect it.
   """
   del splits, block_k, num_warps, num_stages, terms, interpret
+  _check_shapes("ring_attention_reference", q, k, v, ring_k, ring_v, ring_pos, n_past, layer,
+                window)
   hkv, rows, d = q.shape
   t = k.shape[1]
-  window = ring_k.shape[2]
   keys = jnp.concatenate([ring_k[layer].astype(jnp.float32), k], axis=1)
   vals = jnp.concatenate([ring_v[layer].astype(jnp.float32), v], axis=1)
   s = jnp.einsum("hrd,hkd->hrk", q, keys, precision=lax.Precision.HIGHEST) / math.sqrt(d)
   n_past = n_past.reshape(())
   tok = jnp.arange(rows, dtype=jnp.int32) // (rows // t)
-  ring_vis = ((ring_pos >= 0) & (ring_pos < n_past))[None, :] & (
-      (n_past + tok)[:, None] - ring_pos[None, :] < window)
+  ring_vis = jnp.broadcast_to(((ring_pos >= 0) & (ring_pos < n_past))[None, :],
+                              (rows, ring_pos.shape[0]))
+  if window is not None:
+    ring_vis &= (n_past + tok)[:, None] - ring_pos[None, :] < window
   vis = jnp.concatenate([ring_vis, jnp.ones((rows, t), bool)], axis=1)
   p = jax.nn.softmax(jnp.where(vis[None], s, -jnp.inf), axis=-1)
   o = jnp.einsum("hrk,hkd->hrd", p, vals, precision=lax.Precision.HIGHEST)

@@ -83,8 +83,8 @@ def ring_pos_after(n_written: int, w: int) -> np.ndarray:
 
 
 def check_against_both(args, *, layer: int, **knobs) -> np.ndarray:
-  out = np.asarray(ring_attention(*args, layer=layer, **knobs))
-  twin = np.asarray(ring_attention_reference(*args, layer=layer))
+  out = np.asarray(ring_attention(*args, layer=layer, window=args[3].shape[2], **knobs))
+  twin = np.asarray(ring_attention_reference(*args, layer=layer, window=args[3].shape[2]))
   ref = numpy_attention(*args[:6], int(args[6]), layer)
   assert np.isfinite(out).all(), "kernel output has NaN/inf"
   np.testing.assert_allclose(out, twin, rtol=TOL_TWIN, atol=TOL_TWIN)
@@ -198,7 +198,7 @@ def test_limits(change, match):
   layer = change.pop("layer", 0)
   args = make_inputs(0, pos=ring_pos_after(10, W), n_past=9, **change)
   with pytest.raises(ValueError, match=match):
-    ring_attention(*args, layer=layer, interpret=True, **knobs)
+    ring_attention(*args, layer=layer, window=W, interpret=True, **knobs)
 
 
 # Real drafter dims on the H200: L=5, Hq=32, Hkv=8, D=128, W=2048, T=16.
@@ -210,8 +210,8 @@ def test_gpu_real_dims(n_written, n_past, ring_dtype):
   w = 2048
   args = make_inputs(5, pos=ring_pos_after(n_written, w), n_past=n_past, hkv=8, t_len=16,
                      g=4, d=128, n_layer=5, ring_dtype=ring_dtype)
-  out = np.asarray(ring_attention(*args, layer=3, interpret=False))
-  twin = np.asarray(ring_attention_reference(*args, layer=3))
+  out = np.asarray(ring_attention(*args, layer=3, window=2048, interpret=False))
+  twin = np.asarray(ring_attention_reference(*args, layer=3, window=2048))
   tol = TOL_TWIN
   assert np.isfinite(out).all()
   np.testing.assert_allclose(out, twin, rtol=tol, atol=tol)
@@ -225,9 +225,9 @@ def test_gpu_real_dims(n_written, n_past, ring_dtype):
 def test_gpu_knobs(splits, block_k):
   args = make_inputs(6, pos=ring_pos_after(3000, 2048), n_past=2990, hkv=8, t_len=16, g=4,
                      d=128, n_layer=5, ring_dtype=jnp.bfloat16)
-  out = np.asarray(ring_attention(*args, layer=4, splits=splits, block_k=block_k,
+  out = np.asarray(ring_attention(*args, layer=4, window=2048, splits=splits, block_k=block_k,
                                   interpret=False))
-  twin = np.asarray(ring_attention_reference(*args, layer=4))
+  twin = np.asarray(ring_attention_reference(*args, layer=4, window=2048))
   np.testing.assert_allclose(out, twin, rtol=TOL_TWIN, atol=TOL_TWIN)
 
 
@@ -236,14 +236,14 @@ def test_two_terms_and_bf16_output(ring_dtype):
   """terms=2 keeps ~16 mantissa bits per product; out_dtype=bf16 is the rounded float32 result."""
   args = make_inputs(11, pos=ring_pos_after(90, W), n_past=90, ring_dtype=ring_dtype)
   ref = numpy_attention(*args[:6], 90, 1)
-  three = np.asarray(ring_attention(*args, layer=1, splits=2, block_k=16, interpret=True))
-  two = np.asarray(ring_attention(*args, layer=1, splits=2, block_k=16, terms=2,
+  three = np.asarray(ring_attention(*args, layer=1, window=W, splits=2, block_k=16, interpret=True))
+  two = np.asarray(ring_attention(*args, layer=1, window=W, splits=2, block_k=16, terms=2,
                                   interpret=True))
   err3, err2 = np.abs(three - ref).max(), np.abs(two - ref).max()
   scale = np.abs(ref).max()
   assert err3 < TOL_F64 and err2 < 2.0 ** -12 * scale, (err3, err2)
   assert err2 > err3   # the third term is doing something
-  b = ring_attention(*args, layer=1, splits=2, block_k=16, out_dtype=jnp.bfloat16,
+  b = ring_attention(*args, layer=1, window=W, splits=2, block_k=16, out_dtype=jnp.bfloat16,
                      interpret=True)
   assert b.dtype == jnp.bfloat16
   np.testing.assert_array_equal(np.asarray(b), three.astype(jnp.bfloat16))

@@ -216,7 +216,7 @@ def test_limits_dtype_and_head_dim(bad, match):
 
 
 @pytest.mark.parametrize("field, value, match", [
-    ("ring_pos", jnp.zeros((16,), jnp.int32), r"ring_pos shape must be \(W,\)"),
+    ("ring_pos", jnp.zeros((16,), jnp.int32), r"ring_pos shape must be \(S,\)"),
     ("k_norm", jnp.ones((3, 16), jnp.float32), r"k_norm shape must be \(L, D\)"),
     ("positions", jnp.arange(8, dtype=jnp.float32), "positions dtype must be int32"),
     ("kv", jnp.ones((8, 2, 2, 3, 16), jnp.float32), r"kv shape must be \[T, L, 2, Hkv, D\]"),

@@ -149,7 +149,6 @@ def test_matches_reference_module():
 
 @pytest.mark.parametrize("overrides, match", [
     (dict(t=12), "T .* must be a power of 2"),
-    (dict(g=3), "n_head / n_head_kv must be a power of 2"),
     (dict(d=24), "head_dim must be a power of 2"),
 ])
 def test_limits_pow2(overrides, match):
