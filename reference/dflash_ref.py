@@ -141,6 +141,10 @@ class DFlashRef:
     # window and capacity mean something only for layers of their kind.
     self.window = cfg.resolve_window(window) if self.sliding_layers else None
     self.capacity = cfg.resolve_capacity(capacity) if self.full_layers else None
+    self.reset()
+
+  def reset(self) -> None:
+    """Empty every cache (all slots -1, K/V zero): the state of a fresh DFlashRef."""
     self.ring_k, self.ring_v, self.ring_pos = self._empty(len(self.sliding_layers), self.window)
     self.cache_k, self.cache_v, self.cache_pos = self._empty(len(self.full_layers), self.capacity)
 

@@ -8,9 +8,11 @@ def test_benchmark_smoke_run(tmp_path):
   assert run.main(["--smoke", "--iters", "2", "--out", str(tmp_path)]) == 0
   res = json.loads((tmp_path / "bench.json").read_text())
   assert res["smoke"] and res["copy_bw_TBps"] > 0
-  assert [r["dtype"] for r in res["steps"]] == ["bf16", "fp32", "fp8"]
+  assert [r["dtype"] for r in res["steps"]] == ["bf16", "fp32", "fp8"] + ["bf16"] * 5
+  shapes = [r["case"].split()[0] for r in res["steps"][3:]]
+  assert shapes == ["tiny-b10", "tiny-b7", "tiny-g3", "tiny-w48", "tiny-4s1f-c128"]
   for r in res["steps"]:
-    assert r["step_device_ms"] > 0 and r["bytes"] > 0
+    assert r["step_device_ms"] > 0 and r["bytes"] > 0 and r["floor_fraction"] > 0
     # The Pallas step and the plain-XLA peer compute the same logits.
     assert r["pallas_vs_xla_max_abs_logit_diff"] < 2e-2, r["case"]
   assert {"ring_attention_bf16", "inject16_fp32", "qk_norm_rope_parts4", "accept"} <= set(res["kernels"])

@@ -488,6 +488,14 @@ def test_each_kind_stores_its_layers_at_its_slots(w_mixed):
   np.testing.assert_allclose(ref.cache_v[0][:, positions], v[1].transpose(1, 0, 2), atol=2e-5)
 
 
+def test_reset_empties_every_cache(w_mixed):
+  ref = mixed_prefilled(w_mixed, n_rows=20)
+  ref.reset()
+  fresh = DFlashRef(MIXED, w_mixed, window=8, capacity=32)
+  for name in ("ring_k", "ring_v", "ring_pos", "cache_k", "cache_v", "cache_pos"):
+    np.testing.assert_array_equal(getattr(ref, name), getattr(fresh, name))
+
+
 def test_single_kind_drafters_have_one_stack(w):
   sliding = DFlashRef(CFG, w)
   assert sliding.cache_k is None and sliding.capacity is None and sliding.window == CFG.window
