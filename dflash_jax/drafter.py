@@ -80,10 +80,10 @@ class DFlashDrafter:
     self.impl = impl
     # The NaN/Inf check of features is one device reduction and a host sync per call.
     self.check_finite = check_finite
-    self.params = prepare_weights(cfg, w, dtype, q8_0_blocks)
     self._ring = S.init_ring(cfg, window, ring_dtype, capacity)
-    for kind, _ in cfg.kind_groups:   # kernel limits, before any use
+    for kind, _ in cfg.kind_groups:   # kernel limits, before the weights' work
       S.attention_knobs(self._ring.cache(kind), impl)
+    self.params = prepare_weights(cfg, w, dtype, q8_0_blocks)
     self.n_vocab = self.params.n_vocab
     self.max_position = -1   # highest position injected so far (host bookkeeping)
     # The highest position a step may start at: its w <= block_size rows stay int32.
