@@ -154,7 +154,8 @@ def _skinny_kernel(x_ref, *refs, fmt: str, gate_up: bool, m: int, n_out: int, k:
     else:
       window = w_ref.at[:, pl.ds(k0, block_k)]
     mask = n_mask if k_mask is None else k_mask if n_mask is None else n_mask & k_mask
-    return plt.load(window, mask=mask, other=0)
+    # `other` is cast to the weight dtype: a float for bf16 / fp8 (no int -> fp8 convert).
+    return plt.load(window, mask=mask, other=0 if fmt == "q8_0" else 0.0)
 
   def load_q8_scale(s_ref, row0, kb, n_sub: int, kb_mask=None) -> jax.Array:
     if not n_ragged and kb_mask is None:
@@ -170,7 +171,8 @@ def _skinny_kernel(x_ref, *refs, fmt: str, gate_up: bool, m: int, n_out: int, k:
   def step(kb, accs, owner=None):
     """accs + this K block's products. owner: this is the masked tail block (columns past K
     read nothing), read only where owner holds (True: unconditionally)."""
-    k0 = pl.multiple_of(kb * block_k, block_k)
+    # The tail's block index is a Python int (multiple_of takes traced values only).
+    k0 = kb * block_k if isinstance(kb, int) else pl.multiple_of(kb * block_k, block_k)
     k_mask = kb_mask = None
     if owner is not None:
       k_mask = lax.broadcasted_iota(jnp.int32, (1, block_k), 1) < tail

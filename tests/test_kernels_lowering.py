@@ -147,3 +147,50 @@ def test_seed_launch_lowers_as_the_tuned_baseline(name):
   assert digest == BASELINE[name], (
       f"{name}: the seed-shape lowering changed (sha256 {digest}); benchmark the change "
       "before taking the new hash")
+
+
+def _published_cases() -> dict:
+  """One launch per masked code path, at published drafters' shapes (interpret mode runs the
+  same kernels at small dims; this checks that Triton lowering takes them: power-of-2
+  tensors only, no register slicing, casts the backend has)."""
+  cases = {}
+  for hkv, t, g, d, s, window, dt in (
+      (8, 16, 3, 128, 2048, 2048, BF16),   # group 3: rows past T*G, scattered combine rows
+      (8, 7, 4, 128, 3000, 3000, F32),     # block 7, window 3000: ragged last chunk
+      (8, 10, 4, 96, 48, 48, BF16),        # block 10, head_dim 96, window 48
+      (4, 16, 4, 256, 40960, None, BF16),  # head_dim 256, full cache: combine groups
+      (2, 2, 16, 256, 256, None, F32)):    # a token's 16 heads in two combine programs
+    kn = R.default_knobs(s, window, dt, head_dim=d)
+    cases[f"ring_attention_t{t}_g{g}_d{d}_s{s}"] = (
+        functools.partial(R.ring_attention, layer=1, window=window, interpret=False, **kn),
+        (S((hkv, t * g, d), F32), S((hkv, t, d), F32), S((hkv, t, d), F32),
+         S((2, hkv, s, d), dt), S((2, hkv, s, d), dt), S((s,), I32), S((), I32)))
+  for t, hkv, d, s, wrap in ((10, 8, 96, 3000, True), (7, 4, 256, 40960, False)):
+    cases[f"inject_t{t}_d{d}_s{s}"] = (
+        functools.partial(I.inject, eps=1e-6, wrap=wrap, interpret=False),
+        (S((5, hkv, s, d), BF16),) * 2 + (S((s,), I32), S((t, 5, 2, hkv, d), BF16),
+                                         S((5, d), F32), S((t,), I32), S((), I32),
+                                         S((d // 2,), F32)))
+  for t, g, d, parts in ((7, 3, 96, 4), (10, 5, 80, 1)):
+    cases[f"qk_norm_rope_t{t}_g{g}_d{d}"] = (
+        functools.partial(N.qk_norm_rope, n_head=8 * g, n_head_kv=8, eps=1e-6,
+                          interpret=False),
+        (S((parts, t, (8 * g + 16) * d), F32), S((d,), F32), S((d,), F32),
+         S((), I32), S((d // 2,), F32)))
+  for fmt in ("bf16", "fp8", "q8_0"):
+    # lm_head of a 1000-token vocab (ragged N), K = 6696 / 6752 (masked tail, split 4), a
+    # gate+up whose up half starts off a tile boundary.
+    k_odd = 6752 if fmt == "q8_0" else 6696
+    for nm, n, k, gate_up in (("lm_head1000", 1000, 6656, False), ("k_tail", 6144, k_odd, False),
+                              ("gate_up_ragged", 20008, 6656, True)):
+      kn = {key: v for key, v in G.default_knobs(fmt, n, k, gate_up).items()
+            if key != "num_stages"}
+      cases[f"gemm_{fmt}_{nm}"] = _gemm(fmt, 2 * n if gate_up else n, k, gate_up, kn)
+  return cases
+
+
+@pytest.mark.parametrize("name", list(_published_cases()))
+def test_published_shapes_lower_for_sm90(name):
+  f, args = _published_cases()[name]
+  text = lowered_text(f, args)
+  assert "tt.func" in text and "__gpu$xla.gpu.triton" in text
