@@ -17,6 +17,7 @@ import numpy as np
 from dflash_jax import step as S
 from dflash_jax.config import FULL, DFlashConfig
 from dflash_jax.params import prepare_weights
+from pallas_kernels import limits
 
 _INT32_MAX = np.iinfo(np.int32).max
 
@@ -81,8 +82,10 @@ class DFlashDrafter:
     # The NaN/Inf check of features is one device reduction and a host sync per call.
     self.check_finite = check_finite
     self._ring = S.init_ring(cfg, window, ring_dtype, capacity)
-    for kind, _ in cfg.kind_groups:   # kernel limits, before the weights' work
-      S.attention_knobs(self._ring.cache(kind), impl)
+    if impl == "pallas":   # what the kernels cannot run fails here, before the weights' work
+      limits.check_drafter(n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, head_dim=cfg.head_dim,
+                           width=cfg.block_size,
+                           ring_slots=[c.slots for c in self._ring.caches()])
     self.params = prepare_weights(cfg, w, dtype, q8_0_blocks)
     self.n_vocab = self.params.n_vocab
     self.max_position = -1   # highest position injected so far (host bookkeeping)

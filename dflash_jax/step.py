@@ -52,6 +52,10 @@ class RingState:
   sliding: KVCache | None = None
   full: KVCache | None = None
 
+  def caches(self) -> tuple[KVCache, ...]:
+    """The caches present, sliding first."""
+    return tuple(c for c in (self.sliding, self.full) if c is not None)
+
   def cache(self, kind: str) -> KVCache:
     c = self.sliding if kind == SLIDING else self.full
     if c is None:
@@ -103,24 +107,12 @@ def kernels(impl: str) -> Kernels:
 
 
 def attention_knobs(cache: KVCache, impl: str = "pallas") -> dict:
-  """Ring attention launch shape and dot precision for one cache, from the H200 sweep
-  (benchmarks/RESULTS.md), plus its static `window`.
-
-  bf16 ring: 16 splits of one 128-slot tile, 2 bf16 terms per float32 operand (~16 mantissa
-  bits, far finer than the bf16 ring itself). fp32 ring: 64-slot tiles (128 spills when fp32
-  tiles are split three ways) and 3 terms, fp32-accurate like the rest of that path.
-  impl="xla": the window only (the jnp twin takes any cache).
-  """
+  """The ring attention's static arguments for one cache: its `window` and, for the Pallas
+  kernel, the launch knobs `ring_attention.default_knobs` picks for its slots and dtype."""
   if impl == "xla":
     return dict(window=cache.window)
-  slots = cache.slots
-  if slots < 16 or slots & (slots - 1):
-    raise ValueError(f"the Pallas ring attention needs a power-of-2 slot count >= 16 "
-                     f"({cache.kind} cache), got {slots}")
-  bf16 = jnp.dtype(cache.k.dtype) == jnp.bfloat16
-  block_k = max(16, min(128 if bf16 else 64, slots // 4))
-  splits = max(1, min(16, slots // block_k))
-  return dict(block_k=block_k, splits=splits, terms=2 if bf16 else 3, window=cache.window)
+  return dict(attn_k.default_knobs(cache.slots, cache.window, cache.k.dtype,
+                                   head_dim=int(cache.k.shape[-1])), window=cache.window)
 
 
 def encode(params: DrafterParams, features: jax.Array, *,
