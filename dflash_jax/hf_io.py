@@ -175,17 +175,10 @@ def config_to_hf(cfg: DFlashConfig, dtype: str = "bf16") -> dict[str, Any]:
 def _read_json(path: str) -> dict[str, Any]:
   if not os.path.isfile(path):
     raise FileNotFoundError(f"{path}: no such config file")
-  size = os.path.getsize(path)
-  if size > MAX_CONFIG_BYTES:
-    raise _fail(path, f"{size} bytes, over the {MAX_CONFIG_BYTES}-byte bound for a config")
   try:
-    with open(path, "rb") as f:
-      config = json.loads(f.read().decode("utf-8"))
-  except (UnicodeDecodeError, ValueError, RecursionError) as e:
-    raise _fail(path, f"not valid JSON: {e}") from e
-  if not isinstance(config, dict):
-    raise _fail(path, f"holds a JSON {type(config).__name__}, expected an object")
-  return config
+    return safetensors_io.read_json_object(path, MAX_CONFIG_BYTES)
+  except safetensors_io.SafetensorsFormatError as e:
+    raise DrafterFormatError(str(e)) from e
 
 
 def _pick(config: Mapping[str, Any], dflash: Mapping[str, Any], key: str, where: str) -> Any:

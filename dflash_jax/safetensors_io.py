@@ -27,7 +27,7 @@ INDEX_FILE = "model.safetensors.index.json"
 # A bound this size keeps a hostile header from costing more than a fraction of a second.
 MAX_HEADER_BYTES = 16 << 20
 MAX_INDEX_BYTES = 64 << 20
-_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+_SHARD_NAME = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
 # safetensors dtype name -> numpy dtype, for the dtypes this module reads and writes.
 DTYPES = {
     "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
@@ -157,16 +157,23 @@ def _resolve(path: str) -> _Files:
   return _Files([path], None, {})
 
 
-def _read_index(path: str) -> dict[str, str]:
+def read_json_object(path: str, max_bytes: int) -> dict[str, Any]:
+  """The JSON object in `path` (a file of at most `max_bytes`), or SafetensorsFormatError."""
   size = os.path.getsize(path)
-  if size > MAX_INDEX_BYTES:
-    raise _fail(path, f"index is {size} bytes, over the {MAX_INDEX_BYTES}-byte bound")
+  if size > max_bytes:
+    raise _fail(path, f"{size} bytes, over the {max_bytes}-byte bound for this JSON file")
   try:
     with open(path, "rb") as f:
-      index = json.loads(f.read().decode("utf-8"))
+      value = json.loads(f.read().decode("utf-8"))
   except (UnicodeDecodeError, ValueError, RecursionError) as e:
-    raise _fail(path, f"not a JSON index: {e}") from e
-  weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    raise _fail(path, f"not valid JSON: {e}") from e
+  if not isinstance(value, dict):
+    raise _fail(path, f"holds a JSON {type(value).__name__}, expected an object")
+  return value
+
+
+def _read_index(path: str) -> dict[str, str]:
+  weight_map = read_json_object(path, MAX_INDEX_BYTES).get("weight_map")
   if not isinstance(weight_map, dict) or not weight_map:
     raise _fail(path, "no 'weight_map' object (tensor name -> shard file)")
   folder = os.path.dirname(path)
@@ -180,6 +187,14 @@ def _read_index(path: str) -> dict[str, str]:
     if not os.path.isfile(full):
       raise _fail(path, f"weight_map[{name!r}] names shard {shard!r}, which does not exist")
     out[name] = full
+  # HF shard names count the shards: an index that maps no tensor to one of them lost entries.
+  counts = {m.group(2) for m in map(_SHARD_NAME.fullmatch, map(os.path.basename, out.values()))
+            if m}
+  for count in counts:
+    unused = sorted(set(f"model-{i:05d}-of-{count}.safetensors" for i in range(1, int(count) + 1))
+                    - set(map(os.path.basename, out.values())))
+    if unused:
+      raise _fail(path, f"no tensor in the weight_map is in shard(s) {unused[:4]} of {int(count)}")
   return out
 
 
