@@ -128,7 +128,7 @@ def _own(a: np.ndarray, spec: TensorSpec, name: str) -> np.ndarray:
   if a.dtype != DTYPES[spec.dtype] or tuple(a.shape) != spec.shape:
     raise _fail(spec.file, f"tensor {name!r} read back as {a.dtype} {tuple(a.shape)}, header "
                 f"says {spec.dtype} {spec.shape}")
-  if not (a.flags.writeable and a.flags.c_contiguous) or isinstance(a.base, np.memmap):
+  if not (a.flags.writeable and a.flags.c_contiguous):
     a = np.array(a, order="C")
   return a
 
