@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pathlib
 import re
+import tempfile
 
 import pytest
 
@@ -13,8 +14,8 @@ import reference  # noqa: F401  (imported from the checkout before the test leav
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 SKIP = re.compile(r"# skip-ci: \S")
 FENCE = re.compile(r"^```python\n(.*?)^```[ \t]*$", re.S | re.M)
-# The README's Usage section has 4 runnable blocks; later sections may add more, never fewer.
-MIN_BLOCKS = 4
+# Usage has 4 runnable blocks and Checkpoints 1; sections may add more, never fewer.
+MIN_BLOCKS = 5
 
 
 def _blocks() -> list[tuple[int, str]]:
@@ -28,6 +29,7 @@ def _blocks() -> list[tuple[int, str]]:
 
 def test_every_python_block_of_the_readme_runs(tmp_path, monkeypatch, capsys):
   monkeypatch.chdir(tmp_path)   # blocks write files (drafter.gguf) into a fresh folder
+  monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))   # and their temporary files too
   namespace: dict = {"__name__": "__readme__"}
   ran, skipped = 0, []
   for line, code in _blocks():
