@@ -31,6 +31,10 @@ from dflash_jax.gguf_io import DrafterFormatError
 FUZZ_CONFIG = dfj.DFlashConfig(n_layer=1, n_embd=32, n_ff=64, n_head=2, n_head_kv=1,
                                head_dim=16, rope_theta=1e4, eps=1e-6, target_layers=(1, 3),
                                mask_token_id=5, block_size=8, window=64)
+# Two layers of different attention kinds, with a context length: the metadata of newer files
+# (a bool array per layer, one more integer).
+MIXED_CONFIG = dataclasses.replace(FUZZ_CONFIG, n_layer=2, context_length=256,
+                                   layer_types=("sliding_attention", "full_attention"))
 TOKENS = 40   # a string array like the target vocab that real drafter files carry
 
 
@@ -85,14 +89,18 @@ def _with_tokens(src: str, dst: str) -> None:
 
 
 def make_bases(directory: str, seed: int = 0) -> list[Base]:
-  """Drafter files written by save_drafter (F32, Q8_0) and one with a vocab string array."""
+  """Drafter files written by save_drafter (F32, Q8_0) and one of mixed layer kinds with a
+  vocab string array."""
   w = dfj.synthetic_drafter(FUZZ_CONFIG, seed=seed, with_target=False)
   paths = {}
   for tensor_type in ("F32", "Q8_0"):
     paths[tensor_type] = dfj.save_drafter(os.path.join(directory, f"base_{tensor_type}.gguf"),
                                           FUZZ_CONFIG, w, tensor_type=tensor_type)
-  paths["Q8_0+tokens"] = os.path.join(directory, "base_tokens.gguf")
-  _with_tokens(paths["Q8_0"], paths["Q8_0+tokens"])
+  mixed = dfj.save_drafter(os.path.join(directory, "base_mixed.gguf"), MIXED_CONFIG,
+                           dfj.synthetic_drafter(MIXED_CONFIG, seed=seed, with_target=False),
+                           tensor_type="Q8_0")
+  paths["mixed Q8_0+tokens"] = os.path.join(directory, "base_mixed_tokens.gguf")
+  _with_tokens(mixed, paths["mixed Q8_0+tokens"])
   bases = []
   for name, path in paths.items():
     dfj.load_drafter(path)   # every base is valid
