@@ -6,7 +6,6 @@ instead of as a silent acceptance collapse later.
 """
 from __future__ import annotations
 
-import json
 import os
 import uuid
 from typing import Any, Mapping
@@ -14,7 +13,8 @@ from typing import Any, Mapping
 import gguf
 import numpy as np
 
-from dflash_jax.config import DFlashConfig
+from dflash_jax.config import FULL, SLIDING, DFlashConfig
+from dflash_jax.gguf_guard import GGUFFormatError, open_gguf
 from dflash_jax.synthetic import drafter_tensor_shapes
 
 ARCH = "dflash"
@@ -23,6 +23,8 @@ KEY_VALUE_LENGTH = "dflash.attention.value_length"
 KEY_TARGET_LAYERS = "dflash.target_layers"
 KEY_BLOCK_SIZE = "dflash.block_size"
 KEY_WINDOW = "dflash.attention.sliding_window"
+KEY_SWA_PATTERN = "dflash.attention.sliding_window_pattern"  # bool per layer, true = sliding
+KEY_CONTEXT = "dflash.context_length"
 KEY_MASK = "tokenizer.ggml.mask_token_id"
 KEY_MASK_OLD = "dflash.mask_token_id"  # PR-branch files
 # Required scalar keys, by DFlashConfig field.
@@ -61,13 +63,17 @@ class DrafterFormatError(ValueError):
 
 
 def load_drafter(path: str | os.PathLike) -> tuple[DFlashConfig, dict[str, np.ndarray]]:
-  """Reads and validates a drafter GGUF.
+  """Reads and validates a drafter: a GGUF file, or an HF checkpoint folder (or its
+  config.json / safetensors file; see `hf_io.load_hf_drafter`).
 
   Returns the config and a dict of writable, C-contiguous float32 arrays in (out, in) layout,
-  keyed by tensor name without `.weight`, dequantized from any type gguf can dequantize.
+  keyed by GGUF tensor name without `.weight`, dequantized from any type gguf can dequantize.
   Raises DrafterFormatError (naming the file and the culprit) on any deviation.
   """
   path = os.fspath(path)
+  from dflash_jax import hf_io  # hf_io builds on this module, so it is imported on use
+  if hf_io.checkpoint_folder(path) is not None:
+    return hf_io.load_hf_drafter(path)
   reader = _open(path)
   cfg = _read_config(reader, path)
   tensors = _drafter_tensors(reader, cfg, path)
@@ -102,10 +108,9 @@ def _open(path: str) -> gguf.GGUFReader:
   if not os.path.isfile(path):
     raise FileNotFoundError(f"{path}: no such drafter file")
   try:
-    reader = gguf.GGUFReader(path)
-  except Exception as e:  # gguf reports bad magic, truncation, bad types as assorted exceptions
-    raise _fail(path, f"not a readable GGUF file (truncated or corrupt?): "
-                f"{type(e).__name__}: {e}") from e
+    reader = open_gguf(path)   # every header count and offset checked before use
+  except GGUFFormatError as e:
+    raise DrafterFormatError(str(e)) from None
   arch = _get(reader, path, KEY_ARCH, {_VT.STRING}, "a string")
   if arch != ARCH:
     raise _fail(path, f"{KEY_ARCH} is {arch!r}, expected {ARCH!r}: not a DFlash drafter")
@@ -171,6 +176,14 @@ def _read_config(reader: gguf.GGUFReader, path: str) -> DFlashConfig:
   block_size = _get_int(reader, path, KEY_BLOCK_SIZE, required=False)
   fields["block_size"] = DEFAULT_BLOCK_SIZE if block_size is None else block_size
   fields["window"] = _get_int(reader, path, KEY_WINDOW, required=False)
+  fields["context_length"] = _get_int(reader, path, KEY_CONTEXT, required=False)
+  pattern = _get(reader, path, KEY_SWA_PATTERN, {_VT.BOOL}, "a bool array (one per layer)",
+                 required=False, array=True)
+  if pattern is not None:
+    if len(pattern) != fields["n_layer"]:
+      raise _fail(path, f"metadata key {KEY_SWA_PATTERN!r} has {len(pattern)} entries, but "
+                  f"{INT_KEYS['n_layer']!r} is {fields['n_layer']}")
+    fields["layer_types"] = tuple(SLIDING if p else FULL for p in pattern)
   try:
     cfg = DFlashConfig(**fields)
   except ValueError as e:
@@ -189,16 +202,26 @@ def _numpy_shape(t: Any) -> tuple[int, ...]:
 
 def _drafter_tensors(reader: gguf.GGUFReader, cfg: DFlashConfig, path: str) -> dict[str, Any]:
   """name -> ReaderTensor for exactly the drafter's tensors, with names and shapes checked."""
+  if cfg.n_layer > len(reader.tensors):   # before a table of n_layer entries is built
+    raise _fail(path, f"{INT_KEYS['n_layer']!r} = {cfg.n_layer}, but the file holds only "
+                f"{len(reader.tensors)} tensors (every layer has its own)")
   expected = drafter_tensor_shapes(cfg)
-  by_name = {t.name: t for t in reader.tensors}
-  extra = sorted(n for n in by_name if n.removesuffix(".weight") not in expected
-                 or not n.endswith(".weight"))
+  by_name, extra, limit = {}, [], 8
+  for t in reader.tensors:   # built one at a time: a flood of unknown tensors stops early
+    if t.name.endswith(".weight") and t.name.removesuffix(".weight") in expected:
+      by_name[t.name] = t
+    else:
+      extra.append(t.name)
+      if len(extra) > limit:
+        break
   if extra:
-    raise _fail(path, f"unknown tensors {extra} (a DFlash drafter has only {len(expected)} "
-                f"tensors for n_layer={cfg.n_layer})")
+    more = " and more" if len(extra) > limit else ""
+    raise _fail(path, f"unknown tensors {extra[:limit]}{more} (the file holds "
+                f"{len(reader.tensors)}; a DFlash drafter has {len(expected)} tensors for "
+                f"n_layer={cfg.n_layer})")
   missing = [n + ".weight" for n in expected if n + ".weight" not in by_name]
   if missing:
-    raise _fail(path, f"missing tensors {missing}")
+    raise _fail(path, f"missing tensors {_names(missing)}")
   tensors = {n: by_name[n + ".weight"] for n in expected}
   _check_heads(tensors, cfg, path)
   for name, t in tensors.items():
@@ -206,6 +229,12 @@ def _drafter_tensors(reader: gguf.GGUFReader, cfg: DFlashConfig, path: str) -> d
       raise _fail(path, f"tensor {name}.weight has shape {_numpy_shape(t)}, expected "
                   f"{expected[name]}")
   return tensors
+
+
+def _names(names: list[str], limit: int = 8) -> str:
+  """The first `limit` names and how many more: an error message stays one readable line."""
+  more = f" and {len(names) - limit} more" if len(names) > limit else ""
+  return f"{names[:limit]}{more}"
 
 
 def _check_heads(tensors: Mapping[str, Any], cfg: DFlashConfig, path: str) -> None:
@@ -225,7 +254,8 @@ def _check_heads(tensors: Mapping[str, Any], cfg: DFlashConfig, path: str) -> No
 
 def _dequantize(t: Any, path: str) -> np.ndarray:
   try:
-    a = gguf.quants.dequantize(t.data, t.tensor_type)
+    with np.errstate(invalid="ignore", over="ignore"):   # non-finite values are named below
+      a = gguf.quants.dequantize(t.data, t.tensor_type)
   except NotImplementedError as e:
     raise _fail(path, f"tensor {t.name} is {t.tensor_type.name}, which the gguf package "
                 "cannot dequantize") from e
@@ -245,14 +275,23 @@ def _dequantize(t: Any, path: str) -> np.ndarray:
 
 
 def save_drafter(path: str | os.PathLike, cfg: DFlashConfig, w: Mapping[str, np.ndarray],
-                 tensor_type: str = "F32") -> str:
-  """Writes a drafter GGUF (llama.cpp conventions) and returns its path.
+                 tensor_type: str = "F32", format: str | None = None) -> str:
+  """Writes a drafter GGUF (llama.cpp conventions) or HF checkpoint folder; returns its path.
 
-  Matrices are stored as `tensor_type` (F32, F16, BF16 or Q8_0), 1-D norms always as F32.
+  `format` is "gguf" or "hf"; None picks by the path: a `.gguf` file name means GGUF, anything
+  else (a folder) HF. Matrices are stored as `tensor_type`: F32, F16, BF16 or Q8_0 for GGUF;
+  f32, f16 or bf16 (any case) for HF (`hf_io.save_hf_drafter`). 1-D norms are always F32.
   The target's `tok_embd`/`lm_head` in `w` are not written. `w` is fully validated and encoded
-  before anything touches the disk, and the file appears only complete (temp file + rename).
+  before anything touches the disk, and each file appears only complete (temp file + rename).
   """
   path = os.fspath(path)
+  if format is None:
+    format = "gguf" if path.lower().endswith(".gguf") and not os.path.isdir(path) else "hf"
+  if format == "hf":
+    from dflash_jax import hf_io  # hf_io builds on this module, so it is imported on use
+    return hf_io.save_hf_drafter(path, cfg, w, dtype=str(tensor_type).lower())
+  if format != "gguf":
+    raise ValueError(f"format must be 'gguf', 'hf' or None, got {format!r}")
   if tensor_type not in SAVE_TYPES:
     raise ValueError(f"tensor_type must be one of {sorted(SAVE_TYPES)}, got {tensor_type!r}")
   if not isinstance(cfg, DFlashConfig):
@@ -310,6 +349,10 @@ def _fill_writer(writer: gguf.GGUFWriter, cfg: DFlashConfig,
   writer.add_uint32(KEY_BLOCK_SIZE, cfg.block_size)
   if cfg.window is not None:
     writer.add_uint32(KEY_WINDOW, cfg.window)
+  if cfg.layer_types is not None:  # None: every layer slides, which is also a file's default
+    writer.add_array(KEY_SWA_PATTERN, [cfg.is_sliding(i) for i in range(cfg.n_layer)])
+  if cfg.context_length is not None:
+    writer.add_uint32(KEY_CONTEXT, cfg.context_length)
   writer.add_uint32(KEY_MASK, cfg.mask_token_id)
   writer.add_file_type(_FILE_TYPES[qtype])
   writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -334,51 +377,3 @@ def _write_atomically(path: str, fill: Any) -> None:
     if os.path.exists(tmp):
       os.unlink(tmp)
     raise
-
-
-# ---------------------------------------------------------------------------------------------
-# Hugging Face config
-
-
-def config_from_hf(config: Mapping[str, Any] | str | os.PathLike) -> DFlashConfig:
-  """DFlashConfig from a z-lab / HF DFlash `config.json` (a dict or a path to the file).
-
-  HF `target_layer_ids` name the layer whose *output* is captured; llama.cpp (and this
-  library) store the index of the layer whose *input* is captured, i.e. ids + 1.
-  """
-  if not isinstance(config, Mapping):
-    with open(config, encoding="utf-8") as f:
-      config = json.load(f)
-  dflash = config.get("dflash_config") or {}
-  if "target_layer_ids" not in dflash:
-    raise ValueError("config has no dflash_config.target_layer_ids: not a DFlash drafter config")
-  mask = dflash.get("mask_token_id", config.get("mask_token_id"))
-  if mask is None:
-    raise ValueError("config has no dflash_config.mask_token_id (nor mask_token_id)")
-  rope = config.get("rope_parameters") or {}
-  theta = config.get("rope_theta", rope.get("rope_theta"))
-  if theta is None:
-    raise ValueError("config has no rope_theta (nor rope_parameters.rope_theta)")
-  n_head = int(config["num_attention_heads"])
-  return DFlashConfig(
-      n_layer=int(config["num_hidden_layers"]), n_embd=int(config["hidden_size"]),
-      n_ff=int(config["intermediate_size"]), n_head=n_head,
-      n_head_kv=int(config.get("num_key_value_heads", n_head)),
-      head_dim=int(config.get("head_dim") or config["hidden_size"] // n_head),
-      rope_theta=float(theta), eps=float(config["rms_norm_eps"]),
-      target_layers=tuple(int(i) + 1 for i in dflash["target_layer_ids"]),
-      mask_token_id=int(mask), block_size=int(config.get("block_size", DEFAULT_BLOCK_SIZE)),
-      window=_hf_window(config))
-
-
-def _hf_window(config: Mapping[str, Any]) -> int | None:
-  """The sliding window when the drafter's layers use one; a mix of kinds is not supported."""
-  kinds = set(config.get("layer_types") or [])
-  sliding = "sliding_attention" in kinds or (not kinds and config.get("use_sliding_window"))
-  if not sliding:
-    return None
-  if len(kinds) > 1:
-    raise ValueError(f"layer_types mixes {sorted(kinds)}; one window for every layer is supported")
-  if not config.get("sliding_window"):
-    raise ValueError("layers use sliding attention but sliding_window is not set")
-  return int(config["sliding_window"])

@@ -2,7 +2,8 @@
 
 One launch, one program per head: it sums the projection's split-K partials, then
 normalises and ropes a query or key head or copies a value head, emitting the layouts
-`ring_attention` reads (ARCHITECTURE.md, "Kernel signatures").
+`ring_attention` reads (ARCHITECTURE.md, "Kernel signatures"). Any block width T, group G
+and head_dim: rows past T and head-half lanes past D/2 of the power-of-2 tiles are masked.
 """
 from __future__ import annotations
 

@@ -96,6 +96,7 @@ def _partial_kernel(n_past_ref, pos_ref, q_ref, k_ref, v_ref, rk_ref, rv_ref,
   row_lim = None if rows % block_q == 0 else rows - r0
   q = load_tile(q_ref, (0, 0), (block_q, dp), (row_lim, col_lim))
   q_parts = _split(q * (1.0 / math.sqrt(d)), terms)
+
   def row_ids():
     r = jnp.arange(block_q, dtype=jnp.int32)
     return r if n_row_tiles == 1 else r0 + r

@@ -29,6 +29,10 @@ Grid: (M tiles, N tiles, K splits). M tiles vary fastest so programs that share 
 tile run together and the repeat reads hit L2. split_k > 1 gives each program a contiguous
 range of K blocks and sums the float32 partials in jnp: it fills the GPU when N / block_n
 alone is too few programs (the N = 6656 down projection).
+
+Any N and K (q8_0: K a multiple of 32): a last N tile past N and a last K tile past K are
+masked (0.11.2 Pallas Triton does not mask block reads); shapes the tiles divide run the
+unmasked kernel.
 """
 from __future__ import annotations
 
@@ -112,10 +116,10 @@ def _skinny_kernel(x_ref, *refs, fmt: str, gate_up: bool, m: int, n_out: int, k:
                    block_m: int, block_n: int, block_k: int, split_k: int, interpret: bool):
   """One [block_m, block_n] output tile (two weight streams when gate_up).
 
-  Shapes the tiles fit run the plain loop. Otherwise (n_out % block_n or k % block_k): the
-  weight refs are whole arrays indexed at each stream's first row (the up half of a fused
-  gate+up weight does not start on a block boundary), rows past n_out are masked, and the
-  K blocks past the last full one are one masked tail step after the loop.
+  Shapes the tiles fit run the plain loop. A ragged N (n_out % block_n): the weight and scale
+  refs are whole arrays indexed at each stream's first row (the up half of a fused gate+up
+  weight does not start on a tile boundary) and rows past n_out are masked. A K tail
+  (k % block_k): one masked step after the loop over the full K blocks.
   """
   n_w = 2 if gate_up else 1
   w_refs = refs[:n_w]

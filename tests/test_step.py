@@ -399,6 +399,15 @@ def test_kernel_limits_are_checked_at_construction():
   dfj.DFlashDrafter(cfg, dict(w, lm_head=lm_head), impl="xla")
 
 
+def test_fp8_lm_head_of_any_vocab():
+  """The skinny GEMM takes any N: a 500-token vocab's fp8 lm_head runs on it (no limit)."""
+  from dflash_jax.params import linear
+  p = dfj.prepare_weights(CFG, dfj.synthetic_drafter(CFG, n_vocab=500), "fp8")
+  x = jnp.asarray(np.random.default_rng(5).standard_normal((16, CFG.n_embd)), jnp.float32)
+  np.testing.assert_allclose(np.asarray(linear(x, p.lm_head)),
+                             np.asarray(linear(x, p.lm_head, impl="xla")), rtol=1e-5, atol=1e-5)
+
+
 def test_bad_dtype_names():
   with pytest.raises(ValueError, match="dtype must be one of"):
     dfj.DFlashDrafter(CFG, _weights(), dtype="fp16")
