@@ -3,14 +3,24 @@
 `impl="pallas"` runs the fused Pallas kernels; `impl="xla"` runs their pure-jnp twins (the same
 step in plain XLA, used as a peer in benchmarks and as a second opinion in tests). Jitted entry
 points donate the ring, so under XLA the inject kernels update it in place.
+
+Batches (SPEC.md section 6): the `*_batched` functions and `reset_slot` / `inject_slot` run S
+independent sequences ("slots") in one call over a batched ring (`init_batched_ring`: every
+RingState leaf with a leading slot axis). Rows are slot-major (slot s, row j at s*w + j): every
+GEMM takes all S x w rows in one launch, and the per-sequence kernels (inject, qk norm + rope,
+ring attention) are vmapped over the slot axis, which the pallas_call batching rule turns into
+one more grid axis (one launch for all slots; with S = 1 it lowers to the unbatched kernel).
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, NamedTuple
 
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 
 from dflash_jax.config import FULL, SLIDING, DFlashConfig
 from dflash_jax.params import DrafterParams, linear, resolve_dtype, rms_norm
@@ -48,9 +58,16 @@ class KVCache:
 class RingState:
   """Every layer's stored K/V: one KVCache per attention kind that some layer has (None for
   the other). A drafter whose layers all slide has exactly `sliding` (the one ring of all
-  layers). Every leaf may take a leading batch axis (vmap) in front of these shapes."""
+  layers). A batched ring (`init_batched_ring`) has a leading slot axis on every leaf, in
+  front of these shapes: one ring per sequence slot."""
   sliding: KVCache | None = None
   full: KVCache | None = None
+
+  @property
+  def batch_slots(self) -> int | None:
+    """The sequence slots of a batched ring (its leaves' leading axis), None for one ring."""
+    pos = self.caches()[0].pos
+    return int(pos.shape[0]) if pos.ndim == 2 else None
 
   def caches(self) -> tuple[KVCache, ...]:
     """The caches present, sliding first."""
@@ -78,13 +95,27 @@ def init_ring(cfg: DFlashConfig, window: int | None = None, ring_dtype: Any = "f
   """Empty caches for cfg's layer kinds: a ring of `cfg.resolve_window(window)` slots for the
   sliding layers, `cfg.resolve_capacity(capacity)` slots for the full-attention layers (each
   argument is unused when no layer has its kind)."""
+  return _empty_ring(cfg, (), window, ring_dtype, capacity)
+
+
+def init_batched_ring(cfg: DFlashConfig, n_slots: int, window: int | None = None,
+                      ring_dtype: Any = "fp32", capacity: int | None = None) -> RingState:
+  """`n_slots` empty rings in one RingState: `init_ring`'s leaves with a leading slot axis
+  (k, v [n_slots, L_kind, Hkv, slots, D], pos [n_slots, slots])."""
+  if isinstance(n_slots, bool) or not isinstance(n_slots, (int, np.integer)) or n_slots < 1:
+    raise ValueError(f"n_slots must be an int >= 1, got {n_slots!r}")
+  return _empty_ring(cfg, (int(n_slots),), window, ring_dtype, capacity)
+
+
+def _empty_ring(cfg: DFlashConfig, lead: tuple[int, ...], window, ring_dtype,
+                capacity) -> RingState:
   dt = resolve_dtype(ring_dtype, "ring_dtype")
   caches = {}
   for kind, layers in cfg.kind_groups:
     n = cfg.resolve_window(window) if kind == SLIDING else cfg.resolve_capacity(capacity)
-    shape = (len(layers), cfg.n_head_kv, n, cfg.head_dim)
+    shape = lead + (len(layers), cfg.n_head_kv, n, cfg.head_dim)
     caches[kind] = KVCache(k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt),
-                           pos=jnp.full((n,), -1, jnp.int32), kind=kind)
+                           pos=jnp.full(lead + (n,), -1, jnp.int32), kind=kind)
   return RingState(sliding=caches.get(SLIDING), full=caches.get(FULL))
 
 
@@ -121,6 +152,30 @@ def encode(params: DrafterParams, features: jax.Array, *,
   return rms_norm(linear(features, params.fc, impl=impl), params.enc_norm, params.cfg.eps)
 
 
+def _inject(params: DrafterParams, ring: RingState, h: jax.Array, positions: jax.Array,
+            n_valid: jax.Array, impl: str, n_slots: int | None) -> RingState:
+  """Per attention kind, one GEMM of all of h's rows through its layers' wk/wv and one inject
+  launch into its cache. n_slots None: one ring, h [T, E], positions [T], n_valid scalar;
+  else a batched ring, h [n_slots T, E] slot-major, positions [n_slots, T], n_valid
+  [n_slots], the launch vmapped over the slot axis (a grid axis)."""
+  cfg = params.cfg
+  ops = kernels(impl)
+  lead = () if n_slots is None else (n_slots,)
+  t = h.shape[0] // (n_slots or 1)
+  caches = {}
+  for ip in params.inject:
+    cache = ring.cache(ip.kind)
+    kv = linear(h, ip.w, impl=impl).reshape(lead + (t, ip.k_norm.shape[0], 2, cfg.n_head_kv,
+                                                    cfg.head_dim))
+    write = functools.partial(ops.inject, eps=cfg.eps, wrap=ip.kind == SLIDING)
+    if n_slots is not None:
+      write = jax.vmap(write, in_axes=(0, 0, 0, 0, None, 0, 0, None))
+    k, v, pos = write(cache.k, cache.v, cache.pos, kv, ip.k_norm, positions, n_valid,
+                      params.inv_freq)
+    caches[ip.kind] = KVCache(k=k, v=v, pos=pos, kind=ip.kind)
+  return RingState(sliding=caches.get(SLIDING), full=caches.get(FULL))
+
+
 def inject(params: DrafterParams, ring: RingState, h: jax.Array, positions: jax.Array,
            n_valid: jax.Array | int | None = None, *, impl: str = "pallas") -> RingState:
   """Store K/V of h [T, n_embd] at `positions` in every layer: per attention kind, one GEMM
@@ -130,20 +185,59 @@ def inject(params: DrafterParams, ring: RingState, h: jax.Array, positions: jax.
   pos % W, later rows winning a shared slot; full-attention caches write slot pos and drop
   pos >= capacity (no check inside jit: DFlashDrafter checks on the host).
   """
-  cfg = params.cfg
   t = h.shape[0]
   n_valid = jnp.asarray(t if n_valid is None else n_valid, jnp.int32)
   positions = jnp.asarray(positions, jnp.int32)
-  caches = {}
-  for ip in params.inject:
-    cache = ring.cache(ip.kind)
-    kv = linear(h, ip.w, impl=impl).reshape(t, ip.k_norm.shape[0], 2, cfg.n_head_kv,
-                                             cfg.head_dim)
-    k, v, pos = kernels(impl).inject(cache.k, cache.v, cache.pos, kv, ip.k_norm, positions,
-                                     n_valid, params.inv_freq, eps=cfg.eps,
-                                     wrap=ip.kind == SLIDING)
-    caches[ip.kind] = KVCache(k=k, v=v, pos=pos, kind=ip.kind)
-  return RingState(sliding=caches.get(SLIDING), full=caches.get(FULL))
+  return _inject(params, ring, h, positions, n_valid, impl, None)
+
+
+def _block(params: DrafterParams, ring: RingState, id_last: jax.Array, n_past: jax.Array,
+           w: int, impl: str, n_slots: int | None) -> jax.Array:
+  """Logits [rows, n_vocab] of the block step: one block of w rows (n_slots None: id_last
+  and n_past scalars, one ring), or n_slots blocks slot-major (id_last, n_past [n_slots], a
+  batched ring) with every GEMM over all n_slots w rows and the per-sequence kernels vmapped
+  over the slot axis."""
+  cfg = params.cfg
+  ops = kernels(impl)
+  if n_slots is None:
+    tokens = jnp.full((w,), cfg.mask_token_id, jnp.int32).at[0].set(id_last)
+  else:
+    tokens = jnp.full((n_slots, w), cfg.mask_token_id, jnp.int32).at[:, 0].set(id_last)
+    tokens = tokens.reshape(n_slots * w)
+  x = params.tok_embd[tokens].astype(jnp.float32)
+  knobs = {kind: attention_knobs(ring.cache(kind), impl) for kind, _ in cfg.kind_groups}
+  # GEMM inputs are rounded to bf16 unless the weights are fp32; the attention and the gate+up
+  # epilogue round when they store (one launch fewer than rounding in the next GEMM's prologue).
+  act_dtype = jnp.float32 if params.weight_format == "fp32" else jnp.bfloat16
+
+  def norm_rope(qkv, n_past, lp):
+    return ops.qk_norm_rope(qkv, lp.q_norm, lp.k_norm, n_past, params.inv_freq,
+                            n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, eps=cfg.eps)
+
+  for l, lp in enumerate(params.layers):
+    # The qkv projection's split-K partials are summed inside qk_norm_rope (no extra launch).
+    qkv = linear(rms_norm(x, lp.attn_norm, cfg.eps), lp.wqkv, impl=impl, partials=True)
+    kind = cfg.kinds[l]
+    cache = ring.cache(kind)
+    attend = functools.partial(ops.ring_attention, layer=cfg.index_in_kind(l),
+                               out_dtype=act_dtype, **knobs[kind])
+    if n_slots is None:
+      q, k, v = norm_rope(qkv, n_past, lp)
+      o = attend(q, k, v, cache.k, cache.v, cache.pos, n_past)
+    else:
+      # Splitting the partials [P, n_slots w, N] into [P, n_slots, w, heads, D] is free, and
+      # vmapping over that axis 1 hands each slot's programs their rows: no transpose (a
+      # reshape under vmap would move the slot axis to the front first, copying them).
+      heads = qkv.reshape(qkv.shape[0], n_slots, w, cfg.n_head + 2 * cfg.n_head_kv,
+                          cfg.head_dim)
+      q, k, v = jax.vmap(functools.partial(norm_rope, lp=lp), in_axes=(1, 0))(heads, n_past)
+      o = jax.vmap(attend)(q, k, v, cache.k, cache.v, cache.pos, n_past)
+      o = o.reshape(n_slots * w, o.shape[-1])
+    x = x + linear(o, lp.wo, impl=impl)
+    hidden = linear(rms_norm(x, lp.ffn_norm, cfg.eps), lp.wgu, impl=impl, gate_up=True,
+                    out_dtype=act_dtype)
+    x = x + linear(hidden, lp.wd, impl=impl)
+  return linear(rms_norm(x, params.out_norm, cfg.eps), params.lm_head, impl=impl)
 
 
 def block_step(params: DrafterParams, ring: RingState, id_last: jax.Array, n_past: jax.Array,
@@ -155,36 +249,15 @@ def block_step(params: DrafterParams, ring: RingState, id_last: jax.Array, n_pas
   sliding layer the slots within its window, a full-attention layer every position
   < n_past); the ring is never written.
   """
-  cfg = params.cfg
-  w = cfg.resolve_width(width)
-  ops = kernels(impl)
-  n_past = jnp.asarray(n_past, jnp.int32)
-  tokens = jnp.full((w,), cfg.mask_token_id, jnp.int32)
-  tokens = tokens.at[0].set(jnp.asarray(id_last, jnp.int32))
-  x = params.tok_embd[tokens].astype(jnp.float32)
-  knobs = {kind: attention_knobs(ring.cache(kind), impl) for kind, _ in cfg.kind_groups}
-  # GEMM inputs are rounded to bf16 unless the weights are fp32; the attention and the gate+up
-  # epilogue round when they store (one launch fewer than rounding in the next GEMM's prologue).
-  act_dtype = jnp.float32 if params.weight_format == "fp32" else jnp.bfloat16
-  for l, lp in enumerate(params.layers):
-    # The qkv projection's split-K partials are summed inside qk_norm_rope (no extra launch).
-    qkv = linear(rms_norm(x, lp.attn_norm, cfg.eps), lp.wqkv, impl=impl, partials=True)
-    q, k, v = ops.qk_norm_rope(qkv, lp.q_norm, lp.k_norm, n_past, params.inv_freq,
-                               n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, eps=cfg.eps)
-    kind = cfg.kinds[l]
-    cache = ring.cache(kind)
-    o = ops.ring_attention(q, k, v, cache.k, cache.v, cache.pos, n_past,
-                           layer=cfg.index_in_kind(l), out_dtype=act_dtype, **knobs[kind])
-    x = x + linear(o, lp.wo, impl=impl)
-    hidden = linear(rms_norm(x, lp.ffn_norm, cfg.eps), lp.wgu, impl=impl, gate_up=True,
-                    out_dtype=act_dtype)
-    x = x + linear(hidden, lp.wd, impl=impl)
-  return linear(rms_norm(x, params.out_norm, cfg.eps), params.lm_head, impl=impl)
+  w = params.cfg.resolve_width(width)
+  return _block(params, ring, jnp.asarray(id_last, jnp.int32), jnp.asarray(n_past, jnp.int32),
+                w, impl, None)
 
 
 def greedy_drafts(logits: jax.Array) -> jax.Array:
-  """Block positions 1..w-1 of logits [w, V]; argmax breaks ties to the lowest token id."""
-  return jnp.argmax(logits[1:], axis=-1).astype(jnp.int32)
+  """Block positions 1..w-1 of logits [..., w, V] -> [..., w-1]; argmax breaks ties to the
+  lowest token id."""
+  return jnp.argmax(logits[..., 1:, :], axis=-1).astype(jnp.int32)
 
 
 def accept(drafts: jax.Array, target_tokens: jax.Array, *, impl: str = "pallas") -> jax.Array:
@@ -212,6 +285,119 @@ def draft_round(params: DrafterParams, ring: RingState, new_features: jax.Array,
   return ring, greedy_drafts(logits), logits
 
 
+# ------------------------------------------------------------------ batches of sequences
+# A batched ring's slot s is one sequence: its own caches, n_past[s], id_last[s], n_new[s] and
+# active[s]. Nothing here loops over slots in Python: one trace (one compilation) serves every
+# slot id, activity pattern and position. The functional core does not validate inside jit
+# (BatchedDrafter does, on the host): a slot id outside [0, S) is clamped by XLA's dynamic
+# slicing, so callers must pass valid ones.
+
+
+def _slots_of(ring: RingState, what: str, **arrays) -> int:
+  """The ring's slot count S, after checking that every array has a leading axis of S."""
+  n = ring.batch_slots
+  if n is None:
+    raise ValueError(f"{what} needs a batched ring (init_batched_ring), got one ring")
+  for name, a in arrays.items():
+    shape = np.shape(a)
+    if not shape or shape[0] != n:
+      raise ValueError(f"{what}: {name} must have a leading slot axis of {n} (the ring's "
+                       f"slots), got shape {list(shape)}")
+  return n
+
+
+def _empty_inactive(cfg: DFlashConfig, active, id_last, n_past) -> tuple[jax.Array, jax.Array]:
+  """An inactive slot drafts the empty sequence (id_last = the mask token at n_past 0, which
+  sees no ring slot): its outputs depend on none of its inputs or its ring, and it reads no
+  ring chunk."""
+  active = jnp.asarray(active, jnp.bool_)
+  return (jnp.where(active, jnp.asarray(id_last, jnp.int32), cfg.mask_token_id),
+          jnp.where(active, jnp.asarray(n_past, jnp.int32), 0))
+
+
+def reset_slot(ring: RingState, slot: jax.Array | int) -> RingState:
+  """Empty sequence slot `slot` of a batched ring (pos -1, K/V zero: the state of a fresh
+  slot); the other slots are untouched. `slot` is a traced int32, so one compilation serves
+  every slot; jitted with the ring donated, the slot is cleared in place."""
+  _slots_of(ring, "reset_slot")
+  slot = jnp.asarray(slot, jnp.int32)
+
+  def clear(a: jax.Array, fill) -> jax.Array:
+    return lax.dynamic_update_index_in_dim(a, jnp.full(a.shape[1:], fill, a.dtype), slot, 0)
+
+  return jax.tree.map(lambda c: c.replace(k=clear(c.k, 0), v=clear(c.v, 0), pos=clear(c.pos, -1)),
+                      ring, is_leaf=lambda c: isinstance(c, KVCache))
+
+
+def inject_slot(params: DrafterParams, ring: RingState, slot: jax.Array | int, h: jax.Array,
+                positions: jax.Array, n_valid: jax.Array | int | None = None, *,
+                impl: str = "pallas") -> RingState:
+  """`inject` into one slot of a batched ring (e.g. a joining sequence's prompt): h
+  [T, n_embd] at positions [T], rows >= n_valid writing nothing. `slot` is a traced int32
+  (one compilation per T for every slot); that slot's caches are sliced out, injected and
+  written back, the other slots untouched."""
+  _slots_of(ring, "inject_slot")
+  slot = jnp.asarray(slot, jnp.int32)
+  one = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, slot, 0, keepdims=False), ring)
+  one = inject(params, one, h, positions, n_valid, impl=impl)
+  return jax.tree.map(lambda a, b: lax.dynamic_update_index_in_dim(a, b, slot, 0), ring, one)
+
+
+def inject_batched(params: DrafterParams, ring: RingState, h: jax.Array, positions: jax.Array,
+                   n_valid: jax.Array | None = None, *, impl: str = "pallas") -> RingState:
+  """`inject` for every slot at once: h [S, T, n_embd] at positions [S, T] into slot s's
+  caches, rows t >= n_valid[s] (default: none) writing nothing. One GEMM of all S T rows and
+  one inject launch per attention kind (the slot a grid axis)."""
+  n = _slots_of(ring, "inject_batched", h=h, positions=positions)
+  t = h.shape[1]
+  n_valid = jnp.full((n,), t, jnp.int32) if n_valid is None else jnp.asarray(n_valid, jnp.int32)
+  _slots_of(ring, "inject_batched", n_valid=n_valid)
+  return _inject(params, ring, h.reshape(n * t, h.shape[2]), jnp.asarray(positions, jnp.int32),
+                 n_valid, impl, n)
+
+
+def block_step_batched(params: DrafterParams, ring: RingState, id_last: jax.Array,
+                       n_past: jax.Array, active: jax.Array, *, width: int | None = None,
+                       impl: str = "pallas") -> jax.Array:
+  """`block_step` of every slot of a batched ring in one call: id_last, n_past, active [S]
+  -> logits [S, w, n_vocab]. Slot s's logits equal block_step on its own ring (bitwise when
+  the GEMM row counts agree, S = 1; else to rounding) whatever the other slots hold. An
+  inactive slot's logits are those of the empty sequence (see draft_round_batched)."""
+  n = _slots_of(ring, "block_step_batched", id_last=id_last, n_past=n_past, active=active)
+  w = params.cfg.resolve_width(width)
+  id_last, n_past = _empty_inactive(params.cfg, active, id_last, n_past)
+  return _block(params, ring, id_last, n_past, w, impl, n).reshape(n, w, -1)
+
+
+def draft_round_batched(params: DrafterParams, ring: RingState, new_features: jax.Array,
+                        n_new: jax.Array, id_last: jax.Array, n_past: jax.Array,
+                        active: jax.Array, *, width: int | None = None,
+                        impl: str = "pallas"):
+  """`draft_round` of every slot of a batched ring in one call (SPEC.md section 6).
+
+  new_features [S, R, n_target_layers n_embd]: slot s's rows 0..n_new[s]-1 go to positions
+  n_past[s] - n_new[s] + i of its ring; then each slot drafts a block of w = width rows
+  (static) at n_past[s] after id_last[s]. All S R rows go through encode and the inject GEMMs
+  in one GEMM each and one inject launch per kind; all S w block rows through each step GEMM
+  in one launch. An inactive slot (active[s] False) injects nothing (its ring stays bitwise
+  unchanged) and drafts the empty sequence (the mask token at n_past 0): its drafts and
+  logits depend on none of its inputs; ignore them.
+  Returns (ring, drafts [S, w-1] int32, logits [S, w, n_vocab]).
+  """
+  n = _slots_of(ring, "draft_round_batched", new_features=new_features, n_new=n_new,
+                id_last=id_last, n_past=n_past, active=active)
+  cfg = params.cfg
+  w = cfg.resolve_width(width)
+  r = new_features.shape[1]
+  n_new = jnp.where(jnp.asarray(active, jnp.bool_), jnp.asarray(n_new, jnp.int32), 0)
+  id_last, n_past = _empty_inactive(cfg, active, id_last, n_past)
+  positions = (n_past - n_new)[:, None] + jnp.arange(r, dtype=jnp.int32)
+  h = encode(params, new_features.reshape(n * r, new_features.shape[2]), impl=impl)
+  ring = _inject(params, ring, h, positions, n_new, impl, n)
+  logits = _block(params, ring, id_last, n_past, w, impl, n).reshape(n, w, -1)
+  return ring, greedy_drafts(logits), logits
+
+
 # Jitted entry points. The ring is donated wherever it is returned.
 encode_jit = jax.jit(encode, static_argnames=("impl",))
 inject_jit = jax.jit(inject, static_argnames=("impl",), donate_argnames=("ring",))
@@ -219,3 +405,10 @@ block_step_jit = jax.jit(block_step, static_argnames=("width", "impl"))
 draft_round_jit = jax.jit(draft_round, static_argnames=("width", "impl"),
                           donate_argnames=("ring",))
 accept_jit = jax.jit(accept, static_argnames=("impl",))
+reset_slot_jit = jax.jit(reset_slot, donate_argnames=("ring",))
+inject_slot_jit = jax.jit(inject_slot, static_argnames=("impl",), donate_argnames=("ring",))
+inject_batched_jit = jax.jit(inject_batched, static_argnames=("impl",),
+                             donate_argnames=("ring",))
+block_step_batched_jit = jax.jit(block_step_batched, static_argnames=("width", "impl"))
+draft_round_batched_jit = jax.jit(draft_round_batched, static_argnames=("width", "impl"),
+                                  donate_argnames=("ring",))

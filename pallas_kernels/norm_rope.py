@@ -92,22 +92,22 @@ def _qk_norm_rope_kernel(n_past_ref, inv_ref, qn_ref, kn_ref, x_ref, q_out, k_ou
 def _check_shapes(name: str, qkv, q_norm, k_norm, n_past, inv_freq, n_head: int,
                   n_head_kv: int) -> tuple[int, int, int]:
   """Shape and dtype checks shared by the kernel and its twin; returns (T, G, D)."""
-  check(qkv.ndim in (2, 3), name,
-        "qkv must be [T, (Hq + 2 Hkv) * D] or split-K partials [S, T, (Hq + 2 Hkv) * D]",
-        qkv.shape)
+  check(qkv.ndim in (2, 3, 4), name,
+        "qkv must be [T, (Hq + 2 Hkv) * D], split-K partials [S, T, (Hq + 2 Hkv) * D] or "
+        "partials with the heads split, [S, T, Hq + 2 Hkv, D]", qkv.shape)
   check(qkv.dtype == jnp.float32, name, "qkv dtype must be float32", qkv.dtype)
   check(n_head_kv > 0 and n_head % n_head_kv == 0 and n_head > 0, name,
         "n_head must be a positive multiple of n_head_kv", (n_head, n_head_kv))
   check(q_norm.ndim == 1, name, "q_norm must be rank 1 [D]", q_norm.shape)
   d = q_norm.shape[0]
   g = n_head // n_head_kv
-  t = qkv.shape[-2]
+  t = qkv.shape[1] if qkv.ndim == 4 else qkv.shape[-2]
   check(qkv.shape[0] >= 1, name, "at least one partial", qkv.shape)
   check(t >= 1, name, "T (rows of qkv) must be >= 1", t)
   check(d >= 2 and d % 2 == 0, name, "head_dim must be even and >= 2", d)
-  check(qkv.shape[-1] == (n_head + 2 * n_head_kv) * d, name,
-        "qkv width must be (n_head + 2 n_head_kv) * head_dim",
-        (qkv.shape[-1], (n_head + 2 * n_head_kv) * d))
+  width = qkv.shape[2] * qkv.shape[3] if qkv.ndim == 4 else qkv.shape[-1]
+  check(width == (n_head + 2 * n_head_kv) * d and (qkv.ndim < 4 or qkv.shape[3] == d), name,
+        "qkv width must be (n_head + 2 n_head_kv) * head_dim", (qkv.shape, n_head, n_head_kv, d))
   for arr, nm, shape in ((q_norm, "q_norm", (d,)), (k_norm, "k_norm", (d,)),
                          (inv_freq, "inv_freq", (d // 2,))):
     check(arr.shape == shape, name, f"{nm} shape must be {shape}", arr.shape)
@@ -127,7 +127,9 @@ def qk_norm_rope(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array, n_past: j
 
   qkv: [T, (Hq + 2 Hkv) * D] float32 (q heads, k heads, v heads), or the split-K partials
   [S, T, (Hq + 2 Hkv) * D] of the projection, summed here (parts[0] + parts[1] + ...) so the
-  step launches no separate reduction. Returns float32 q [Hkv, T*G, D] (row r = token r // G,
+  step launches no separate reduction, or those partials with the heads split,
+  [S, T, Hq + 2 Hkv, D] (the form to vmap over a slot axis of the rows: the split is a
+  reshape, which under vmap would first move the slot axis to the front, a copy). Returns float32 q [Hkv, T*G, D] (row r = token r // G,
   query head kvh*G + r % G), k and v [Hkv, T, D]. Any G; T up to `limits.MAX_WIDTH`; D a
   multiple of 16 up to 256. One program per head (grid Hkv x (G + 2)): one per kv head
   measured 5.2 us on the H200, too few programs to hide the loads' latency.
@@ -137,8 +139,11 @@ def qk_norm_rope(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array, n_past: j
   check_head_dim(name, d)
   check_width(name, t)
   hkv = n_head_kv
-  parts = qkv if qkv.ndim == 3 else qkv[None]
-  heads = parts.reshape(parts.shape[0], t, n_head + 2 * hkv, d)
+  if qkv.ndim == 4:
+    heads = qkv
+  else:
+    parts = qkv if qkv.ndim == 3 else qkv[None]
+    heads = parts.reshape(parts.shape[0], t, n_head + 2 * hkv, d)
 
   def head_of(h, j):
     return jnp.where(j < g, h * g + j, jnp.where(j == g, n_head + h, n_head + hkv + h))
@@ -155,7 +160,7 @@ def qk_norm_rope(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array, n_past: j
           pl.BlockSpec((dp // 2,), lambda h, j: (0,)),
           pl.BlockSpec((dp,), lambda h, j: (0,)),
           pl.BlockSpec((dp,), lambda h, j: (0,)),
-          pl.BlockSpec((parts.shape[0], tp, None, dp), lambda h, j: (0, 0, head_of(h, j), 0)),
+          pl.BlockSpec((heads.shape[0], tp, None, dp), lambda h, j: (0, 0, head_of(h, j), 0)),
       ],
       # Programs j >= G map to q's last head block but store nothing there.
       out_specs=[
@@ -177,7 +182,7 @@ def qk_norm_rope(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array, n_past: j
 
 
 def _sum_parts(qkv: jax.Array) -> jax.Array:
-  """[S, ...] split-K partials -> their sum in the kernels' order; a [T, W] array as is."""
+  """[S, T, ...] split-K partials -> their sum in the kernels' order; a [T, W] array as is."""
   if qkv.ndim == 2:
     return qkv
   acc = qkv[0]
