@@ -208,9 +208,15 @@ def prepare_weights(cfg: DFlashConfig, w: dict[str, np.ndarray], dtype: Any = "f
       lm_head=mat("lm_head"), layers=tuple(layers), cfg=cfg)
 
 
-# Rows up to which dense bf16 GEMMs run on the skinny kernel: one M tile (the kernel's
-# largest default block_m) streams the weights exactly once.
-SKINNY_MAX_M = skinny_gemm.MAX_DEFAULT_BLOCK_M
+# Rows up to which dense bf16 GEMMs run on the skinny kernel, larger row counts on XLA's
+# tensor-core GEMM. Up to 64 rows (one M tile, the kernel's largest default block_m) the
+# skinny kernel streams the weights exactly once: the measured choice for the one-sequence
+# step and for prefill. A batched step has S x w rows, which the skinny kernel runs in
+# ceil(rows / 64) M tiles sharing each weight tile through L2; where that stops beating XLA is
+# the lead's to set from the H200 crossover probe (`python -m benchmarks.batch --gpu --only
+# crossover` prints the row count for this constant); until then batches of more than 64
+# rows run on XLA's GEMM.
+SKINNY_MAX_M = 64
 
 
 def _bf16_skinny(x: jax.Array, w: jax.Array) -> bool:
@@ -231,8 +237,9 @@ def linear(x: jax.Array, w, *, impl: str = "pallas", gate_up: bool = False,
   Dense bf16 weights: the activation is rounded to bf16 (the rounding SPEC.md section 5 names)
   and the product accumulates in float32; up to SKINNY_MAX_M rows the Pallas skinny GEMM
   streams the weights (in the bf16 step it beats XLA's GEMMs, mostly by needing no split-K
-  reduce or convert launches: RESULTS.md run 10), whatever N and K; beyond that (prefill row
-  counts, where a GEMM that reads the weights once per 64-row tile would lose), XLA's GEMM.
+  reduce or convert launches: RESULTS.md run 10), whatever N and K; beyond that (prefill and
+  large-batch row counts, where a GEMM that reads the weights once per 64-row tile loses),
+  XLA's GEMM.
   Dense fp32:
   XLA, full-precision float32 (HIGHEST, so GPUs do not silently use TF32). QuantWeight: the
   Pallas skinny GEMM streams the 1-byte weights at any row count (impl="xla": its jnp twin,
