@@ -117,6 +117,12 @@ def test_split_k_partials_are_summed(n_parts, t, g, d):
     np.testing.assert_allclose(np.asarray(got, np.float64), w, **F32_TOL)
     np.testing.assert_allclose(np.asarray(got), np.asarray(r), rtol=2e-6, atol=1e-6)
   np.testing.assert_array_equal(np.asarray(out[2]), np.asarray(ref[2]))
+  # The partials with their heads split, [S, T, heads, D] (what a caller vmapping over a slot
+  # axis of the rows passes): the same launch on the same bytes, bit for bit.
+  split = c | dict(qkv=parts.reshape(n_parts, t, -1, d))
+  for got, same in ((run_kernel(split), out), (run_twin(split), ref)):
+    for a, b in zip(got, same):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def qkv_sum_in_order(parts):
@@ -170,7 +176,9 @@ def test_limits_shapes_and_dtypes():
   with pytest.raises(ValueError, match="n_past dtype must be int32"):
     run_kernel(c | dict(n_past=jnp.asarray(1.0, jnp.float32)))
   with pytest.raises(ValueError, match="qkv must be"):
-    run_kernel(c | dict(qkv=c["qkv"][None, None]))
+    run_kernel(c | dict(qkv=c["qkv"][None, None, None]))
+  with pytest.raises(ValueError, match="qkv width must be"):   # heads split at the wrong D
+    run_kernel(c | dict(qkv=c["qkv"].reshape(1, 8, -1, 8)))
   with pytest.raises(ValueError, match="qkv dtype must be float32"):
     run_kernel(c | dict(qkv=c["qkv"].astype(jnp.bfloat16)))
   with pytest.raises(ValueError, match=r"k_norm shape must be \(16,\)"):
