@@ -52,11 +52,10 @@ def test_capture_layers_out_of_range():
     Q.forward(p, cfg, _tokens(0, (1, 4)), capture_layers=(1, 3))
 
 
-@pytest.mark.parametrize("kw", VARIANTS, ids=["qwen3", "llama-tied"])
-def test_cached_prefill_verify_equals_forward(kw):
+def test_cached_prefill_verify_equals_forward():
   """Prefill (bucketed, padded) then verify in chunks of varying width, with a rejected chunk
   rolled back by setting the length, equals the uncached forward row for row."""
-  cfg, p = _model(3, **kw)
+  cfg, p = _model(3, **VARIANTS[0])
   capture = (1, 2)
   toks = _tokens(4, (1, 29))
   ref_logits, ref_feats = Q.forward_jit(p, cfg, toks, capture_layers=capture)
@@ -70,7 +69,7 @@ def test_cached_prefill_verify_equals_forward(kw):
   np.testing.assert_allclose(feats[:, :n], ref_feats[:, :n], rtol=1e-5, atol=1e-5)
   assert int(cache.length[0]) == n
   pos = n
-  for i, w in enumerate((1, 4, 3, 4)):
+  for i, w in enumerate((1, 4, 4, 1, 4)):
     # A rejected continuation first: verify garbage, then roll back (no copy).
     cache, _, _ = Q.verify_jit(p, cfg, cache, _tokens(10 + i, (1, w)), capture_layers=capture)
     cache = cache.replace(length=jnp.asarray([pos], jnp.int32))
@@ -82,16 +81,20 @@ def test_cached_prefill_verify_equals_forward(kw):
 
 
 def test_cache_batch_rows_are_independent():
-  """Two sequences at different lengths in one cache: each row equals its own forward."""
-  cfg, p = _model(6)
+  """Two sequences at different lengths in one cache (the Llama-like variant: no q/k norm,
+  tied head): each row equals its own uncached forward."""
+  cfg, p = _model(6, **VARIANTS[1])
   toks = _tokens(7, (2, 20))
-  ref_logits, _ = Q.forward_jit(p, cfg, toks)
+  ref_logits, ref_feats = Q.forward_jit(p, cfg, toks, capture_layers=(1, 2))
   cache = Q.init_cache(cfg, 2, 32)
-  cache, _ = Q.prefill_jit(p, cfg, cache, toks[:, :16], jnp.asarray([5, 9], jnp.int32))
+  cache, feats = Q.prefill_jit(p, cfg, cache, toks[:, :16], jnp.asarray([5, 9], jnp.int32),
+                               capture_layers=(1, 2))
+  np.testing.assert_allclose(feats[1, :9], ref_feats[1, :9], rtol=1e-5, atol=1e-5)
   verify_toks = np.stack([toks[0, 5:9], toks[1, 9:13]])
-  cache, logits, _ = Q.verify_jit(p, cfg, cache, verify_toks)
+  cache, logits, feats = Q.verify_jit(p, cfg, cache, verify_toks, capture_layers=(1, 2))
   np.testing.assert_allclose(logits[0], ref_logits[0, 5:9], rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(logits[1], ref_logits[1, 9:13], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(feats[1], ref_feats[1, 9:13], rtol=1e-5, atol=1e-5)
   np.testing.assert_array_equal(cache.length, [9, 13])
 
 
