@@ -182,25 +182,29 @@ def _propose(models: Models, dcfg: DecodeConfig, st: DecodeState, key: jax.Array
   return ring, drafts.astype(jnp.int32), q
 
 
-def _round(models: Models, dcfg: DecodeConfig, st: DecodeState) -> DecodeState:
+def _verify(models: Models, dcfg: DecodeConfig, st: DecodeState, drafts: jax.Array):
+  """The target on [id_last, drafts] -> (cache, logits [S, w, V], features [S, w, F])."""
+  capture = models.drafter.cfg.target_layers if dcfg.width > 1 else ()
+  vtok = jnp.concatenate([st.id_last[:, None], drafts], axis=1)
+  return qwen3.verify(models.target, models.target_cfg, st.cache, vtok, capture_layers=capture,
+                      impl=dcfg.target_impl)
+
+
+def _accept_commit(dcfg: DecodeConfig, st: DecodeState, drafts, q, logits, feats,
+                   key: jax.Array) -> DecodeState:
+  """Accept (greedy prefix or rejection sampling), commit, roll the cache length back to the
+  committed tokens, keep the verify features for the next round's inject. The returned
+  state's cache and ring are st's (the caller sets them)."""
   w, n, samp = dcfg.width, dcfg.width - 1, dcfg.sampling
   s = st.n_past.shape[0]
   active = ~st.done
-  keys = jax.vmap(lambda k: jax.random.split(k, 3))(st.key)
-  ring, drafts, q = st.ring, jnp.zeros((s, 0), jnp.int32), None
-  if n:
-    ring, drafts, q = _propose(models, dcfg, st, keys[:, 1])
-  capture = models.drafter.cfg.target_layers if n else ()
-  vtok = jnp.concatenate([st.id_last[:, None], drafts], axis=1)
-  cache, logits, feats = qwen3.verify(models.target, models.target_cfg, st.cache, vtok,
-                                      capture_layers=capture, impl=dcfg.target_impl)
   if samp.greedy:
     target_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     n_ok = (step.accept(drafts, target_tokens[:, :n], impl=dcfg.impl) if n
             else jnp.zeros((s,), jnp.int32))
     t = jnp.take_along_axis(target_tokens, n_ok[:, None], axis=1)[:, 0]
   else:
-    n_ok, t = SP.verify_sampled(keys[:, 2], drafts, SP.probs(logits, samp), q)
+    n_ok, t = SP.verify_sampled(key, drafts, SP.probs(logits, samp), q)
   rows = jnp.arange(w, dtype=jnp.int32)[None]
   # Row i of the commit: drafts[i] for i < n_ok, then t; rows past n_ok are scratch.
   committed = jnp.where(rows < n_ok[:, None], jnp.concatenate([drafts, t[:, None]], axis=1),
@@ -215,12 +219,24 @@ def _round(models: Models, dcfg: DecodeConfig, st: DecodeState) -> DecodeState:
     return jnp.where(active.reshape(-1, *([1] * (new.ndim - 1))), new, old)
 
   return st.replace(
-      cache=cache.replace(length=keep(n_past, st.cache.length)), ring=ring,
+      cache=st.cache.replace(length=keep(n_past, st.cache.length)),
       tokens=keep(tokens, st.tokens), n_past=keep(n_past, st.n_past),
       id_last=keep(t, st.id_last), pending=keep(feats, st.pending) if n else None,
       n_new=keep(n_ok + 1, st.n_new), done=st.done | (active & stop),
-      rounds=st.rounds + active, hist=st.hist.at[jnp.arange(s), n_ok].add(active.astype(jnp.int32)),
-      key=keys[:, 0])
+      rounds=st.rounds + active, hist=st.hist.at[jnp.arange(s), n_ok].add(active.astype(jnp.int32)))
+
+
+def _round(models: Models, dcfg: DecodeConfig, st: DecodeState) -> DecodeState:
+  """propose -> verify -> accept + commit (the next round's propose injects the features)."""
+  s = st.n_past.shape[0]
+  keys = jax.vmap(lambda k: jax.random.split(k, 3))(st.key)
+  ring, drafts, q = st.ring, jnp.zeros((s, 0), jnp.int32), None
+  if dcfg.width > 1:
+    ring, drafts, q = _propose(models, dcfg, st, keys[:, 1])
+  cache, logits, feats = _verify(models, dcfg, st, drafts)
+  st = _accept_commit(dcfg, st.replace(cache=cache.replace(length=st.cache.length)), drafts, q,
+                      logits, feats, keys[:, 2])
+  return st.replace(ring=ring, key=keys[:, 0])
 
 
 def _rounds(models: Models, dcfg: DecodeConfig, state: DecodeState, max_rounds) -> DecodeState:
