@@ -9,7 +9,7 @@ Sections, in order (results are saved after each, so a run cut short keeps what 
    copy bandwidth measured in this run and the byte floors it implies.
 2. target-only greedy decoding (the same target code at width 1): tokens/s, wall clock over
    a long run after a warm-up that compiles it. Its output is the oracle of section 4.
-3. one round at width 16, piece by piece, CUPTI device time (median over iterations of the
+3. one round at width block_size (16; 8 in --smoke), piece by piece, CUPTI device time (median over iterations of the
    kernel sum, XLA copies before aliased kernels excluded): draft (`decode._propose`: encode +
    inject of the committed rows + block step + drafts), of which inject and block step
    measured alone; verify of 16 rows; accept + commit; and a 1-token target decode step.
@@ -72,12 +72,13 @@ class Setup:
 
 def setup(smoke: bool) -> Setup:
   if smoke:
-    t = Q.TargetConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=1e4)
-    d = dataclasses.replace(dfj.TINY_CONFIG, n_layer=1, n_embd=64, target_layers=(1, 2),
-                            mask_token_id=511, block_size=16, window=64)
-    return Setup(t, d, window=64, capacity=128, prompt_len=12, max_new=24, ks=(3,),
-                 draft_vocab=128, iters=2, inner=2, sync_every=4)
+    t = Q.TargetConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=16, rope_theta=1e4)
+    d = dataclasses.replace(dfj.TINY_CONFIG, n_layer=1, n_embd=32, n_ff=64, n_head=2,
+                            n_head_kv=1, target_layers=(0, 1), mask_token_id=255, block_size=8,
+                            window=32)
+    return Setup(t, d, window=32, capacity=64, prompt_len=12, max_new=24, ks=(3,),
+                 draft_vocab=64, iters=1, inner=2, sync_every=4)
   return Setup(QWEN3_8B_TARGET, dfj.QWEN3_8B_CONFIG, window=2048, capacity=2048,
                prompt_len=128, max_new=512, ks=(3, 7, 15), draft_vocab=32768, iters=20,
                inner=8, sync_every=64)
@@ -130,12 +131,6 @@ def bytes_section(su: Setup, models: D.Models, reduced: D.Models, st: D.DecodeSt
   return r
 
 
-def timed(fn):
-  t0 = time.perf_counter()
-  out = fn()
-  return out, time.perf_counter() - t0
-
-
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   mode = p.add_mutually_exclusive_group(required=True)
@@ -144,11 +139,14 @@ def main(argv=None) -> int:
   p.add_argument("--skinny", action="store_true",
                  help="also time verify/decode with the Pallas skinny GEMM for the target")
   p.add_argument("--ks", default=None, help="drafts per round in section 4 (default 3,7,15)")
+  p.add_argument("--only", default="round,oracle",
+                 help="sections after bytes and target-only: round, oracle (comma list)")
   p.add_argument("--out", default=None, help="results folder (default results/decode-<stamp>)")
   args = p.parse_args(argv)
   if args.gpu and not C.ON_GPU:
     p.error("--gpu needs a GPU backend")
   su = setup(args.smoke)
+  only = set(args.only.split(","))
   if args.ks:
     su = dataclasses.replace(su, ks=tuple(int(k) for k in args.ks.split(",")))
   impl = "pallas" if C.ON_GPU else "xla"   # the drafter's kernels (interpret mode is slow)
@@ -173,8 +171,13 @@ def main(argv=None) -> int:
   res["copy_bw_TBps"] = bw / 1e12
   tc, dc = su.target, su.drafter
   tp = Q.init_params(tc, jax.random.key(0), jnp.bfloat16)
-  # The drafter borrows the target's embedding and LM head (the same device arrays).
-  dp = C.random_params(dc, 16, "bf16").replace(tok_embd=tp.embed, lm_head=tp.head)
+  # The drafter borrows the target's embedding and LM head (the same device arrays). At the
+  # tiny smoke dims host weights are quicker than compiling a device RNG per tensor shape.
+  dp = (C.random_params(dc, 16, "bf16") if args.gpu else dfj.prepare_weights(
+      dc, {**dfj.synthetic_drafter(dc, with_target=False),
+           "tok_embd": np.zeros((tc.vocab_size, dc.n_embd)),
+           "lm_head": np.zeros((tc.vocab_size, dc.n_embd))}, "bf16"))
+  dp = dp.replace(tok_embd=tp.embed, lm_head=tp.head)
   models = D.Models(target=tp, drafter=dp, d2t=None, target_cfg=tc)
   d2t = jnp.arange(su.draft_vocab, dtype=jnp.int32)
   reduced = models.replace(drafter=dp.replace(lm_head=tp.head[:su.draft_vocab]), d2t=d2t)
@@ -190,18 +193,39 @@ def main(argv=None) -> int:
   # long enough to give the oracle for every speculative run.
   n_oracle = su.max_new + dc.block_size
   D.generate_target_only(tp, tc, [prompt], 4, rounds_per_call=su.sync_every, **kw)
-  g0, wall = timed(lambda: D.generate_target_only(tp, tc, [prompt], n_oracle,
-                                                 rounds_per_call=su.sync_every, **kw))
+  g0 = D.generate_target_only(tp, tc, [prompt], n_oracle, rounds_per_call=su.sync_every, **kw)
   base_tps = g0.n_tokens / g0.seconds
   oracle = [prompt + g0.tokens[0]]
   res["target_only"] = dict(tokens=g0.n_tokens, seconds=g0.seconds, tokens_per_s=base_tps,
                             ms_per_token=1e3 / base_tps, prefill_s=g0.prefill_seconds)
   save("target_only")
 
-  # 3. One round at width 16, piece by piece (a state a few rounds in: ring and cache filled).
-  st = D.run_rounds(models, w16, D.start(models, w16, [prompt], su.max_new, oracle=oracle, **kw),
-                    jnp.int32(2))
-  key = jax.random.split(jax.random.key(1), 1)
+  if "round" in only:
+    round_section(su, res, models, reduced, prompt, oracle, w16, kw, impl, args.skinny)
+    save("round_ms")
+  if "oracle" in only:
+    res["oracle"] = []
+    for k in su.ks:
+      res["oracle"].append(oracle_run(su, models, prompt, oracle, g0, base_tps, k, impl, kw))
+      save("oracle")
+  md = markdown(res)
+  print(md)
+  with open(os.path.join(out_dir, "decode.md"), "w") as f:
+    f.write(md + "\n")
+  return 0
+
+
+def round_section(su, res, models, reduced, prompt, oracle, w16, kw, impl, skinny) -> None:
+  """Section 3. The state: the prompt prefilled, then as after a round that accepted 15
+  drafts (16 committed rows pending for inject; the cache and ring lengths to match)."""
+  tc, dc, tp, dp = su.target, su.drafter, models.target, models.drafter
+  st = D.start(models, w16, [prompt], su.max_new, oracle=oracle, **kw)
+  w = dc.block_size
+  keys = jax.random.split(jax.random.key(2), 4)
+  st = st.replace(pending=jax.random.normal(keys[0], st.pending.shape, jnp.float32),
+                  n_new=st.n_new + w, n_past=st.n_past + w,
+                  cache=st.cache.replace(length=st.cache.length + w))
+  key = jax.random.split(keys[1], 1)
   parts = {}
   t0 = time.perf_counter()
   # The drafter's own drafts (oracle off); weights are arguments of every measured function.
@@ -217,59 +241,55 @@ def main(argv=None) -> int:
   block = jax.jit(lambda d, r, i, n: S.greedy_drafts(S.block_step(d, r, i, n, impl=impl)))
   parts["block_step_full_vocab"] = device_ms(block, dp, ring0, st.id_last[0], st.n_past[0],
                                              iters=su.iters)
-  drafts = D._slice_rows(st.oracle, st.n_past + 1, dc.block_size - 1)
-  cache, logits, feats = D._verify(models, w16, st, drafts)
-  del cache
+  drafts = D._slice_rows(st.oracle, st.n_past + 1, w - 1)
+  # Accept + commit does the same work whatever the values: random verify outputs.
+  logits = jax.random.normal(keys[2], (1, w, tc.vocab_size), jnp.float32)
+  feats = jax.random.normal(keys[3], (1, w, dc.n_embd_fc), jnp.float32)
   commit = jax.jit(lambda s, d, lg, f, k: (lambda o: (o.tokens, o.n_past, o.pending, o.hist))(
       D._accept_commit(w16, s, d, None, lg, f, k)))
   parts["accept_commit"] = device_ms(commit, st, drafts, logits, feats, key, iters=su.iters)
   res["compile_and_measure_draft_parts_s"] = time.perf_counter() - t0
   vt = jnp.concatenate([st.id_last[:, None], drafts], 1)
-  for impl_t in ("xla", "pallas") if args.skinny else ("xla",):
+  for impl_t in ("xla", "pallas") if skinny else ("xla",):
     sfx = "" if impl_t == "xla" else "_skinny"
     t0 = time.perf_counter()
     f16 = target_loop(tc, su.inner, dc.target_layers, impl_t)
-    parts["verify16" + sfx] = device_ms(f16, tp, st.cache, vt, iters=su.iters, per_call=su.inner)
+    parts["verify_block" + sfx] = device_ms(f16, tp, st.cache, vt, iters=su.iters, per_call=su.inner)
     f1 = target_loop(tc, su.inner, (), impl_t)
     parts["decode1" + sfx] = device_ms(f1, tp, st.cache, vt[:, :1], iters=su.iters,
                                        per_call=su.inner)
     res[f"compile_and_measure_target{sfx}_s"] = time.perf_counter() - t0
-  rnd = parts["draft_full_vocab"] + parts["verify16"] + parts["accept_commit"]
-  rnd_r = parts["draft_reduced_vocab"] + parts["verify16"] + parts["accept_commit"]
+  parts["block_width"] = w
+  rnd = parts["draft_full_vocab"] + parts["verify_block"] + parts["accept_commit"]
+  rnd_r = parts["draft_reduced_vocab"] + parts["verify_block"] + parts["accept_commit"]
   parts.update(round_full_vocab=rnd, round_reduced_vocab=rnd_r,
-               verify16_over_decode1=parts["verify16"] / parts["decode1"],
+               verify_block_over_decode1=parts["verify_block"] / parts["decode1"],
                draft_fraction_full_vocab=parts["draft_full_vocab"] / rnd,
                draft_fraction_reduced_vocab=parts["draft_reduced_vocab"] / rnd_r,
                decode1_floor_fraction=res["bytes"]["decode_step_floor_ms"] / parts["decode1"])
   res["round_ms"] = parts
-  save("round_ms")
 
-  # 4. Oracle acceptance, k drafts per round.
-  res["oracle"] = []
-  for k in su.ks:
-    dcfg = D.DecodeConfig(width=k + 1, impl=impl)
-    t0 = time.perf_counter()
-    D.generate(models, dcfg, [prompt], 4, oracle=oracle, rounds_per_call=su.sync_every, **kw)
-    warm = time.perf_counter() - t0
-    g = D.generate(models, dcfg, [prompt], su.max_new, oracle=oracle,
-                   rounds_per_call=su.sync_every, **kw)
-    tps = g.n_tokens / g.seconds
-    agree = sum(a == b for a, b in zip(g.tokens[0], g0.tokens[0]))
-    res["oracle"].append(dict(
-        k=k, width=k + 1, tokens=g.n_tokens, rounds=int(g.rounds.sum()), tau=g.tau,
-        hist=g.hist.sum(0).tolist(), tokens_per_s=tps, ms_per_round=g.seconds / g.rounds.sum() * 1e3,
-        ratio_vs_k_plus_1=tps / ((k + 1) * base_tps), ratio_vs_tau=tps / (g.tau * base_tps),
-        speedup=tps / base_tps, matches_target_only=f"{agree}/{g.n_tokens}",
-        warmup_compile_s=warm))
-    save("oracle")
-  print(markdown(res))
-  with open(os.path.join(out_dir, "decode.md"), "w") as f:
-    f.write(markdown(res) + "\n")
-  return 0
+
+def oracle_run(su, models, prompt, oracle, g0, base_tps, k, impl, kw) -> dict:
+  """Section 4 for one k: a warm-up run compiles (same shapes), then the timed run."""
+  dcfg = D.DecodeConfig(width=k + 1, impl=impl)
+  t0 = time.perf_counter()
+  D.generate(models, dcfg, [prompt], 4, oracle=oracle, rounds_per_call=su.sync_every, **kw)
+  warm = time.perf_counter() - t0
+  g = D.generate(models, dcfg, [prompt], su.max_new, oracle=oracle,
+                 rounds_per_call=su.sync_every, **kw)
+  tps = g.n_tokens / g.seconds
+  agree = sum(a == b for a, b in zip(g.tokens[0], g0.tokens[0]))
+  return dict(k=k, width=k + 1, tokens=g.n_tokens, rounds=int(g.rounds.sum()), tau=g.tau,
+              hist=g.hist.sum(0).tolist(), tokens_per_s=tps,
+              ms_per_round=g.seconds / g.rounds.sum() * 1e3,
+              ratio_vs_k_plus_1=tps / ((k + 1) * base_tps), ratio_vs_tau=tps / (g.tau * base_tps),
+              speedup=tps / base_tps, matches_target_only=f"{agree}/{g.n_tokens}",
+              warmup_compile_s=warm)
 
 
 def markdown(res: dict) -> str:
-  b, r, t = res["bytes"], res["round_ms"], res["target_only"]
+  b, r, t = res["bytes"], res.get("round_ms", {}), res["target_only"]
   lines = [f"- device: {res['device']}, jax {res['jax']}, drafter impl {res['drafter_impl']}; "
            f"copy bandwidth {res['copy_bw_TBps']:.2f} TB/s; command `{res['command']}`",
            f"- bytes: target {b['target_GB']:.2f} GB (embedding {b['target_embedding_GB']:.2f}), "
@@ -278,17 +298,20 @@ def markdown(res: dict) -> str:
            f"ring {b['ring_GB']:.3f} GB; floors: decode step {b['decode_step_floor_ms']:.3f} ms, "
            f"draft {b['draft_floor_full_ms']:.3f} / {b['draft_floor_reduced_ms']:.3f} ms "
            f"(byte fraction {b['draft_byte_fraction_full']:.3f} / {b['draft_byte_fraction_reduced']:.3f})",
-           f"- target-only: {t['tokens_per_s']:.1f} tokens/s ({t['ms_per_token']:.3f} ms/token wall)", "",
-           "| piece (width 16) | device ms |", "|---|---|"]
-  for k in ("draft_full_vocab", "inject", "block_step_full_vocab", "draft_reduced_vocab",
-            "verify16", "accept_commit", "decode1", "verify16_skinny", "decode1_skinny",
-            "round_full_vocab", "round_reduced_vocab"):
-    if k in r:
-      lines.append(f"| {k} | {r[k]:.4f} |")
-  lines += ["", f"verify16 / decode1 = {r['verify16_over_decode1']:.3f}; draft fraction "
-            f"{r['draft_fraction_full_vocab']:.3f} (full vocab), {r['draft_fraction_reduced_vocab']:.3f} "
-            f"(32k draft vocab); decode1 at {r['decode1_floor_fraction']:.2f} of its byte floor", "",
-            "| k | tau | tokens/s | ms/round (wall) | speedup | / ((k+1) x target-only) | / (tau x target-only) | matches target-only |",
+           f"- target-only: {t['tokens_per_s']:.1f} tokens/s ({t['ms_per_token']:.3f} ms/token wall)"]
+  if r:
+    lines += ["", f"| piece (width {r['block_width']}) | device ms |", "|---|---|"]
+    for k in ("draft_full_vocab", "inject", "block_step_full_vocab", "draft_reduced_vocab",
+              "verify_block", "accept_commit", "decode1", "verify_block_skinny", "decode1_skinny",
+              "round_full_vocab", "round_reduced_vocab"):
+      if k in r:
+        lines.append(f"| {k} | {r[k]:.4f} |")
+    lines += ["", f"verify of {r['block_width']} rows / decode1 = "
+              f"{r['verify_block_over_decode1']:.3f}; draft fraction "
+              f"{r['draft_fraction_full_vocab']:.3f} (full vocab), "
+              f"{r['draft_fraction_reduced_vocab']:.3f} (reduced draft vocab); decode1 moves its bytes at "
+              f"{r['decode1_floor_fraction']:.2f} of the copy bandwidth"]
+  lines += ["", "| k | tau | tokens/s | ms/round (wall) | speedup | / ((k+1) x target-only) | / (tau x target-only) | matches target-only |",
             "|---|---|---|---|---|---|---|---|"]
   for o in res.get("oracle", []):
     lines.append(f"| {o['k']} | {o['tau']:.2f} | {o['tokens_per_s']:.1f} | {o['ms_per_round']:.3f} | "

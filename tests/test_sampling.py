@@ -1,13 +1,15 @@
 """Sampling (SPEC.md section 9): the filters against numpy, and the committed tokens of
 speculative sampling distributed as the target's own sampling, by chi-square tests.
 
-Each chi-square test draws 10^5 sequences of 3 tokens (one slot each, 4 calls of 25000
-slots, every slot starting from the same prefilled state with its own PRNG key) and compares the counts of the 8^3 outcomes with the exact target-only distribution,
-computed independently in float64 numpy (tests/target_ref.py plus numpy filters). Cells with
-an expected count below 5 are pooled. A test fails when p < ALPHA = 1e-3: each test's false
-alarm rate is 1e-3 (three such tests: at most 0.3% for the file, over random seeds; the seeds
-here are fixed, so a run is reproducible). The same counts must REJECT the distribution at a
-10% different temperature, so the test is shown to have the power to see a wrong rule.
+The two end-to-end tests each draw 10^5 sequences of 2 tokens (one slot each, 4 calls of 25000
+slots, every slot starting from the same prefilled state with its own PRNG key) and compare
+the counts of the 8^2 outcomes with the exact target-only distribution, computed
+independently in float64 numpy (tests/target_ref.py plus numpy filters); a third draws 10^5
+target-only tokens from one row. Cells with an expected count below 5 are pooled. A test
+fails when p < ALPHA = 1e-3: each test's false alarm rate is 1e-3 (three such tests: at most
+0.3% for the file, over random seeds; the seeds here are fixed, so a run is reproducible).
+The end-to-end counts must also REJECT the distribution at a 10% different temperature, so
+each test is shown to have the power to see a wrong rule.
 """
 import dataclasses
 import itertools
@@ -26,7 +28,7 @@ from target_ref import hidden_states
 import tiny_models as TM
 
 ALPHA = 1e-3
-V, N_TOK, PROMPT = 8, 3, [3, 1, 4]
+V, N_TOK, PROMPT = 8, 2, [3, 1, 4]
 SLOTS, CALLS = 25_000, 4
 
 
@@ -68,6 +70,22 @@ def test_sampling_config_errors():
       SP.Sampling(**kw)
 
 
+def test_target_only_row_sampling_chi_square():
+  """Width 1 (target-only decoding): no drafts, the committed token is a sample of p[0]."""
+  rng = np.random.default_rng(4)
+  s = SP.Sampling(0.9, top_k=12, top_p=0.95)
+  logits = rng.standard_normal((1, 1, 16)).astype(np.float32) * 2
+  p = SP.probs(jnp.asarray(logits), s)
+  keys = jax.random.split(jax.random.key(5), 100_000)
+  n_ok, t = jax.jit(SP.verify_sampled)(keys, jnp.zeros((100_000, 0), jnp.int32),
+                                       jnp.broadcast_to(p, (100_000, 1, 16)), None)
+  assert not np.asarray(n_ok).any()
+  counts = np.bincount(np.asarray(t), minlength=16)
+  want = _np_probs(logits[0, 0], s)
+  assert counts[want == 0].sum() == 0   # filtered tokens never appear
+  assert _chi2_p(counts, want) >= ALPHA
+
+
 @pytest.fixture(scope="module")
 def target():
   cfg = Q.TargetConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -77,16 +95,11 @@ def target():
 
 
 def _exact(cfg, params, s: SP.Sampling):
-  """P(t1, t2, t3 | PROMPT) of target-only sampling, [V, V, V], float64."""
+  """P(t1, t2 | PROMPT) of target-only sampling, [V, V], float64."""
   def p_next(seq):
     return _np_probs(hidden_states(params, cfg, np.array(seq))[1][-1], s)
-  out = np.zeros((V,) * N_TOK)
   p1 = p_next(PROMPT)
-  for a in range(V):
-    p2 = p_next(PROMPT + [a])
-    for b in range(V):
-      out[a, b] = p1[a] * p2[b] * p_next(PROMPT + [a, b])
-  return out
+  return np.stack([p1[a] * p_next(PROMPT + [a]) for a in range(V)])
 
 
 def _drafter(cfg, params, d2t=None):
@@ -121,8 +134,7 @@ def _chi2_p(counts, expected_p):
 
 
 CASES = {
-    "target-only": (SP.Sampling(1.0), 1, None),
-    "greedy-proposals-topp": (SP.Sampling(1.2, top_p=0.8), 3, None),
+    "greedy-proposals-topp": (SP.Sampling(1.2, top_p=0.8), 2, None),
     "sampled-proposals-topk-topp-d2t": (
         SP.Sampling(0.8, top_k=5, top_p=0.9, proposals="sampled"), 3, np.array([0, 2, 3, 5, 6])),
 }
