@@ -10,8 +10,8 @@ One round, on device, for every slot (sequence) of the state at once:
   -> the committed rows' features (verify rows 0..n_ok) wait in the state; the next round's
      draft_round injects them at positions n_past .. n_past + n_ok.
 `run_rounds` runs up to R rounds inside one `lax.while_loop` in one jitted call with the whole
-state donated; `generate` calls it every R rounds to stream tokens and stop on EOS / max
-length (EOS is seen at most R rounds late: those rounds run, their tokens are dropped).
+state donated; the loop ends early once every slot is done (EOS or max length, checked on
+device each round). `generate` calls it every R rounds to stream the new tokens.
 
 Target-only decoding (`generate_target_only`) is the same loop at width 1 with no drafter, so
 speculative and target-only outputs come from the same target code.
@@ -250,7 +250,6 @@ def _rounds(models: Models, dcfg: DecodeConfig, state: DecodeState, max_rounds) 
 
 # Up to max_rounds rounds (a traced int32: one compile for any value) in one call.
 run_rounds = jax.jit(_rounds, static_argnames=("dcfg",), donate_argnames=("state",))
-round_jit = jax.jit(_round, static_argnames=("dcfg",), donate_argnames=("st",))
 
 
 @functools.partial(jax.jit, static_argnames=("impl", "target_impl"),
@@ -312,6 +311,10 @@ def start(models: Models, dcfg: DecodeConfig, prompts: Sequence[Sequence[int]], 
   if capacity < need:
     raise ValueError(f"capacity {capacity} < longest prompt {longest} + max_new {max_new} + "
                      f"width {w} = {need}")
+  if need > tc.max_position_embeddings:
+    raise ValueError(f"longest prompt {longest} + max_new {max_new} + width {w} = {need} "
+                     f"positions exceed the target's max_position_embeddings "
+                     f"{tc.max_position_embeddings}")
   buf_len = capacity + w
   tokens = np.zeros((s, buf_len), np.int32)
   for i, p in enumerate(ps):

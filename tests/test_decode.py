@@ -149,6 +149,8 @@ def test_input_errors(pair):
   dcfg = D.DecodeConfig(width=4, impl="xla")
   with pytest.raises(ValueError, match="capacity 20 < longest prompt 5 \\+ max_new 16 \\+ width 4"):
     D.start(m, dcfg, [[1, 2, 3, 4, 5]], 16, capacity=20)
+  with pytest.raises(ValueError, match="exceed the target's max_position_embeddings 512"):
+    D.start(m, dcfg, [[1] * 500], 16)
   with pytest.raises(ValueError, match="outside the vocab \\[0, 97\\)"):
     D.start(m, dcfg, [[1, 97]], 4)
   with pytest.raises(ValueError, match="non-empty"):
