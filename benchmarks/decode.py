@@ -234,8 +234,9 @@ def round_section(su, res, models, reduced, prompt, oracle, w16, kw, impl, skinn
     parts[name] = device_ms(propose, m, st, key, iters=su.iters)
   ring0 = jax.tree.map(lambda a: a[0], st.ring)
   positions = st.n_past[0] - st.n_new[0] + jnp.arange(st.pending.shape[1], dtype=jnp.int32)
-  inject = jax.jit(lambda d, r, f, pos, n: S.inject(d, r, S.encode(d, f, impl=impl), pos, n,
-                                                    impl=impl).pos)
+  # One element of every ring buffer out: the kernel writes them all, nothing big is returned.
+  inject = jax.jit(lambda d, r, f, pos, n: jax.tree.map(
+      lambda a: a.ravel()[0], S.inject(d, r, S.encode(d, f, impl=impl), pos, n, impl=impl)))
   parts["inject"] = device_ms(inject, dp, ring0, st.pending[0], positions, st.n_new[0],
                               iters=su.iters)
   block = jax.jit(lambda d, r, i, n: S.greedy_drafts(S.block_step(d, r, i, n, impl=impl)))

@@ -326,7 +326,6 @@ def start(models: Models, dcfg: DecodeConfig, prompts: Sequence[Sequence[int]], 
   ring = pending = None
   if models.drafter is not None:
     r = step.init_ring(models.drafter.cfg, window, ring_dtype)
-    step.attention_knobs(r.window, r.k.dtype, dcfg.impl)   # the window's kernel limits, now
     ring = jax.tree.map(lambda a: jnp.broadcast_to(a, (s, *a.shape)), r)
     pending = jnp.zeros((s, w, models.drafter.cfg.n_embd_fc), jnp.float32)
   cache, ring = _prefill(models, cache, ring, jnp.asarray(pre), jnp.asarray(n_prompt - 1),
