@@ -8,7 +8,7 @@ from dflash_jax.cli import CLIError, Parser
 
 # Each module dflash_jax.cli.<name> defines register(subparsers), which adds its parser and
 # sets `run` (args -> exit status) as the parser's default.
-COMMANDS = ("demo", "convert")
+COMMANDS = ("demo", "convert", "generate")
 PROG = "python -m dflash_jax"
 
 

@@ -575,15 +575,14 @@ def test_gpu_real_dims_match_reference(dtype, ring_dtype, seed_w, seed_feats, se
   _assert_drafts_match(logits, want, tol)
 
 
-# Issue 13's shapes at the seed's layer dims: (config changes, layers, widths drafted). Two
-# layers where the shape lives in every layer; the mixed drafter has its 5.
+# Issue 13's shapes at the seed's layer dims: (config changes, layers, widths drafted), two
+# shapes per drafter to bound the host work: blocks 10 and 7, GQA group 3 (24 / 8 heads), a
+# 3000-slot ring, 4 sliding + 1 full layers, widths 4 of 7 and 5 of 16. Two layers where the
+# shape lives in every layer; the mixed drafter has its 5.
 GPU_SHAPES = {
-    "b16-widths": (dict(), 2, (5, 8)),
-    "b10": (dict(block_size=10), 2, (None,)),
-    "b7": (dict(block_size=7), 2, (None, 4)),
-    "g3-24x8": (dict(n_head=24), 2, (None,)),
-    "w3000": (dict(window=3000), 2, (None,)),
-    "4s1f": (dict(layer_types=(SLIDE,) * 4 + (FULL,)), 5, (None,)),
+    "b10-g3": (dict(block_size=10, n_head=24), 2, (None,)),
+    "b7-w3000": (dict(block_size=7, window=3000), 2, (None, 4)),
+    "4s1f": (dict(layer_types=(SLIDE,) * 4 + (FULL,)), 5, (None, 5)),
 }
 
 
