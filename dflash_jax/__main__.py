@@ -28,7 +28,7 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     return args.run(args)
   except CLIError as e:   # one line, no traceback: the command line is wrong, not the library
-    print(f"{PROG} {argv[0]}: error: {e}", file=sys.stderr)
+    print(f"{PROG} {argv[0]}: error: {' '.join(str(e).split())}", file=sys.stderr)
     return 2
 
 
