@@ -1,0 +1,1 @@
+"""Target models: the LLMs that DFlash drafts for (functional JAX, params as pytrees)."""

@@ -1,0 +1,465 @@
+"""A Qwen3 / Llama-3 family decoder in functional JAX: the target model of speculative decoding.
+
+GQA (contiguous groups: query head h uses kv head h // (Hq / Hkv)), optional per-head q/k RMS
+norm (Qwen3 yes, Llama-3 no), NEOX rope over the full head_dim, SwiGLU MLP, tied or untied LM
+head. One layer function serves both paths:
+
+- `forward(params, cfg, tokens [B, T])`: no cache, causal, positions 0..T-1 (training and
+  teacher forcing; differentiable).
+- `prefill` / `verify` over a `TargetCache` (donated state): per-layer K/V `[B, Hkv, S, D]`
+  and a device `length [B]`; a call writes its T rows at slots `length .. length + T - 1`
+  (slot = position) and attends causally over the slots up to each row's position. Rollback
+  after a rejection is `cache.replace(length=n)`: the stale slots are never visible (a row at
+  position p sees slots <= p, and the next call rewrites slots from `length` on), so nothing
+  is copied. The caller keeps `length + T <= capacity` (decode.py checks it on the host
+  before a run starts; inside jit an out-of-range write would be clamped, not caught).
+
+Feature capture (SPEC.md section 2): `capture_layers` are llama.cpp-convention indices, the
+HF `hidden_states` index: i < n_layers is the residual stream entering layer i (0 = the
+embeddings); i = n_layers is HF's last hidden state, after the final norm. A drafter's
+`cfg.target_layers` is passed as is; rows are the concatenation in `capture_layers` order.
+
+Layout: matrices stay HF's (out, in) and every product is `dflash_jax.params.linear`
+(y = x @ W^T; bf16 weights take bf16-rounded activations with float32 accumulation; fp32 is
+full precision). q/k/v are one `[(Hq + 2 Hkv) D, E]` matrix and gate/up one `[2 F, E]`, so a
+layer is four GEMMs. All other arithmetic is float32. The layers are a tuple (one pytree per
+layer, never a stacked array: slicing a stacked weight inside jit makes XLA copy it).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+from typing import Any, Mapping
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from dflash_jax.config import rope_inv_freq
+from dflash_jax.params import linear, resolve_dtype, rms_norm
+
+MODEL_TYPES = {"qwen3": True, "llama": False}   # HF model_type -> per-head q/k norm
+_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetConfig:
+  """The target's shape (HF config.json names); frozen and hashable (a static jit argument).
+
+  `rope_scaling` is None or HF's llama3 rope scaling as sorted (key, value) pairs (the only
+  scaling supported). `eos_token_ids` are the config's end-of-sequence ids (may be empty).
+  """
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_hidden_layers: int
+  num_attention_heads: int
+  num_key_value_heads: int
+  head_dim: int
+  rms_norm_eps: float = 1e-6
+  rope_theta: float = 1e6
+  tie_word_embeddings: bool = False
+  qk_norm: bool = True
+  max_position_embeddings: int = 40960
+  rope_scaling: tuple[tuple[str, Any], ...] | None = None
+  eos_token_ids: tuple[int, ...] = ()
+
+  def __post_init__(self):
+    problems = []
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads", "head_dim",
+                 "max_position_embeddings"):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
+        problems.append(f"{name} must be a positive int, got {v!r}")
+    if not problems and self.num_attention_heads % self.num_key_value_heads:
+      problems.append(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                      f"num_key_value_heads ({self.num_key_value_heads})")
+    if not problems and self.head_dim % 2:
+      problems.append(f"head_dim must be even for NEOX rope, got {self.head_dim}")
+    if not (self.rms_norm_eps > 0):
+      problems.append(f"rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
+    if not (self.rope_theta > 0):
+      problems.append(f"rope_theta must be > 0, got {self.rope_theta!r}")
+    if isinstance(self.rope_scaling, Mapping):
+      object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
+    if self.rope_scaling is not None:
+      rs = dict(self.rope_scaling)
+      kind = rs.get("rope_type", rs.get("type"))
+      need = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+      if kind != "llama3":
+        problems.append(f"rope_scaling type {kind!r} is not supported (only 'llama3')")
+      elif any(k not in rs for k in need):
+        problems.append(f"llama3 rope_scaling needs {need}, got {sorted(rs)}")
+    ids = self.eos_token_ids
+    object.__setattr__(self, "eos_token_ids", tuple(int(i) for i in (
+        () if ids is None else (ids,) if isinstance(ids, (int, np.integer)) else ids)))
+    if any(not 0 <= i < max(self.vocab_size, 1) for i in self.eos_token_ids):
+      problems.append(f"eos_token_ids {self.eos_token_ids} must lie in [0, {self.vocab_size})")
+    if problems:
+      raise ValueError("invalid TargetConfig: " + "; ".join(problems))
+
+  @property
+  def group(self) -> int:
+    return self.num_attention_heads // self.num_key_value_heads
+
+  @property
+  def q_dim(self) -> int:
+    return self.num_attention_heads * self.head_dim
+
+  @property
+  def kv_dim(self) -> int:
+    return self.num_key_value_heads * self.head_dim
+
+  @classmethod
+  def from_hf(cls, config: Mapping[str, Any] | str | os.PathLike) -> "TargetConfig":
+    """From an HF config dict, a config.json path, or a model folder holding config.json."""
+    where = "config"
+    if not isinstance(config, Mapping):
+      path = os.fspath(config)
+      where = os.path.join(path, "config.json") if os.path.isdir(path) else path
+      try:
+        with open(where) as f:
+          config = json.load(f)
+      except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{where}: cannot read an HF config ({e})") from e
+      if not isinstance(config, dict):
+        raise ValueError(f"{where}: not a JSON object")
+    c = dict(config)
+    model_type = c.get("model_type")
+    if model_type not in MODEL_TYPES:
+      raise ValueError(f"{where}: model_type {model_type!r} is not supported "
+                       f"(supported: {sorted(MODEL_TYPES)})")
+    for key, bad in (("attention_bias", True), ("mlp_bias", True), ("use_sliding_window", True)):
+      if c.get(key) == bad:
+        raise ValueError(f"{where}: {key}={bad} is not supported")
+    if c.get("hidden_act", "silu") != "silu":
+      raise ValueError(f"{where}: hidden_act {c['hidden_act']!r} is not supported (only silu)")
+    required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "rms_norm_eps")
+    missing = [k for k in required if k not in c]
+    rope = c.get("rope_parameters") or {}
+    theta = c.get("rope_theta", rope.get("rope_theta"))
+    if theta is None:
+      missing.append("rope_theta (or rope_parameters.rope_theta)")
+    if missing:
+      raise ValueError(f"{where}: missing config keys {missing}")
+    scaling = c.get("rope_scaling")
+    if scaling is None and rope.get("rope_type", "default") != "default":
+      scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "default":
+      scaling = None
+    heads = c["num_attention_heads"]
+    try:
+      return cls(
+          vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
+          intermediate_size=c["intermediate_size"], num_hidden_layers=c["num_hidden_layers"],
+          num_attention_heads=heads, num_key_value_heads=c.get("num_key_value_heads", heads),
+          head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+          rms_norm_eps=float(c["rms_norm_eps"]), rope_theta=float(theta),
+          tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+          qk_norm=MODEL_TYPES[model_type],
+          max_position_embeddings=c.get("max_position_embeddings", 40960),
+          rope_scaling=scaling, eos_token_ids=c.get("eos_token_id"))
+    except ValueError as e:
+      raise ValueError(f"{where}: {e}") from None
+
+  def to_hf(self) -> dict[str, Any]:
+    model_type = "qwen3" if self.qk_norm else "llama"
+    eos = list(self.eos_token_ids)
+    return {
+        "architectures": [_ARCHITECTURES[model_type]], "model_type": model_type,
+        "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+        "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_hidden_layers,
+        "num_attention_heads": self.num_attention_heads,
+        "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
+        "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
+        "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
+        "tie_word_embeddings": self.tie_word_embeddings,
+        "max_position_embeddings": self.max_position_embeddings, "hidden_act": "silu",
+        "attention_bias": False, "mlp_bias": False,
+        "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+    }
+
+
+def inv_freq(cfg: TargetConfig) -> np.ndarray:
+  """The NEOX inverse frequencies [head_dim / 2] (float32; llama3 scaling applied in float64)."""
+  base = rope_inv_freq(cfg.head_dim, cfg.rope_theta)
+  if cfg.rope_scaling is None:
+    return base
+  rs = dict(cfg.rope_scaling)
+  f = base.astype(np.float64)
+  factor, lo, hi = float(rs["factor"]), float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
+  old = float(rs["original_max_position_embeddings"])
+  wavelen = 2 * math.pi / f
+  smooth = (old / wavelen - lo) / (hi - lo)
+  medium = (1 - smooth) * f / factor + smooth * f
+  out = np.where(wavelen < old / hi, f, np.where(wavelen > old / lo, f / factor, medium))
+  return out.astype(np.float32)
+
+
+# --- parameters ------------------------------------------------------------------------------
+
+@flax.struct.dataclass
+class TargetLayer:
+  attn_norm: jax.Array          # [E] f32
+  wqkv: jax.Array               # [(Hq + 2 Hkv) D, E]: q, k, v projections (one GEMM)
+  q_norm: jax.Array | None      # [D] f32 (None without qk_norm)
+  k_norm: jax.Array | None      # [D] f32
+  wo: jax.Array                 # [E, Hq D]
+  ffn_norm: jax.Array           # [E] f32
+  wgu: jax.Array                # [2 F, E]: gate rows then up rows (one GEMM)
+  wd: jax.Array                 # [E, F]
+
+
+@flax.struct.dataclass
+class TargetParams:
+  """Device weights: matrices in the weight dtype, (out, in); norms float32."""
+  embed: jax.Array              # [V, E]
+  layers: tuple[TargetLayer, ...]
+  final_norm: jax.Array         # [E] f32
+  lm_head: jax.Array | None     # [V, E]; None when tied to embed
+
+  @property
+  def head(self) -> jax.Array:
+    return self.embed if self.lm_head is None else self.lm_head
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def _init_layer(cfg: TargetConfig, key: jax.Array, dtype) -> TargetLayer:
+  e, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+  ks = jax.random.split(key, 8)
+  branch = 1.0 / math.sqrt(2.0 * cfg.num_hidden_layers)
+
+  def mat(k, n_out, n_in, scale=1.0):
+    return (jax.random.normal(k, (n_out, n_in), dtype) * (scale / math.sqrt(n_in))).astype(dtype)
+
+  def norm(k, n):
+    return 1.0 + 0.1 * jax.random.normal(k, (n,), jnp.float32)
+
+  return TargetLayer(
+      attn_norm=norm(ks[0], e), wqkv=mat(ks[1], cfg.q_dim + 2 * cfg.kv_dim, e),
+      q_norm=norm(ks[2], d) if cfg.qk_norm else None,
+      k_norm=norm(ks[3], d) if cfg.qk_norm else None,
+      wo=mat(ks[4], e, cfg.q_dim, branch), ffn_norm=norm(ks[5], e),
+      wgu=mat(ks[6], 2 * f, e), wd=mat(ks[7], e, f, branch))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def _init_outer(cfg: TargetConfig, key: jax.Array, dtype):
+  k_embed, k_norm, k_head = jax.random.split(key, 3)
+  v, e = cfg.vocab_size, cfg.hidden_size
+  embed = jax.random.normal(k_embed, (v, e), dtype)
+  head = None if cfg.tie_word_embeddings else (
+      jax.random.normal(k_head, (v, e), dtype) * (1 / math.sqrt(e))).astype(dtype)
+  return embed, 1.0 + 0.1 * jax.random.normal(k_norm, (e,), jnp.float32), head
+
+
+def init_params(cfg: TargetConfig, key: jax.Array, dtype: Any = jnp.float32) -> TargetParams:
+  """Random weights, generated on the device (one compiled initializer per layer shape).
+
+  Matrices are N(0, 1/fan_in) with the residual branches (o, down) further scaled by
+  1/sqrt(2 n_layers); the embedding is N(0, 1) (a tied head then gives logits of scale
+  sqrt(E)); an untied head is N(0, 1/E); norm weights are 1 + 0.1 N(0, 1).
+  """
+  dt = resolve_dtype(dtype)
+  keys = jax.random.split(key, cfg.num_hidden_layers + 1)
+  embed, final_norm, head = _init_outer(cfg, keys[0], dt)
+  layers = tuple(_init_layer(cfg, k, dt) for k in keys[1:])
+  return TargetParams(embed=embed, layers=layers, final_norm=final_norm, lm_head=head)
+
+
+# --- the layer (shared by every path) --------------------------------------------------------
+
+def _rope(x: jax.Array, positions: jax.Array, freqs: jax.Array) -> jax.Array:
+  """NEOX rope of x [B, T, H, D] at positions [B, T]: angle = float32(pos) * inv_freq."""
+  angle = positions.astype(jnp.float32)[:, :, None, None] * freqs
+  cos, sin = jnp.cos(angle), jnp.sin(angle)
+  x1, x2 = jnp.split(x, 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def _attention(q: jax.Array, keys: jax.Array, values: jax.Array, visible: jax.Array) -> jax.Array:
+  """q [B, T, Hq, D] f32 over keys/values [B, Hkv, S, D] where visible [B, T, S] -> [B, T, Hq D].
+
+  The dots take their operands in the K/V dtype with float32 accumulation (full precision for
+  float32). Every row must see at least one key (each row sees its own position).
+  """
+  b, t, hq, d = q.shape
+  hkv = keys.shape[1]
+  dt = keys.dtype
+  prec = lax.Precision.HIGHEST if dt == jnp.float32 else lax.Precision.DEFAULT
+  qg = q.reshape(b, t, hkv, hq // hkv, d).astype(dt)
+  s = jnp.einsum("btkgd,bksd->bkgts", qg, keys, precision=prec,
+                 preferred_element_type=jnp.float32) * (1.0 / math.sqrt(d))
+  s = jnp.where(visible[:, None, None], s, -jnp.inf)
+  p = jax.nn.softmax(s, axis=-1)
+  o = jnp.einsum("bkgts,bksd->btkgd", p.astype(dt), values, precision=prec,
+                 preferred_element_type=jnp.float32)
+  return o.reshape(b, t, hq * d)
+
+
+def _layer(cfg: TargetConfig, lp: TargetLayer, x: jax.Array, positions: jax.Array,
+           freqs: jax.Array, attend, impl: str):
+  """One decoder layer on rows x [B T, E] f32 at positions [B, T]. attend(q, k, v) with
+  q [B, T, Hq, D], k/v [B, T, Hkv, D] returns (o [B, T, Hq D], whatever the path keeps)."""
+  b, t = positions.shape
+  eps, d = cfg.rms_norm_eps, cfg.head_dim
+  qkv = linear(rms_norm(x, lp.attn_norm, eps), lp.wqkv, impl=impl)
+  q = qkv[:, :cfg.q_dim].reshape(b, t, cfg.num_attention_heads, d)
+  k = qkv[:, cfg.q_dim:cfg.q_dim + cfg.kv_dim].reshape(b, t, cfg.num_key_value_heads, d)
+  v = qkv[:, cfg.q_dim + cfg.kv_dim:].reshape(b, t, cfg.num_key_value_heads, d)
+  if cfg.qk_norm:
+    q, k = rms_norm(q, lp.q_norm, eps), rms_norm(k, lp.k_norm, eps)
+  q, k = _rope(q, positions, freqs), _rope(k, positions, freqs)
+  o, kept = attend(q, k, v)
+  x = x + linear(o.reshape(b * t, cfg.q_dim), lp.wo, impl=impl)
+  hidden = linear(rms_norm(x, lp.ffn_norm, eps), lp.wgu, impl=impl, gate_up=True)
+  return x + linear(hidden, lp.wd, impl=impl), kept
+
+
+def check_capture_layers(cfg: TargetConfig, capture_layers) -> tuple[int, ...]:
+  """capture_layers as a tuple of ints in [0, n_layers] (HF hidden_states indices)."""
+  out = tuple(int(i) for i in capture_layers)
+  bad = [i for i in out if not 0 <= i <= cfg.num_hidden_layers]
+  if bad:
+    raise ValueError(f"capture_layers {bad} outside [0, {cfg.num_hidden_layers}] (HF "
+                     f"hidden_states indices of a {cfg.num_hidden_layers}-layer target)")
+  return out
+
+
+def _trunk(params: TargetParams, cfg: TargetConfig, tokens: jax.Array, positions: jax.Array,
+           attend_layer, capture_layers, impl: str):
+  """Embeddings -> layers -> final norm. Returns (h [B T, E], features [B, T, F], kept per
+  layer). attend_layer(l) gives layer l's attend function."""
+  capture = check_capture_layers(cfg, capture_layers)
+  b, t = tokens.shape
+  freqs = jnp.asarray(inv_freq(cfg))
+  x = params.embed[tokens.reshape(-1)].astype(jnp.float32)
+  seen, kept = {}, []
+  for l, lp in enumerate(params.layers):
+    if l in capture:
+      seen[l] = x
+    x, k = _layer(cfg, lp, x, positions, freqs, attend_layer(l), impl)
+    kept.append(k)
+  h = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
+  seen[cfg.num_hidden_layers] = h
+  feats = (jnp.concatenate([seen[i] for i in capture], axis=-1) if capture
+           else jnp.zeros((b * t, 0), jnp.float32))
+  return h, feats.reshape(b, t, -1), kept
+
+
+def _logits(params: TargetParams, h: jax.Array, shape, impl: str) -> jax.Array:
+  return linear(h, params.head, impl=impl).reshape(*shape, -1)
+
+
+def forward(params: TargetParams, cfg: TargetConfig, tokens: jax.Array, *,
+            capture_layers=(), with_logits: bool = True):
+  """Uncached causal forward of tokens [B, T] int32 at positions 0..T-1.
+
+  Returns (logits [B, T, V] f32, or None when with_logits=False; features [B, T,
+  len(capture_layers) E] f32). Differentiable; every GEMM is XLA's.
+  """
+  tokens = jnp.asarray(tokens, jnp.int32)
+  b, t = tokens.shape
+  positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  causal = jnp.tril(jnp.ones((t, t), bool))[None]
+
+  def attend_layer(_):
+    def attend(q, k, v):
+      return _attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), causal), None
+    return attend
+
+  h, feats, _ = _trunk(params, cfg, tokens, positions, attend_layer, capture_layers, "xla")
+  return (_logits(params, h, (b, t), "xla") if with_logits else None), feats
+
+
+# --- the KV cache and the cached path --------------------------------------------------------
+
+@flax.struct.dataclass
+class TargetCache:
+  """Per-layer K (after q/k norm and rope) and V, [B, Hkv, S, D] each; length [B] int32:
+  slots 0..length-1 hold the sequence's committed positions (slot = position)."""
+  k: tuple[jax.Array, ...]
+  v: tuple[jax.Array, ...]
+  length: jax.Array
+
+  @property
+  def capacity(self) -> int:
+    return int(self.k[0].shape[2])
+
+  @property
+  def batch(self) -> int:
+    return int(self.length.shape[0])
+
+
+def init_cache(cfg: TargetConfig, batch: int, capacity: int, dtype: Any = "fp32") -> TargetCache:
+  if batch <= 0 or capacity <= 0:
+    raise ValueError(f"batch and capacity must be positive, got {batch} and {capacity}")
+  dt = resolve_dtype(dtype, "cache dtype")
+  shape = (batch, cfg.num_key_value_heads, capacity, cfg.head_dim)
+  zeros = tuple(jnp.zeros(shape, dt) for _ in range(cfg.num_hidden_layers))
+  return TargetCache(k=zeros, v=tuple(jnp.zeros(shape, dt) for _ in range(cfg.num_hidden_layers)),
+                     length=jnp.zeros((batch,), jnp.int32))
+
+
+def _write(buf: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Array:
+  """buf [B, Hkv, S, D] with rows [B, T, Hkv, D] stored at slots start[b] .. start[b] + T - 1."""
+  rows = rows.transpose(0, 2, 1, 3).astype(buf.dtype)
+  return jax.vmap(lambda c, r, s: lax.dynamic_update_slice(c, r, (0, s, 0)))(buf, rows, start)
+
+
+def _extend(params: TargetParams, cfg: TargetConfig, cache: TargetCache, tokens: jax.Array,
+            n_valid: jax.Array, capture_layers, with_logits: bool, impl: str):
+  tokens = jnp.asarray(tokens, jnp.int32)
+  b, t = tokens.shape
+  start = cache.length
+  positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)
+  visible = jnp.arange(cache.capacity, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]
+
+  def attend_layer(l):
+    def attend(q, k, v):
+      ck, cv = _write(cache.k[l], k, start), _write(cache.v[l], v, start)
+      return _attention(q, ck, cv, visible), (ck, cv)
+    return attend
+
+  h, feats, kept = _trunk(params, cfg, tokens, positions, attend_layer, capture_layers, impl)
+  new = TargetCache(k=tuple(k for k, _ in kept), v=tuple(v for _, v in kept),
+                    length=start + jnp.broadcast_to(jnp.asarray(n_valid, jnp.int32), (b,)))
+  return new, (_logits(params, h, (b, t), impl) if with_logits else None), feats
+
+
+def prefill(params: TargetParams, cfg: TargetConfig, cache: TargetCache, tokens: jax.Array,
+            n_valid: jax.Array, *, capture_layers=(), impl: str = "xla"):
+  """Append rows 0..n_valid-1 of tokens [B, T] (T padded to a bucket, `prefill_bucket`; pad
+  with any valid id) at positions length.. -> (cache with length += n_valid, features
+  [B, T, F]). Padding rows write K/V only past the new length (never visible); their
+  features are garbage. No LM head. n_valid: int32 scalar or [B]."""
+  cache, _, feats = _extend(params, cfg, cache, tokens, n_valid, capture_layers, False, impl)
+  return cache, feats
+
+
+def verify(params: TargetParams, cfg: TargetConfig, cache: TargetCache, tokens: jax.Array, *,
+           capture_layers=(), impl: str = "xla"):
+  """Run tokens [B, w] at positions length.. -> (cache with length += w, logits [B, w, V] f32,
+  features [B, w, F] f32). Roll back to n committed rows with `cache.replace(length=n)`.
+  impl="pallas" sends bf16 GEMMs of <= 64 rows through the Pallas skinny GEMM (params.linear);
+  "xla" keeps XLA's GEMMs."""
+  return _extend(params, cfg, cache, tokens, tokens.shape[1], capture_layers, True, impl)
+
+
+def prefill_bucket(n: int, minimum: int = 16) -> int:
+  """The padded prefill length for n rows: the next power of two >= max(n, minimum), so a
+  prompt compiles prefill once per power of two."""
+  return max(minimum, 1 << max(0, int(n) - 1).bit_length())
+
+
+_STATIC = ("cfg", "capture_layers", "impl")
+prefill_jit = jax.jit(prefill, static_argnames=_STATIC, donate_argnames=("cache",))
+verify_jit = jax.jit(verify, static_argnames=_STATIC, donate_argnames=("cache",))
+forward_jit = jax.jit(forward, static_argnames=("cfg", "capture_layers", "with_logits"))
