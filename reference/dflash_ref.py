@@ -37,19 +37,27 @@ def rope_neox(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) -> np.
   return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def ring_visibility(ring_pos: np.ndarray, n_past: int, window: int, n_rows: int) -> np.ndarray:
-  """[T, W] bool: ring slot j is visible to block row t (at position n_past + t)."""
+def ring_visibility(ring_pos: np.ndarray, n_past: int, window: int | None,
+                    n_rows: int) -> np.ndarray:
+  """[T, S] bool: stored slot j is visible to block row t (at position n_past + t).
+
+  Visible iff the slot holds a committed position p (0 <= p < n_past) and, for a sliding
+  layer, q - p < window; window None is full attention (no window edge).
+  """
   p = np.asarray(ring_pos, np.int64)[None, :]
   q = n_past + np.arange(n_rows, dtype=np.int64)[:, None]
-  return (p >= 0) & (p < n_past) & (q - p < window)
+  in_window = np.ones_like(q - p, bool) if window is None else q - p < window
+  return (p >= 0) & (p < n_past) & in_window
 
 
 def attention(q: np.ndarray, k_ring: np.ndarray, v_ring: np.ndarray, ring_pos: np.ndarray,
-              k_blk: np.ndarray, v_blk: np.ndarray, n_past: int, window: int) -> np.ndarray:
-  """Block attention over the visible ring slots plus ALL block keys (non-causal).
+              k_blk: np.ndarray, v_blk: np.ndarray, n_past: int,
+              window: int | None) -> np.ndarray:
+  """Block attention over the visible stored slots plus ALL block keys (non-causal).
 
-  q [T, Hq, D]; k_ring, v_ring [Hkv, W, D]; ring_pos [W]; k_blk, v_blk [T, Hkv, D].
-  Query head h reads kv head h // G (contiguous GQA groups). Returns [T, Hq, D] float32.
+  q [T, Hq, D]; k_ring, v_ring [Hkv, S, D]; ring_pos [S]; k_blk, v_blk [T, Hkv, D]; window
+  None for a full-attention layer. Query head h reads kv head h // G (contiguous GQA groups).
+  Returns [T, Hq, D] float32.
   """
   t, hq, d = q.shape
   hkv = k_ring.shape[0]
@@ -109,25 +117,46 @@ def round_bf16(x: np.ndarray) -> np.ndarray:
 
 
 class DFlashRef:
-  """One sequence's drafter state: weights plus the K/V ring.
+  """One sequence's drafter state: weights plus every layer's stored K/V.
 
-  Observable ring: `ring_k`, `ring_v` [n_layer, n_head_kv, window, head_dim] float32 (holding
-  ring_dtype-rounded values) and `ring_pos` [window] int32, -1 for an empty slot.
+  Each layer is "sliding_attention" or "full_attention" (`cfg.kinds`, SPEC.md section 7).
+  Observable state, float32 holding ring_dtype-rounded values, one stack per kind in layer
+  order (None when no layer has that kind):
+  - sliding layers: `ring_k`, `ring_v` [n_sliding, n_head_kv, window, head_dim] and
+    `ring_pos` [window] int32 (-1 = empty); position p lives in slot p % window.
+  - full-attention layers: `cache_k`, `cache_v` [n_full, n_head_kv, capacity, head_dim] and
+    `cache_pos` [capacity]; position p lives in slot p, and p >= capacity cannot be stored.
   """
 
   def __init__(self, cfg: DFlashConfig, w: dict[str, np.ndarray], window: int | None = None,
-               dtype="fp32", ring_dtype="fp32"):
+               dtype="fp32", ring_dtype="fp32", capacity: int | None = None):
     self.cfg = cfg
-    self.window = cfg.resolve_window(window)
     self.dtype = _precision(dtype)
     self.ring_dtype = _precision(ring_dtype)
     self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta)
     self.w = self._check_weights(w)
     self.n_vocab = self.w["tok_embd"].shape[0]
-    shape = (cfg.n_layer, cfg.n_head_kv, self.window, cfg.head_dim)
-    self.ring_k = np.zeros(shape, _F32)
-    self.ring_v = np.zeros(shape, _F32)
-    self.ring_pos = np.full((self.window,), -1, np.int32)
+    self.sliding_layers = [l for l in range(cfg.n_layer) if cfg.is_sliding(l)]
+    self.full_layers = [l for l in range(cfg.n_layer) if not cfg.is_sliding(l)]
+    # window and capacity mean something only for layers of their kind.
+    self.window = cfg.resolve_window(window) if self.sliding_layers else None
+    self.capacity = cfg.resolve_capacity(capacity) if self.full_layers else None
+    self.ring_k, self.ring_v, self.ring_pos = self._empty(len(self.sliding_layers), self.window)
+    self.cache_k, self.cache_v, self.cache_pos = self._empty(len(self.full_layers), self.capacity)
+
+  def _empty(self, n_layers: int, slots: int | None):
+    if not n_layers:
+      return None, None, None
+    shape = (n_layers, self.cfg.n_head_kv, slots, self.cfg.head_dim)
+    return np.zeros(shape, _F32), np.zeros(shape, _F32), np.full((slots,), -1, np.int32)
+
+  def layer_kv(self, l: int):
+    """Layer l's stored (k [Hkv, S, D], v, pos [S], window or None for full attention)."""
+    if self.cfg.is_sliding(l):
+      i = self.sliding_layers.index(l)
+      return self.ring_k[i], self.ring_v[i], self.ring_pos, self.window
+    i = self.full_layers.index(l)
+    return self.cache_k[i], self.cache_v[i], self.cache_pos, None
 
   def _check_weights(self, w: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Validated float32 copies; with dtype bf16 the matrices (not the norms) are rounded."""
@@ -173,7 +202,12 @@ class DFlashRef:
     return rms_norm(self._linear(features, "fc"), self.w["enc.output_norm"], self.cfg.eps)
 
   def inject(self, h: np.ndarray, positions: np.ndarray) -> None:
-    """Store every layer's K (k_norm + rope) and raw V of h [T, n_embd] at slot pos % window."""
+    """Store every layer's K (k_norm + rope) and raw V of h [T, n_embd] at `positions`.
+
+    Sliding layers write slot pos % window, full-attention layers slot pos; when two rows
+    share a slot the later row wins. A position a full-attention cache cannot hold
+    (>= capacity) is an error, raised before anything is stored.
+    """
     cfg = self.cfg
     h, positions = np.asarray(h), np.asarray(positions)
     if h.ndim != 2 or h.shape[1] != cfg.n_embd:
@@ -186,20 +220,33 @@ class DFlashRef:
     if np.any(positions < 0) or np.any(positions > np.iinfo(np.int32).max):
       raise ValueError(f"positions must be in [0, 2^31), got min {positions.min()} "
                        f"max {positions.max()}")
+    if self.full_layers and positions.size and positions.max() >= self.capacity:
+      raise ValueError(f"full_attention layers {self.full_layers} hold positions < capacity "
+                       f"{self.capacity}; got position {positions.max()}")
+    if self.sliding_layers:
+      self._write(h, positions, positions % self.window, self.sliding_layers,
+                  self.ring_k, self.ring_v, self.ring_pos)
+    if self.full_layers:
+      self._write(h, positions, positions, self.full_layers,
+                  self.cache_k, self.cache_v, self.cache_pos)
+
+  def _write(self, h, positions, slots, layers, store_k, store_v, store_pos) -> None:
+    """K/V of `layers` for h's rows into their stacked store at `slots`."""
+    cfg = self.cfg
     # Later rows win a shared slot, so only each slot's last row is computed at all.
-    last_row = {int(p) % self.window: t for t, p in enumerate(positions)}
+    last_row = {int(s): t for t, s in enumerate(slots)}
     rows = np.array(sorted(last_row.values()), dtype=np.int64)
-    slots, pos = positions[rows] % self.window, positions[rows]
-    for l in range(cfg.n_layer):
+    slots, pos = slots[rows], positions[rows]
+    for i, l in enumerate(layers):
       k = self._linear(h[rows], f"blk.{l}.attn_k").reshape(-1, cfg.n_head_kv, cfg.head_dim)
       v = self._linear(h[rows], f"blk.{l}.attn_v").reshape(-1, cfg.n_head_kv, cfg.head_dim)
       k = rope_neox(rms_norm(k, self.w[f"blk.{l}.attn_k_norm"], cfg.eps), pos, self.inv_freq)
-      self.ring_k[l][:, slots] = self._store(k).transpose(1, 0, 2)
-      self.ring_v[l][:, slots] = self._store(v).transpose(1, 0, 2)
-    self.ring_pos[slots] = pos
+      store_k[i][:, slots] = self._store(k).transpose(1, 0, 2)
+      store_v[i][:, slots] = self._store(v).transpose(1, 0, 2)
+    store_pos[slots] = pos
 
   def _layer(self, l: int, x: np.ndarray, positions: np.ndarray, n_past: int) -> np.ndarray:
-    """One decoder layer over the block x [B, n_embd]; reads ring layer l, writes nothing."""
+    """One decoder layer over the block x [w, n_embd]; reads layer l's K/V, writes nothing."""
     cfg, p = self.cfg, f"blk.{l}."
     b = x.shape[0]
     a = rms_norm(x, self.w[p + "attn_norm"], cfg.eps)
@@ -208,34 +255,47 @@ class DFlashRef:
     v = self._linear(a, p + "attn_v").reshape(b, cfg.n_head_kv, cfg.head_dim)
     q = rope_neox(rms_norm(q, self.w[p + "attn_q_norm"], cfg.eps), positions, self.inv_freq)
     k = rope_neox(rms_norm(k, self.w[p + "attn_k_norm"], cfg.eps), positions, self.inv_freq)
-    o = attention(q, self.ring_k[l], self.ring_v[l], self.ring_pos, k, v, n_past, self.window)
+    stored_k, stored_v, stored_pos, window = self.layer_kv(l)
+    o = attention(q, stored_k, stored_v, stored_pos, k, v, n_past, window)
     x = x + self._linear(o.reshape(b, -1), p + "attn_output")
     f = rms_norm(x, self.w[p + "ffn_norm"], cfg.eps)
     gated = silu(self._linear(f, p + "ffn_gate")) * self._linear(f, p + "ffn_up")
     return x + self._linear(gated, p + "ffn_down")
 
-  def step(self, id_last: int, n_past: int) -> np.ndarray:
-    """Logits [block_size, n_vocab] float32 of the block [id_last, mask...] at n_past + i."""
+  def check_width(self, width: int | None) -> int:
+    """The block width: block_size when None, else 2 <= width <= block_size (SPEC.md 6)."""
+    b = self.cfg.block_size
+    w = b if width is None else width
+    if not isinstance(w, (int, np.integer)) or not 2 <= w <= b:
+      raise ValueError(f"width must be an int in [2, block_size {b}], got {width!r}")
+    return int(w)
+
+  def step(self, id_last: int, n_past: int, width: int | None = None) -> np.ndarray:
+    """Logits [w, n_vocab] float32 of the block [id_last, mask x (w-1)] at n_past + i.
+
+    w = width (default block_size); the block's own keys are its w rows only.
+    """
     cfg = self.cfg
+    w = self.check_width(width)
     if not 0 <= int(id_last) < self.n_vocab:
       raise ValueError(f"id_last {id_last} is outside the vocab [0, {self.n_vocab})")
     if int(n_past) < 0:
       raise ValueError(f"n_past must be >= 0, got {n_past}")
     n_past = int(n_past)
-    tokens = np.full((cfg.block_size,), cfg.mask_token_id, np.int64)
+    tokens = np.full((w,), cfg.mask_token_id, np.int64)
     tokens[0] = int(id_last)
-    positions = n_past + np.arange(cfg.block_size, dtype=np.int64)
+    positions = n_past + np.arange(w, dtype=np.int64)
     x = self.w["tok_embd"][tokens]
     for l in range(cfg.n_layer):
       x = self._layer(l, x, positions, n_past)
     return self._linear(rms_norm(x, self.w["output_norm"], cfg.eps), "lm_head")
 
   def drafts(self, logits: np.ndarray) -> np.ndarray:
-    """Greedy drafts int32 [block_size-1] from rows 1.. (row 0 unused); ties to the lowest id."""
+    """Greedy drafts int32 [w-1] from rows 1.. (row 0 unused); ties to the lowest id."""
     logits = np.asarray(logits)
-    if logits.shape != (self.cfg.block_size, self.n_vocab):
-      raise ValueError(f"logits must be [{self.cfg.block_size}, {self.n_vocab}], "
-                       f"got shape {logits.shape}")
+    if logits.ndim != 2 or logits.shape[1] != self.n_vocab:
+      raise ValueError(f"logits must be [w, {self.n_vocab}], got shape {logits.shape}")
+    self.check_width(logits.shape[0])
     return np.argmax(logits[1:], axis=-1).astype(np.int32)
 
   def accept(self, drafts: np.ndarray, target_tokens: np.ndarray) -> int:

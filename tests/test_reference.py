@@ -7,6 +7,7 @@ import pytest
 
 import dflash_jax as dfj
 from reference import DFlashRef, attention, first_mismatch, rope_neox, round_bf16
+from dflash_jax.config import FULL, SLIDING
 from reference.dflash_ref import ring_visibility
 
 CFG = dfj.TINY_CONFIG
@@ -32,11 +33,13 @@ def perturb_slots(ref: DFlashRef, slots, seed=5) -> None:
 
 
 def attention_f64(q, k_ring, v_ring, ring_pos, k_blk, v_blk, n_past, window, kv_head):
-  """Plain per-row, per-head loop in float64; kv_head(h) picks the kv head of query head h."""
+  """Plain per-row, per-head loop in float64; kv_head(h) picks the kv head of query head h;
+  window None = full attention."""
   t_rows, hq, d = q.shape
   out = np.zeros((t_rows, hq, d))
   for t in range(t_rows):
-    ring = [j for j, p in enumerate(ring_pos) if 0 <= p < n_past and n_past + t - p < window]
+    ring = [j for j, p in enumerate(ring_pos)
+            if 0 <= p < n_past and (window is None or n_past + t - p < window)]
     for h in range(hq):
       g = kv_head(h)
       keys = np.concatenate([k_ring[g, ring], k_blk[:, g]]).astype(np.float64)
@@ -70,24 +73,39 @@ def rope_pairs_f64(x, positions, inv_freq, pairs=None, f32_angle=True):
   return y
 
 
-def forward_f64(w, ring_k, ring_v, ring_pos, id_last, n_past, window, gemm_in=lambda x: x):
-  """SPEC.md block_step as plain float64 loops; gemm_in models the rounding of GEMM inputs."""
+def stored_kv(ref: DFlashRef):
+  """l -> layer l's (k [Hkv, S, D], v, pos, window or None) from ref's public stacks: layer l
+  is entry i of its kind's stack, i = the number of earlier layers of the same kind."""
+  kinds = ref.cfg.kinds
+
+  def get(l):
+    i = kinds[:l].count(kinds[l])
+    if kinds[l] == SLIDING:
+      return ref.ring_k[i], ref.ring_v[i], ref.ring_pos, ref.window
+    return ref.cache_k[i], ref.cache_v[i], ref.cache_pos, None
+  return get
+
+
+def forward_f64(cfg, w, stored, id_last, n_past, width=None, gemm_in=lambda x: x):
+  """SPEC.md block_step (sections 3, 6, 7) as plain float64 loops over a block of `width`
+  rows (default block_size); stored(l) gives layer l's (k, v, pos, window); gemm_in models
+  the rounding of GEMM inputs."""
   w = {k: v.astype(np.float64) for k, v in w.items()}
-  rms = lambda x, g: x / np.sqrt(np.mean(x * x, -1, keepdims=True) + CFG.eps) * g
+  rms = lambda x, g: x / np.sqrt(np.mean(x * x, -1, keepdims=True) + cfg.eps) * g
   mm = lambda x, name: gemm_in(x.astype(np.float32)).astype(np.float64) @ w[name].T
-  inv_freq = dfj.rope_inv_freq(CFG.head_dim, CFG.rope_theta)
-  b, hd = CFG.block_size, CFG.head_dim
+  inv_freq = dfj.rope_inv_freq(cfg.head_dim, cfg.rope_theta)
+  b, hd = width or cfg.block_size, cfg.head_dim
   positions = n_past + np.arange(b)
-  x = w["tok_embd"][[id_last] + [CFG.mask_token_id] * (b - 1)]
-  for l in range(CFG.n_layer):
+  x = w["tok_embd"][[id_last] + [cfg.mask_token_id] * (b - 1)]
+  for l in range(cfg.n_layer):
     p = f"blk.{l}."
     a = rms(x, w[p + "attn_norm"])
-    q = rms(mm(a, p + "attn_q").reshape(b, CFG.n_head, hd), w[p + "attn_q_norm"])
-    k = rms(mm(a, p + "attn_k").reshape(b, CFG.n_head_kv, hd), w[p + "attn_k_norm"])
-    v = mm(a, p + "attn_v").reshape(b, CFG.n_head_kv, hd)
+    q = rms(mm(a, p + "attn_q").reshape(b, cfg.n_head, hd), w[p + "attn_q_norm"])
+    k = rms(mm(a, p + "attn_k").reshape(b, cfg.n_head_kv, hd), w[p + "attn_k_norm"])
+    v = mm(a, p + "attn_v").reshape(b, cfg.n_head_kv, hd)
     q, k = rope_pairs_f64(q, positions, inv_freq), rope_pairs_f64(k, positions, inv_freq)
-    o = attention_f64(q, ring_k[l], ring_v[l], ring_pos, k, v, n_past, window,
-                      lambda h: h // CFG.group)
+    k_st, v_st, pos_st, window = stored(l)
+    o = attention_f64(q, k_st, v_st, pos_st, k, v, n_past, window, lambda h: h // cfg.group)
     x = x + mm(o.reshape(b, -1), p + "attn_output")
     f = rms(x, w[p + "ffn_norm"])
     g = mm(f, p + "ffn_gate")
@@ -95,15 +113,15 @@ def forward_f64(w, ring_k, ring_v, ring_pos, id_last, n_past, window, gemm_in=la
   return mm(rms(x, w["output_norm"]), "lm_head")
 
 
-def inject_f64(w, h, positions):
+def inject_f64(w, h, positions, cfg=CFG):
   """SPEC.md inject for one call without shared slots: per-layer K [L, T, Hkv, D] and V."""
   w = {k: v.astype(np.float64) for k, v in w.items()}
-  inv_freq = dfj.rope_inv_freq(CFG.head_dim, CFG.rope_theta)
-  shape = (len(positions), CFG.n_head_kv, CFG.head_dim)
+  inv_freq = dfj.rope_inv_freq(cfg.head_dim, cfg.rope_theta)
+  shape = (len(positions), cfg.n_head_kv, cfg.head_dim)
   ks, vs = [], []
-  for l in range(CFG.n_layer):
+  for l in range(cfg.n_layer):
     k = (h @ w[f"blk.{l}.attn_k"].T).reshape(shape)
-    k = k / np.sqrt(np.mean(k * k, -1, keepdims=True) + CFG.eps) * w[f"blk.{l}.attn_k_norm"]
+    k = k / np.sqrt(np.mean(k * k, -1, keepdims=True) + cfg.eps) * w[f"blk.{l}.attn_k_norm"]
     ks.append(rope_pairs_f64(k, positions, inv_freq))
     vs.append((h @ w[f"blk.{l}.attn_v"].T).reshape(shape))
   return np.stack(ks), np.stack(vs)
@@ -171,7 +189,7 @@ def test_inject_matches_an_independent_float64_computation(w):
 def test_step_matches_an_independent_float64_forward(w):
   ref = prefilled(w, 20, window=8)  # rows see different windowed subsets of the ring
   got = ref.step(ID_LAST, 19)
-  expect = forward_f64(w, ref.ring_k, ref.ring_v, ref.ring_pos, ID_LAST, 19, 8)
+  expect = forward_f64(CFG, w, stored_kv(ref), ID_LAST, 19)
   np.testing.assert_allclose(got, expect, rtol=1e-4, atol=1e-4)
 
 
@@ -340,8 +358,7 @@ def test_bf16_step_rounds_exactly_the_gemm_inputs(w):
   ref = prefilled(w, 20, window=8, dtype="bf16", ring_dtype="bf16")
   w_bf16 = {k: round_bf16(v) if v.ndim == 2 else v for k, v in w.items()}
   got = ref.step(ID_LAST, 19)
-  expect = forward_f64(w_bf16, ref.ring_k, ref.ring_v, ref.ring_pos, ID_LAST, 19, 8,
-                       gemm_in=round_bf16)
+  expect = forward_f64(CFG, w_bf16, stored_kv(ref), ID_LAST, 19, gemm_in=round_bf16)
   np.testing.assert_allclose(got, expect, rtol=1e-4, atol=1e-4)
 
 
@@ -431,3 +448,122 @@ def test_one_speculative_round(w, window, expect_pos):
   np.testing.assert_allclose(ref.ring_k, everything.ring_k, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(ref.step(id_last, n_past), everything.step(id_last, n_past),
                              rtol=1e-4, atol=1e-4)
+
+
+# --- per-layer attention kinds (SPEC.md section 7) ---------------------------------------------
+
+# Layer 1 attends to everything injected; layers 0 and 2 slide. An interior full layer catches
+# a wrong layer -> stack entry mapping that a trailing one would not.
+MIXED = dataclasses.replace(CFG, n_layer=3, layer_types=(SLIDING, FULL, SLIDING))
+
+
+@pytest.fixture(scope="module")
+def w_mixed():
+  return dfj.synthetic_drafter(MIXED, seed=2, n_vocab=N_VOCAB)
+
+
+def mixed_prefilled(w_mixed, n_rows=20, window=8, capacity=32, **kw) -> DFlashRef:
+  ref = DFlashRef(MIXED, w_mixed, window=window, capacity=capacity, **kw)
+  ref.inject(ref.encode(dfj.synthetic_features(MIXED, n_rows, seed=3)), np.arange(n_rows))
+  return ref
+
+
+def test_each_kind_stores_its_layers_at_its_slots(w_mixed):
+  ref = DFlashRef(MIXED, w_mixed, window=8, capacity=32)
+  assert ref.ring_k.shape == (2, MIXED.n_head_kv, 8, MIXED.head_dim)
+  assert ref.cache_k.shape == (1, MIXED.n_head_kv, 32, MIXED.head_dim)
+  h = ref.encode(dfj.synthetic_features(MIXED, 3))
+  positions = np.array([3, 13, 21])
+  ref.inject(h, positions)
+  assert ref.ring_pos.tolist() == [-1, -1, -1, 3, -1, 21, -1, -1]       # 13 lost to 21
+  assert np.flatnonzero(ref.cache_pos >= 0).tolist() == [3, 13, 21]   # slot = position
+  np.testing.assert_array_equal(ref.cache_pos[[3, 13, 21]], positions)
+  k, v = inject_f64(w_mixed, h.astype(np.float64), positions, cfg=MIXED)   # [L, T, Hkv, D]
+  for stack, layer in ((0, 0), (1, 2)):
+    np.testing.assert_allclose(ref.ring_k[stack][:, [3, 5]], k[layer][[0, 2]].transpose(1, 0, 2),
+                               atol=2e-5)
+    np.testing.assert_allclose(ref.ring_v[stack][:, [3, 5]], v[layer][[0, 2]].transpose(1, 0, 2),
+                               atol=2e-5)
+  np.testing.assert_allclose(ref.cache_k[0][:, positions], k[1].transpose(1, 0, 2), atol=2e-5)
+  np.testing.assert_allclose(ref.cache_v[0][:, positions], v[1].transpose(1, 0, 2), atol=2e-5)
+
+
+def test_single_kind_drafters_have_one_stack(w):
+  sliding = DFlashRef(CFG, w)
+  assert sliding.cache_k is None and sliding.capacity is None and sliding.window == CFG.window
+  full_cfg = dataclasses.replace(CFG, layer_types=(FULL,) * CFG.n_layer, context_length=40)
+  full = DFlashRef(full_cfg, w)
+  assert full.ring_k is None and full.window is None
+  assert full.capacity == 40 and full.cache_pos.shape == (40,)
+  assert DFlashRef(full_cfg, w, capacity=12).cache_k.shape[2] == 12
+
+
+def test_injecting_past_the_capacity_raises_before_any_write(w_mixed):
+  ref = mixed_prefilled(w_mixed, n_rows=20)
+  before = [a.copy() for a in (ref.ring_k, ref.ring_v, ref.ring_pos, ref.cache_k, ref.cache_v,
+                               ref.cache_pos)]
+  h = ref.encode(dfj.synthetic_features(MIXED, 3, seed=4))
+  with pytest.raises(ValueError, match=r"full_attention layers \[1\].*capacity 32.*position 33"):
+    ref.inject(h, np.array([30, 31, 33]))
+  for a, b in zip(before, (ref.ring_k, ref.ring_v, ref.ring_pos, ref.cache_k, ref.cache_v,
+                           ref.cache_pos)):
+    np.testing.assert_array_equal(a, b)
+  ref.inject(h, np.array([29, 30, 31]))                 # the last slot is still usable
+  assert ref.cache_pos[31] == 31
+
+
+def test_full_layers_see_the_deep_past_and_sliding_layers_do_not(w_mixed):
+  ref = mixed_prefilled(w_mixed, n_rows=20)   # ring: 12..19; cache: 0..19
+  base = ref.step(ID_LAST, 20)
+  ref.ring_k[:, :, 12 % 8] += 3.0              # q - 12 >= 8 for every block row
+  np.testing.assert_array_equal(ref.step(ID_LAST, 20), base)
+  ref.cache_k[:, :, 2] += 3.0                  # position 2: outside any window, full layer sees it
+  assert np.abs(ref.step(ID_LAST, 20) - base).max() > 1e-3
+
+
+def test_full_cache_entries_at_or_after_n_past_are_invisible(w_mixed):
+  ref = mixed_prefilled(w_mixed, n_rows=20)
+  base = ref.step(ID_LAST, 12)
+  ref.cache_k[:, :, 12:] += 3.0
+  ref.cache_v[:, :, 12:] += 3.0
+  np.testing.assert_array_equal(ref.step(ID_LAST, 12), base)
+  ref.cache_v[:, :, 11] += 3.0
+  assert np.abs(ref.step(ID_LAST, 12) - base).max() > 1e-3
+
+
+def test_visibility_without_a_window():
+  ring_pos = np.array([-1, 0, 3, 4, 5, 9], np.int32)
+  got = ring_visibility(ring_pos, n_past=5, window=None, n_rows=3)
+  assert got.tolist() == [[False, True, True, True, False, False]] * 3
+
+
+@pytest.mark.parametrize("width", [None, 2, 5])
+def test_mixed_step_matches_an_independent_float64_forward(w_mixed, width):
+  ref = mixed_prefilled(w_mixed, n_rows=20)
+  got = ref.step(ID_LAST, 19, width=width)
+  assert got.shape == (width or MIXED.block_size, N_VOCAB)
+  expect = forward_f64(MIXED, w_mixed, stored_kv(ref), ID_LAST, 19, width=width)
+  np.testing.assert_allclose(got, expect, rtol=1e-4, atol=1e-4)
+
+
+# --- block width (SPEC.md section 6) -----------------------------------------------------------
+
+def test_width_block_is_not_the_full_block_sliced(w):
+  ref = prefilled(w, 20, window=8)
+  full = ref.step(ID_LAST, 20)
+  np.testing.assert_array_equal(ref.step(ID_LAST, 20, width=CFG.block_size), full)
+  narrow = ref.step(ID_LAST, 20, width=3)
+  # Rows 3.. are keys of the full block only (non-causal), so every row differs.
+  assert np.all(np.abs(narrow - full[:3]).max(axis=1) > 1e-3)
+  np.testing.assert_allclose(narrow, forward_f64(CFG, w, stored_kv(ref), ID_LAST, 20, width=3),
+                             rtol=1e-4, atol=1e-4)
+  d = ref.drafts(narrow)
+  assert d.shape == (2,) and d.dtype == np.int32
+  np.testing.assert_array_equal(d, np.argmax(narrow[1:], -1))
+
+
+@pytest.mark.parametrize("width", [0, 1, CFG.block_size + 1, 2.0])
+def test_width_out_of_range(w, width):
+  ref = prefilled(w, 4)
+  with pytest.raises(ValueError, match=r"width must be an int in \[2, block_size 8\]"):
+    ref.step(ID_LAST, 4, width=width)
