@@ -1,9 +1,10 @@
 """dflash-jax: DFlash block-diffusion speculative drafting in JAX with Pallas GPU kernels."""
 from dflash_jax.config import DFlashConfig, rope_inv_freq
 from dflash_jax.drafter import CapturedStep, DFlashDrafter
-from dflash_jax.gguf_io import (DrafterFormatError, config_from_hf, load_drafter, read_q8_0,
-                               save_drafter)
+from dflash_jax.gguf_io import DrafterFormatError, load_drafter, read_q8_0, save_drafter
+from dflash_jax.hf_io import config_from_hf, config_to_hf, load_hf_drafter, save_hf_drafter
 from dflash_jax.params import DrafterParams, LayerParams, linear, prepare_weights, resolve_dtype
+from dflash_jax.safetensors_io import SafetensorsFormatError, read_tensors, write_tensors
 from dflash_jax.step import (RingState, accept, block_step, draft_round, encode, greedy_drafts,
                              init_ring, inject)
 from dflash_jax.synthetic import (QWEN3_8B_CONFIG, SEED_CONFIG, TINY_CONFIG, drafter_tensor_shapes,

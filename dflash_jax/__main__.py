@@ -7,7 +7,7 @@ import sys
 
 # Each module dflash_jax.cli.<name> defines register(subparsers), which adds its parser and
 # sets `run` (args -> exit status) as the parser's default.
-COMMANDS = ("demo",)
+COMMANDS = ("demo", "convert")
 
 
 def _parser() -> argparse.ArgumentParser:

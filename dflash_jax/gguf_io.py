@@ -6,7 +6,6 @@ instead of as a silent acceptance collapse later.
 """
 from __future__ import annotations
 
-import json
 import os
 import uuid
 from typing import Any, Mapping
@@ -14,7 +13,7 @@ from typing import Any, Mapping
 import gguf
 import numpy as np
 
-from dflash_jax.config import DFlashConfig
+from dflash_jax.config import FULL, SLIDING, DFlashConfig
 from dflash_jax.synthetic import drafter_tensor_shapes
 
 ARCH = "dflash"
@@ -23,6 +22,8 @@ KEY_VALUE_LENGTH = "dflash.attention.value_length"
 KEY_TARGET_LAYERS = "dflash.target_layers"
 KEY_BLOCK_SIZE = "dflash.block_size"
 KEY_WINDOW = "dflash.attention.sliding_window"
+KEY_SWA_PATTERN = "dflash.attention.sliding_window_pattern"  # bool per layer, true = sliding
+KEY_CONTEXT = "dflash.context_length"
 KEY_MASK = "tokenizer.ggml.mask_token_id"
 KEY_MASK_OLD = "dflash.mask_token_id"  # PR-branch files
 # Required scalar keys, by DFlashConfig field.
@@ -61,13 +62,17 @@ class DrafterFormatError(ValueError):
 
 
 def load_drafter(path: str | os.PathLike) -> tuple[DFlashConfig, dict[str, np.ndarray]]:
-  """Reads and validates a drafter GGUF.
+  """Reads and validates a drafter: a GGUF file, or an HF checkpoint folder (or its
+  config.json / safetensors file; see `hf_io.load_hf_drafter`).
 
   Returns the config and a dict of writable, C-contiguous float32 arrays in (out, in) layout,
-  keyed by tensor name without `.weight`, dequantized from any type gguf can dequantize.
+  keyed by GGUF tensor name without `.weight`, dequantized from any type gguf can dequantize.
   Raises DrafterFormatError (naming the file and the culprit) on any deviation.
   """
   path = os.fspath(path)
+  from dflash_jax import hf_io  # hf_io builds on this module, so it is imported on use
+  if hf_io.checkpoint_folder(path) is not None:
+    return hf_io.load_hf_drafter(path)
   reader = _open(path)
   cfg = _read_config(reader, path)
   tensors = _drafter_tensors(reader, cfg, path)
@@ -171,6 +176,14 @@ def _read_config(reader: gguf.GGUFReader, path: str) -> DFlashConfig:
   block_size = _get_int(reader, path, KEY_BLOCK_SIZE, required=False)
   fields["block_size"] = DEFAULT_BLOCK_SIZE if block_size is None else block_size
   fields["window"] = _get_int(reader, path, KEY_WINDOW, required=False)
+  fields["context_length"] = _get_int(reader, path, KEY_CONTEXT, required=False)
+  pattern = _get(reader, path, KEY_SWA_PATTERN, {_VT.BOOL}, "a bool array (one per layer)",
+                 required=False, array=True)
+  if pattern is not None:
+    if len(pattern) != fields["n_layer"]:
+      raise _fail(path, f"metadata key {KEY_SWA_PATTERN!r} has {len(pattern)} entries, but "
+                  f"{INT_KEYS['n_layer']!r} is {fields['n_layer']}")
+    fields["layer_types"] = tuple(SLIDING if p else FULL for p in pattern)
   try:
     cfg = DFlashConfig(**fields)
   except ValueError as e:
@@ -245,14 +258,23 @@ def _dequantize(t: Any, path: str) -> np.ndarray:
 
 
 def save_drafter(path: str | os.PathLike, cfg: DFlashConfig, w: Mapping[str, np.ndarray],
-                 tensor_type: str = "F32") -> str:
-  """Writes a drafter GGUF (llama.cpp conventions) and returns its path.
+                 tensor_type: str = "F32", format: str | None = None) -> str:
+  """Writes a drafter GGUF (llama.cpp conventions) or HF checkpoint folder; returns its path.
 
-  Matrices are stored as `tensor_type` (F32, F16, BF16 or Q8_0), 1-D norms always as F32.
+  `format` is "gguf" or "hf"; None picks by the path: a `.gguf` file name means GGUF, anything
+  else (a folder) HF. Matrices are stored as `tensor_type`: F32, F16, BF16 or Q8_0 for GGUF;
+  f32, f16 or bf16 (any case) for HF (`hf_io.save_hf_drafter`). 1-D norms are always F32.
   The target's `tok_embd`/`lm_head` in `w` are not written. `w` is fully validated and encoded
-  before anything touches the disk, and the file appears only complete (temp file + rename).
+  before anything touches the disk, and each file appears only complete (temp file + rename).
   """
   path = os.fspath(path)
+  if format is None:
+    format = "gguf" if path.lower().endswith(".gguf") and not os.path.isdir(path) else "hf"
+  if format == "hf":
+    from dflash_jax import hf_io  # hf_io builds on this module, so it is imported on use
+    return hf_io.save_hf_drafter(path, cfg, w, dtype=str(tensor_type).lower())
+  if format != "gguf":
+    raise ValueError(f"format must be 'gguf', 'hf' or None, got {format!r}")
   if tensor_type not in SAVE_TYPES:
     raise ValueError(f"tensor_type must be one of {sorted(SAVE_TYPES)}, got {tensor_type!r}")
   if not isinstance(cfg, DFlashConfig):
@@ -310,6 +332,10 @@ def _fill_writer(writer: gguf.GGUFWriter, cfg: DFlashConfig,
   writer.add_uint32(KEY_BLOCK_SIZE, cfg.block_size)
   if cfg.window is not None:
     writer.add_uint32(KEY_WINDOW, cfg.window)
+  if cfg.layer_types is not None:  # None: every layer slides, which is also a file's default
+    writer.add_array(KEY_SWA_PATTERN, [cfg.is_sliding(i) for i in range(cfg.n_layer)])
+  if cfg.context_length is not None:
+    writer.add_uint32(KEY_CONTEXT, cfg.context_length)
   writer.add_uint32(KEY_MASK, cfg.mask_token_id)
   writer.add_file_type(_FILE_TYPES[qtype])
   writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -334,51 +360,3 @@ def _write_atomically(path: str, fill: Any) -> None:
     if os.path.exists(tmp):
       os.unlink(tmp)
     raise
-
-
-# ---------------------------------------------------------------------------------------------
-# Hugging Face config
-
-
-def config_from_hf(config: Mapping[str, Any] | str | os.PathLike) -> DFlashConfig:
-  """DFlashConfig from a z-lab / HF DFlash `config.json` (a dict or a path to the file).
-
-  HF `target_layer_ids` name the layer whose *output* is captured; llama.cpp (and this
-  library) store the index of the layer whose *input* is captured, i.e. ids + 1.
-  """
-  if not isinstance(config, Mapping):
-    with open(config, encoding="utf-8") as f:
-      config = json.load(f)
-  dflash = config.get("dflash_config") or {}
-  if "target_layer_ids" not in dflash:
-    raise ValueError("config has no dflash_config.target_layer_ids: not a DFlash drafter config")
-  mask = dflash.get("mask_token_id", config.get("mask_token_id"))
-  if mask is None:
-    raise ValueError("config has no dflash_config.mask_token_id (nor mask_token_id)")
-  rope = config.get("rope_parameters") or {}
-  theta = config.get("rope_theta", rope.get("rope_theta"))
-  if theta is None:
-    raise ValueError("config has no rope_theta (nor rope_parameters.rope_theta)")
-  n_head = int(config["num_attention_heads"])
-  return DFlashConfig(
-      n_layer=int(config["num_hidden_layers"]), n_embd=int(config["hidden_size"]),
-      n_ff=int(config["intermediate_size"]), n_head=n_head,
-      n_head_kv=int(config.get("num_key_value_heads", n_head)),
-      head_dim=int(config.get("head_dim") or config["hidden_size"] // n_head),
-      rope_theta=float(theta), eps=float(config["rms_norm_eps"]),
-      target_layers=tuple(int(i) + 1 for i in dflash["target_layer_ids"]),
-      mask_token_id=int(mask), block_size=int(config.get("block_size", DEFAULT_BLOCK_SIZE)),
-      window=_hf_window(config))
-
-
-def _hf_window(config: Mapping[str, Any]) -> int | None:
-  """The sliding window when the drafter's layers use one; a mix of kinds is not supported."""
-  kinds = set(config.get("layer_types") or [])
-  sliding = "sliding_attention" in kinds or (not kinds and config.get("use_sliding_window"))
-  if not sliding:
-    return None
-  if len(kinds) > 1:
-    raise ValueError(f"layer_types mixes {sorted(kinds)}; one window for every layer is supported")
-  if not config.get("sliding_window"):
-    raise ValueError("layers use sliding attention but sliding_window is not set")
-  return int(config["sliding_window"])

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import tempfile
 
@@ -10,11 +9,10 @@ import gguf
 import numpy as np
 import pytest
 
-from dflash_jax.config import DFlashConfig
-from dflash_jax.gguf_io import (DrafterFormatError, config_from_hf, load_drafter, read_q8_0,
+from dflash_jax.config import FULL, SLIDING, DFlashConfig
+from dflash_jax.gguf_io import (DrafterFormatError, load_drafter, read_q8_0,
                                 save_drafter)
-from dflash_jax.synthetic import (QWEN3_8B_CONFIG, TINY_CONFIG, drafter_tensor_shapes,
-                                  synthetic_drafter)
+from dflash_jax.synthetic import TINY_CONFIG, drafter_tensor_shapes, synthetic_drafter
 
 VT = gguf.GGUFValueType
 QT = gguf.GGMLQuantizationType
@@ -415,29 +413,46 @@ def test_failed_write_keeps_old_file(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------
-# Hugging Face config.json
+# Per-layer attention kinds and context length (SPEC.md section 7)
 
 
-def _hf_qwen3_8b() -> dict:
-  return {
-      "architectures": ["DFlashDraftModel"], "hidden_size": 4096, "intermediate_size": 12288,
-      "num_hidden_layers": 5, "num_attention_heads": 32, "num_key_value_heads": 8,
-      "head_dim": 128, "rope_theta": 1000000, "rms_norm_eps": 1e-06, "block_size": 16,
-      "dflash_config": {"target_layer_ids": [1, 9, 17, 25, 33], "mask_token_id": 151669},
-      "layer_types": ["full_attention"] * 5, "sliding_window": None, "use_sliding_window": False,
-  }
+def test_layer_kinds_and_context_length_round_trip(tmp_path):
+  cfg = dataclasses.replace(TINY_CONFIG, layer_types=(FULL, SLIDING), context_length=3000)
+  path = save_drafter(tmp_path / "mixed.gguf", cfg, _drafter(seed=24))
+  reader = gguf.GGUFReader(path)
+  pattern = reader.get_field("dflash.attention.sliding_window_pattern")
+  assert pattern.types == [VT.ARRAY, VT.BOOL] and pattern.contents() == [False, True]
+  assert reader.get_field("dflash.context_length").contents() == 3000
+  assert load_drafter(path)[0] == cfg
+  # All sliding is the default: no pattern is written, and none is needed to read it back.
+  path = save_drafter(tmp_path / "swa.gguf", TINY_CONFIG, _drafter(seed=24))
+  assert gguf.GGUFReader(path).get_field("dflash.attention.sliding_window_pattern") is None
+  assert gguf.GGUFReader(path).get_field("dflash.context_length") is None
 
 
-def test_config_from_hf(tmp_path):
-  assert config_from_hf(_hf_qwen3_8b()) == QWEN3_8B_CONFIG
-  path = tmp_path / "config.json"
-  path.write_text(json.dumps(_hf_qwen3_8b()))
-  assert config_from_hf(str(path)) == QWEN3_8B_CONFIG
-  swa = _hf_qwen3_8b()
-  swa.update(layer_types=["sliding_attention"] * 5, sliding_window=4096, mask_token_id=5)
-  del swa["dflash_config"]["mask_token_id"]
-  cfg = config_from_hf(swa)
-  assert cfg.window == 4096 and cfg.mask_token_id == 5
-  swa["layer_types"][0] = "full_attention"
-  with pytest.raises(ValueError, match="mixes"):
-    config_from_hf(swa)
+@pytest.mark.parametrize("pattern,window,kinds", [
+    ([True, True], 32, None),
+    ([False, False], None, (FULL, FULL)),
+    ([True, False], None, (SLIDING, FULL)),
+])
+def test_pattern_key_read(tmp_path, parts, pattern, window, kinds):
+  kv, tensors = parts
+  del kv["dflash.attention.sliding_window"]
+  if window is not None:
+    kv["dflash.attention.sliding_window"] = (window, VT.UINT32)
+  kv["dflash.attention.sliding_window_pattern"] = (pattern, VT.ARRAY, VT.BOOL)
+  kv["dflash.context_length"] = (512, VT.UINT32)
+  cfg, _ = load_drafter(_write(tmp_path / "p.gguf", kv, tensors))
+  assert cfg.layer_types == kinds and cfg.window == window and cfg.context_length == 512
+
+
+@pytest.mark.parametrize("value,culprit", [
+    (([True, False, True], VT.ARRAY, VT.BOOL), "has 3 entries"),
+    (([1, 0], VT.ARRAY, VT.INT32), "array of INT32"),
+    ((2, VT.UINT32), "UINT32"),
+])
+def test_bad_pattern_key(tmp_path, parts, value, culprit):
+  kv, tensors = parts
+  kv["dflash.attention.sliding_window_pattern"] = value
+  _expect_error(_write(tmp_path / "badpat.gguf", kv, tensors),
+                "dflash.attention.sliding_window_pattern", culprit)
