@@ -230,34 +230,41 @@ class TargetParams:
     return self.embed if self.lm_head is None else self.lm_head
 
 
+def _normals(key: jax.Array, shapes: dict[str, tuple[int, ...]], dtype) -> dict[str, jax.Array]:
+  """N(0, 1) arrays of the given shapes from ONE random draw (one threefry in the program:
+  each separate draw would add its own, and their compile time dominates on CPU)."""
+  sizes = [math.prod(s) for s in shapes.values()]
+  flat = jax.random.normal(key, (sum(sizes),), dtype)
+  offsets = np.cumsum([0] + sizes)
+  return {name: flat[o:o + n].reshape(s) for (name, s), o, n in
+          zip(shapes.items(), offsets, sizes)}
+
+
 @functools.partial(jax.jit, static_argnums=(0, 2))
 def _init_layer(cfg: TargetConfig, key: jax.Array, dtype) -> TargetLayer:
   e, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-  ks = jax.random.split(key, 8)
   branch = 1.0 / math.sqrt(2.0 * cfg.num_hidden_layers)
-
-  def mat(k, n_out, n_in, scale=1.0):
-    return (jax.random.normal(k, (n_out, n_in), dtype) * (scale / math.sqrt(n_in))).astype(dtype)
-
-  def norm(k, n):
-    return 1.0 + 0.1 * jax.random.normal(k, (n,), jnp.float32)
-
+  mats = _normals(key, {"wqkv": (cfg.q_dim + 2 * cfg.kv_dim, e), "wo": (e, cfg.q_dim),
+                        "wgu": (2 * f, e), "wd": (e, f), "norms": (2 * e + 2 * d,)}, dtype)
+  scale = {"wqkv": 1.0, "wo": branch, "wgu": 1.0, "wd": branch}
+  m = {k: (mats[k] * (scale[k] / math.sqrt(mats[k].shape[1]))).astype(dtype) for k in scale}
+  norms = 1.0 + 0.1 * mats["norms"].astype(jnp.float32)
   return TargetLayer(
-      attn_norm=norm(ks[0], e), wqkv=mat(ks[1], cfg.q_dim + 2 * cfg.kv_dim, e),
-      q_norm=norm(ks[2], d) if cfg.qk_norm else None,
-      k_norm=norm(ks[3], d) if cfg.qk_norm else None,
-      wo=mat(ks[4], e, cfg.q_dim, branch), ffn_norm=norm(ks[5], e),
-      wgu=mat(ks[6], 2 * f, e), wd=mat(ks[7], e, f, branch))
+      attn_norm=norms[:e], wqkv=m["wqkv"],
+      q_norm=norms[2 * e:2 * e + d] if cfg.qk_norm else None,
+      k_norm=norms[2 * e + d:] if cfg.qk_norm else None,
+      wo=m["wo"], ffn_norm=norms[e:2 * e], wgu=m["wgu"], wd=m["wd"])
 
 
 @functools.partial(jax.jit, static_argnums=(0, 2))
 def _init_outer(cfg: TargetConfig, key: jax.Array, dtype):
-  k_embed, k_norm, k_head = jax.random.split(key, 3)
   v, e = cfg.vocab_size, cfg.hidden_size
-  embed = jax.random.normal(k_embed, (v, e), dtype)
-  head = None if cfg.tie_word_embeddings else (
-      jax.random.normal(k_head, (v, e), dtype) * (1 / math.sqrt(e))).astype(dtype)
-  return embed, 1.0 + 0.1 * jax.random.normal(k_norm, (e,), jnp.float32), head
+  shapes = {"embed": (v, e), "norm": (e,)}
+  if not cfg.tie_word_embeddings:
+    shapes["head"] = (v, e)
+  r = _normals(key, shapes, dtype)
+  head = None if cfg.tie_word_embeddings else (r["head"] * (1 / math.sqrt(e))).astype(dtype)
+  return r["embed"], 1.0 + 0.1 * r["norm"].astype(jnp.float32), head
 
 
 def init_params(cfg: TargetConfig, key: jax.Array, dtype: Any = jnp.float32) -> TargetParams:

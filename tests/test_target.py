@@ -1,0 +1,186 @@
+"""The target model (dflash_jax.models.qwen3) against an independent float64 numpy forward
+(tests/target_ref.py), and its cached path against its uncached one."""
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dflash_jax.models import qwen3 as Q
+from target_ref import hidden_states
+
+TINY = Q.TargetConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope_theta=1e4,
+                      max_position_embeddings=128)
+# Each flag takes both values (Qwen3-8B-like: q/k norm, untied; Llama-3.2-1B-like: neither, tied).
+VARIANTS = [dict(qk_norm=True, tie_word_embeddings=False), dict(qk_norm=False, tie_word_embeddings=True)]
+
+
+def _model(seed=0, **kw):
+  cfg = dataclasses.replace(TINY, **kw)
+  return cfg, Q.init_params(cfg, jax.random.key(seed))
+
+
+def _tokens(seed, shape, vocab=TINY.vocab_size):
+  return np.random.default_rng(seed).integers(0, vocab, shape).astype(np.int32)
+
+
+@pytest.mark.parametrize("kw", VARIANTS, ids=lambda kw: f"qk{int(kw['qk_norm'])}-tied{int(kw['tie_word_embeddings'])}")
+def test_forward_matches_numpy_reference(kw):
+  cfg, p = _model(1, **kw)
+  assert (p.lm_head is None) == kw["tie_word_embeddings"]
+  assert (p.layers[0].q_norm is None) != kw["qk_norm"]
+  toks = _tokens(2, (2, 13))
+  capture = (2, 0, 1, 2)   # out of order on purpose, and both ends: embeddings and final norm
+  logits, feats = Q.forward_jit(p, cfg, toks, capture_layers=capture)
+  assert logits.shape == (2, 13, cfg.vocab_size) and feats.shape == (2, 13, 4 * cfg.hidden_size)
+  e = cfg.hidden_size
+  for b in range(2):
+    hs, ref_logits = hidden_states(p, cfg, toks[b])
+    np.testing.assert_allclose(logits[b], ref_logits, rtol=1e-4, atol=1e-4)
+    for j, idx in enumerate(capture):
+      np.testing.assert_allclose(feats[b, :, j * e:(j + 1) * e], hs[idx], rtol=1e-4, atol=1e-4)
+  _, none = Q.forward(p, cfg, toks, with_logits=False)
+  assert none.shape == (2, 13, 0)
+
+
+def test_capture_layers_out_of_range():
+  cfg, p = _model()
+  with pytest.raises(ValueError, match=r"capture_layers \[3\] outside \[0, 2\]"):
+    Q.forward(p, cfg, _tokens(0, (1, 4)), capture_layers=(1, 3))
+
+
+@pytest.mark.parametrize("kw", VARIANTS, ids=["qwen3", "llama-tied"])
+def test_cached_prefill_verify_equals_forward(kw):
+  """Prefill (bucketed, padded) then verify in chunks of varying width, with a rejected chunk
+  rolled back by setting the length, equals the uncached forward row for row."""
+  cfg, p = _model(3, **kw)
+  capture = (1, 2)
+  toks = _tokens(4, (1, 29))
+  ref_logits, ref_feats = Q.forward_jit(p, cfg, toks, capture_layers=capture)
+  cache = Q.init_cache(cfg, 1, 40)
+  n = 7
+  bucket = Q.prefill_bucket(n)
+  padded = np.zeros((1, bucket), np.int32)
+  padded[0, :n] = toks[0, :n]
+  padded[0, n:] = _tokens(5, bucket - n)   # padding rows write past the length only
+  cache, feats = Q.prefill_jit(p, cfg, cache, padded, jnp.int32(n), capture_layers=capture)
+  np.testing.assert_allclose(feats[:, :n], ref_feats[:, :n], rtol=1e-5, atol=1e-5)
+  assert int(cache.length[0]) == n
+  pos = n
+  for i, w in enumerate((1, 4, 3, 4)):
+    # A rejected continuation first: verify garbage, then roll back (no copy).
+    cache, _, _ = Q.verify_jit(p, cfg, cache, _tokens(10 + i, (1, w)), capture_layers=capture)
+    cache = cache.replace(length=jnp.asarray([pos], jnp.int32))
+    cache, logits, feats = Q.verify_jit(p, cfg, cache, toks[:, pos:pos + w], capture_layers=capture)
+    np.testing.assert_allclose(logits, ref_logits[:, pos:pos + w], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(feats, ref_feats[:, pos:pos + w], rtol=1e-5, atol=1e-5)
+    pos += w
+    assert int(cache.length[0]) == pos
+
+
+def test_cache_batch_rows_are_independent():
+  """Two sequences at different lengths in one cache: each row equals its own forward."""
+  cfg, p = _model(6)
+  toks = _tokens(7, (2, 20))
+  ref_logits, _ = Q.forward_jit(p, cfg, toks)
+  cache = Q.init_cache(cfg, 2, 32)
+  cache, _ = Q.prefill_jit(p, cfg, cache, toks[:, :16], jnp.asarray([5, 9], jnp.int32))
+  verify_toks = np.stack([toks[0, 5:9], toks[1, 9:13]])
+  cache, logits, _ = Q.verify_jit(p, cfg, cache, verify_toks)
+  np.testing.assert_allclose(logits[0], ref_logits[0, 5:9], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(logits[1], ref_logits[1, 9:13], rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(cache.length, [9, 13])
+
+
+def test_bf16_cached_path_close_to_fp32():
+  """bf16 weights and cache: the same computation to bf16 rounding (greedy mostly agrees)."""
+  cfg, p32 = _model(8)
+  p16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16) if a.ndim == 2 else a, p32)
+  toks = _tokens(9, (1, 12))
+  ref, _ = Q.forward_jit(p32, cfg, toks)
+  cache = Q.init_cache(cfg, 1, 16, dtype="bf16")
+  cache, logits, _ = Q.verify_jit(p16, cfg, cache, toks)
+  assert cache.k[0].dtype == jnp.bfloat16
+  err = np.abs(np.asarray(logits) - np.asarray(ref)).max()
+  assert 0 < err < 0.25, err
+
+
+def test_init_cache_rejects_bad_sizes():
+  with pytest.raises(ValueError, match="capacity must be positive"):
+    Q.init_cache(TINY, 1, 0)
+
+
+def test_prefill_bucket():
+  assert [Q.prefill_bucket(n) for n in (0, 1, 16, 17, 64, 65)] == [16, 16, 16, 32, 64, 128]
+
+
+# --- config ------------------------------------------------------------------------------------
+
+QWEN3_8B_HF = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
+    "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "rms_norm_eps": 1e-6, "rope_theta": 1000000, "tie_word_embeddings": False,
+    "max_position_embeddings": 40960, "hidden_act": "silu", "attention_bias": False,
+    "use_sliding_window": False, "eos_token_id": 151645, "torch_dtype": "bfloat16"}
+LLAMA3_HF = {
+    "model_type": "llama", "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192,
+    "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": True,
+    "max_position_embeddings": 131072, "eos_token_id": [128001, 128008, 128009],
+    "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"}}
+
+
+def test_config_from_hf_qwen3_and_llama(tmp_path):
+  c = Q.TargetConfig.from_hf(QWEN3_8B_HF)
+  assert (c.num_hidden_layers, c.head_dim, c.qk_norm, c.tie_word_embeddings) == (36, 128, True, False)
+  assert c.eos_token_ids == (151645,)
+  assert Q.TargetConfig.from_hf(c.to_hf()) == c
+  l = Q.TargetConfig.from_hf(LLAMA3_HF)
+  assert (l.head_dim, l.qk_norm, l.tie_word_embeddings) == (64, False, True)
+  assert l.eos_token_ids == (128001, 128008, 128009)
+  assert Q.TargetConfig.from_hf(l.to_hf()) == l
+  hash(l)   # static jit argument
+  (tmp_path / "config.json").write_text(json.dumps(QWEN3_8B_HF))
+  assert Q.TargetConfig.from_hf(tmp_path) == c
+  # transformers v5 spelling: rope_parameters
+  v5 = {k: v for k, v in QWEN3_8B_HF.items() if k != "rope_theta"}
+  v5["rope_parameters"] = {"rope_theta": 1000000, "rope_type": "default"}
+  assert Q.TargetConfig.from_hf(v5) == c
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"model_type": "qwen2"}, "model_type 'qwen2' is not supported"),
+    ({"attention_bias": True}, "attention_bias=True is not supported"),
+    ({"use_sliding_window": True}, "use_sliding_window=True"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ({"num_key_value_heads": 5}, "must be a multiple of num_key_value_heads"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling type 'yarn'"),
+    ({"rms_norm_eps": None}, "missing config keys \\['rms_norm_eps'\\]"),
+    ({"rope_theta": None}, "rope_theta"),
+])
+def test_config_from_hf_errors(change, message):
+  c = {**QWEN3_8B_HF, **change}
+  c = {k: v for k, v in c.items() if v is not None}
+  with pytest.raises(ValueError, match=message):
+    Q.TargetConfig.from_hf(c)
+
+
+def test_llama3_rope_scaling():
+  """High frequencies kept, low ones divided by the factor, the band between interpolated."""
+  l = Q.TargetConfig.from_hf(LLAMA3_HF)
+  base = 500000.0 ** (-np.arange(0, 64, 2) / 64)
+  got = Q.inv_freq(l).astype(np.float64)
+  wavelen = 2 * np.pi / base
+  hi, lo = wavelen < 8192 / 4, wavelen > 8192 / 1
+  assert hi.any() and lo.any() and (~hi & ~lo).any()
+  np.testing.assert_allclose(got[hi], base[hi], rtol=1e-6)
+  np.testing.assert_allclose(got[lo], base[lo] / 32, rtol=1e-6)
+  mid = ~hi & ~lo
+  assert np.all((got[mid] < base[mid]) & (got[mid] > base[mid] / 32))
+  np.testing.assert_allclose(Q.inv_freq(Q.TargetConfig.from_hf(QWEN3_8B_HF)),
+                             1e6 ** (-np.arange(0, 128, 2) / 128), rtol=1e-6)
