@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 import dflash_jax as dfj
+from dflash_jax.config import FULL, SLIDING
 from dflash_jax.train import forward as F
+from _train_common import fast_jit
 from reference import DFlashRef
 
 CFG = dataclasses.replace(dfj.TINY_CONFIG, window=None)   # block 8, 2 layers, GQA 4/2
@@ -18,7 +20,7 @@ T = 24
 # (blocks running past the sequence end).
 ANCHORS = np.array([[1, 5, 13, 22], [0, 9, 17, 23]], np.int32)
 TOL = dict(atol=1e-4, rtol=1e-4)
-_block_logits = jax.jit(F.block_logits, static_argnames=("cfg", "window", "compute_dtype"))
+_block_logits = fast_jit(F.block_logits, static_argnames=("cfg", "window", "compute_dtype"))
 
 
 def _case(seed):
@@ -45,15 +47,21 @@ def _ref_logits(w, feats, tokens, s, a, window, cfg=CFG):
 
 
 # window 8 < T: the sliding window hides the deep past (and differently per block row);
-# window 64 > T: every layer sees all of the context (full attention).
-@pytest.mark.parametrize("window", [8, 64])
-def test_training_forward_equals_the_reference_step_at_each_anchor(window):
+# window 64 > T: all of the context is visible; then a sliding layer mixed with a full one,
+# and full layers only.
+KINDS = [(None, 8), (None, 64), ((SLIDING, FULL), 8), ((FULL, FULL), None)]
+
+
+@pytest.mark.parametrize("layer_types,window", KINDS)
+def test_training_forward_equals_the_reference_step_at_each_anchor(layer_types, window):
+  cfg = dataclasses.replace(CFG, layer_types=layer_types)
   w, feats, tokens = _case(seed=3)
-  got = _train_logits(w, feats, tokens, window)
-  assert got.shape == (2, ANCHORS.shape[1], CFG.block_size, VOCAB)
+  got = _train_logits(w, feats, tokens, window, cfg=cfg)
+  assert got.shape == (2, ANCHORS.shape[1], cfg.block_size, VOCAB)
   for s in range(2):
     for j, a in enumerate(ANCHORS[s]):
-      np.testing.assert_allclose(got[s, j], _ref_logits(w, feats, tokens, s, int(a), window),
+      np.testing.assert_allclose(got[s, j],
+                                 _ref_logits(w, feats, tokens, s, int(a), window, cfg=cfg),
                                  err_msg=f"sequence {s} anchor {a}", **TOL)
 
 
