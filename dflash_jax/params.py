@@ -91,7 +91,7 @@ class DrafterParams:
   k_norm_all: jax.Array    # [L, D] f32
   inv_freq: jax.Array      # [D/2] f32, from the host float64 table
   tok_embd: jax.Array      # [n_vocab, n_embd]
-  lm_head: jax.Array       # [n_vocab, n_embd]
+  lm_head: jax.Array       # [n_vocab, n_embd], or [n_draft_vocab, n_embd] (a reduced draft vocab)
   layers: tuple[LayerParams, ...]
   cfg: DFlashConfig = flax.struct.field(pytree_node=False)
 
@@ -114,7 +114,10 @@ def validate_weights(cfg: DFlashConfig, w: dict[str, np.ndarray]) -> int:
                        "and LM head; set w['tok_embd'] and w['lm_head'] ([n_vocab, n_embd] each)")
   n_vocab = int(np.shape(w["tok_embd"])[0])
   expected = dict(drafter_tensor_shapes(cfg))
-  expected["tok_embd"] = expected["lm_head"] = (n_vocab, cfg.n_embd)
+  # The LM head may cover a reduced draft vocab (fewer rows; decode.py maps them via d2t).
+  n_head = int(np.shape(w["lm_head"])[0]) if np.ndim(w["lm_head"]) == 2 else n_vocab
+  expected["tok_embd"] = (n_vocab, cfg.n_embd)
+  expected["lm_head"] = (n_head if 0 < n_head <= n_vocab else n_vocab, cfg.n_embd)
   for name, shape in expected.items():
     if name not in w:
       raise ValueError(f"weights lack tensor '{name}' (expected shape {shape})")

@@ -1,0 +1,402 @@
+"""Speculative decoding: a DFlash drafter proposes, a target model verifies (SPEC.md sections 4, 9).
+
+One round, on device, for every slot (sequence) of the state at once:
+  draft (`step.draft_round`: inject the rows committed last round, then the block step)
+  -> verify `[id_last, drafts]` with the target (one cached forward of `width` rows, which
+     also captures the features the drafter needs)
+  -> accept (greedy: the agreeing prefix; sampling: rejection sampling, `sampling.py`)
+  -> commit drafts[:n_ok] + one target token (correction or bonus), roll the target cache
+     back to the committed length (no copy)
+  -> the committed rows' features (verify rows 0..n_ok) wait in the state; the next round's
+     draft_round injects them at positions n_past .. n_past + n_ok.
+`run_rounds` runs up to R rounds inside one `lax.while_loop` in one jitted call with the whole
+state donated; `generate` calls it every R rounds to stream tokens and stop on EOS / max
+length (EOS is seen at most R rounds late: those rounds run, their tokens are dropped).
+
+Target-only decoding (`generate_target_only`) is the same loop at width 1 with no drafter, so
+speculative and target-only outputs come from the same target code.
+
+Every array of `DecodeState` has a leading slot axis S (batch 1 is S = 1); slots are
+independent sequences. A finished slot keeps its tokens, lengths and counts; it still runs
+through the (batched) round until every slot is done, and the harmless work it does lands
+only where it is never read (target cache slots past its length, its own ring).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, Callable, Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from dflash_jax import sampling as SP
+from dflash_jax import step
+from dflash_jax.models import qwen3
+from dflash_jax.params import DrafterParams
+from dflash_jax.sampling import Sampling
+
+
+@flax.struct.dataclass
+class Models:
+  """target + drafter weights. drafter None: target-only. d2t [V_draft] int32: the target id
+  of each draft id when the drafter's LM head covers a reduced draft vocab (None: the
+  drafter's head covers the target vocab)."""
+  target: qwen3.TargetParams
+  drafter: DrafterParams | None
+  d2t: jax.Array | None
+  target_cfg: qwen3.TargetConfig = flax.struct.field(pytree_node=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+  """Static knobs of the loop. width: rows verified per round (id_last + width - 1 drafts;
+  2 .. block_size with a drafter, 1 = target-only). impl: the drafter's kernels ("pallas" or
+  "xla"); target_impl: the target's GEMMs ("xla", or "pallas" for the skinny GEMM)."""
+  width: int
+  sampling: Sampling = Sampling()
+  eos_ids: tuple[int, ...] = ()
+  impl: str = "pallas"
+  target_impl: str = "xla"
+
+  def __post_init__(self):
+    if isinstance(self.width, bool) or not isinstance(self.width, int) or self.width < 1:
+      raise ValueError(f"width must be an int >= 1, got {self.width!r}")
+    object.__setattr__(self, "eos_ids", tuple(int(e) for e in self.eos_ids))
+    step.kernels(self.impl)
+    step.kernels(self.target_impl)
+
+
+@flax.struct.dataclass
+class DecodeState:
+  """The whole decoding state (donated into every call). Per slot s: tokens[s, :n_past+1]
+  are the prompt and committed tokens (id_last = tokens[s, n_past]); the target cache holds
+  positions < n_past; pending/n_new: features of the rows committed last round, not yet in
+  the ring; hist[s, j]: rounds that accepted j drafts; oracle: benchmark/test-only drafts
+  (None: the drafter's)."""
+  cache: qwen3.TargetCache
+  ring: step.RingState | None       # leading slot axis
+  tokens: jax.Array                 # [S, L] int32
+  n_past: jax.Array                 # [S] int32
+  id_last: jax.Array                # [S] int32
+  pending: jax.Array | None         # [S, width, F] float32
+  n_new: jax.Array                  # [S] int32
+  n_prompt: jax.Array               # [S] int32
+  max_len: jax.Array                # [S] int32: n_prompt + max_new
+  done: jax.Array                   # [S] bool
+  rounds: jax.Array                 # [S] int32
+  hist: jax.Array                   # [S, width] int32
+  key: jax.Array                    # [S] PRNG keys
+  oracle: jax.Array | None          # [S, L] int32
+
+
+def check_models(models: Models, dcfg: DecodeConfig) -> None:
+  """Host checks that the drafter fits the target and the loop (raises ValueError)."""
+  tc = models.target_cfg
+  d = models.drafter
+  if d is None:
+    if dcfg.width != 1:
+      raise ValueError(f"width {dcfg.width} needs a drafter (width 1 is target-only decoding)")
+    return
+  c = d.cfg
+  if dcfg.width < 2 or dcfg.width > c.block_size:
+    raise ValueError(f"width must lie in [2, block_size {c.block_size}] with a drafter, "
+                     f"got {dcfg.width}")
+  if c.n_embd != tc.hidden_size:
+    raise ValueError(f"drafter n_embd {c.n_embd} != target hidden_size {tc.hidden_size}")
+  if d.n_vocab != tc.vocab_size:
+    raise ValueError(f"drafter tok_embd has {d.n_vocab} rows; the target vocab is "
+                     f"{tc.vocab_size} (the drafter embeds target ids)")
+  qwen3.check_capture_layers(tc, c.target_layers)
+  n_head = int(d.lm_head.shape[0])
+  if models.d2t is None:
+    if n_head != tc.vocab_size:
+      raise ValueError(f"drafter lm_head has {n_head} rows != target vocab {tc.vocab_size}; "
+                       "a reduced draft vocab needs d2t")
+  else:
+    d2t = np.asarray(models.d2t)
+    if d2t.shape != (n_head,) or not np.issubdtype(d2t.dtype, np.integer):
+      raise ValueError(f"d2t must be [{n_head}] integers (one target id per drafter lm_head "
+                       f"row), got {d2t.dtype}{list(d2t.shape)}")
+    if d2t.min() < 0 or d2t.max() >= tc.vocab_size or len(np.unique(d2t)) != len(d2t):
+      raise ValueError(f"d2t must hold distinct target ids in [0, {tc.vocab_size})")
+
+
+def d2t_from_offsets(offsets) -> np.ndarray:
+  """EAGLE-3 / speculators files store d2t as offsets (target id = draft id + d2t[draft id]);
+  this returns the absolute target ids that `Models.d2t` takes."""
+  off = np.asarray(offsets)
+  if off.ndim != 1 or not np.issubdtype(off.dtype, np.integer):
+    raise ValueError(f"d2t offsets must be a 1-D integer array, got {off.dtype}{list(off.shape)}")
+  return (np.arange(len(off)) + off).astype(np.int32)
+
+
+# --- the drafter, called in exactly these two places ---------------------------------------
+
+def _draft(models: Models, ring, pending, n_new, id_last, n_past, impl: str):
+  """step.draft_round per slot (vmapped over the slot axis). It runs the full block today:
+  when draft_round takes a static width, pass DecodeConfig.width here; a batched ring
+  replaces the vmap."""
+  f = jax.vmap(functools.partial(step.draft_round, models.drafter, impl=impl))
+  return f(ring, pending, n_new, id_last, n_past)
+
+
+def _inject_prompt(models: Models, ring, feats, n_valid, impl: str):
+  """Encode + inject rows 0..n_valid-1 of the prompt's features [S, T, F] at positions 0..."""
+  p = models.drafter
+
+  def one(r, f, n):
+    pos = jnp.arange(f.shape[0], dtype=jnp.int32)
+    return step.inject(p, r, step.encode(p, f, impl=impl), pos, n, impl=impl)
+  return jax.vmap(one)(ring, feats, n_valid)
+
+
+# --- one round --------------------------------------------------------------------------------
+
+def _slice_rows(buf: jax.Array, start: jax.Array, n: int) -> jax.Array:
+  return jax.vmap(lambda b, s: lax.dynamic_slice(b, (s,), (n,)))(buf, start)
+
+
+def _propose(models: Models, dcfg: DecodeConfig, st: DecodeState, key: jax.Array):
+  """Inject last round's rows and draft -> (ring, drafts [S, width-1] in target ids, q): q
+  [S, width-1, V] is the proposal distribution over target ids for sampled proposals, None
+  for one-hot ones (greedy drafts, the oracle)."""
+  n, samp = dcfg.width - 1, dcfg.sampling
+  ring, drafts, dlogits = _draft(models, st.ring, st.pending, st.n_new, st.id_last, st.n_past,
+                                 dcfg.impl)
+  drafts, dlogits, q = drafts[:, :n], dlogits[:, 1:n + 1], None
+  if st.oracle is not None:
+    return ring, _slice_rows(st.oracle, st.n_past + 1, n), None
+  if not samp.greedy and samp.proposals == "sampled":
+    z = dlogits.astype(jnp.float32) / samp.temperature
+    drafts = jax.vmap(lambda k, zz: jax.random.categorical(k, zz, axis=-1))(key, z)
+    q = jax.nn.softmax(z, axis=-1)
+    if models.d2t is not None:   # over target ids: zero outside the draft vocab
+      s = q.shape[0]
+      q = jnp.zeros((s, n, models.target_cfg.vocab_size), q.dtype).at[:, :, models.d2t].set(q)
+  if models.d2t is not None:
+    drafts = models.d2t[drafts]
+  return ring, drafts.astype(jnp.int32), q
+
+
+def _round(models: Models, dcfg: DecodeConfig, st: DecodeState) -> DecodeState:
+  w, n, samp = dcfg.width, dcfg.width - 1, dcfg.sampling
+  s = st.n_past.shape[0]
+  active = ~st.done
+  keys = jax.vmap(lambda k: jax.random.split(k, 3))(st.key)
+  ring, drafts, q = st.ring, jnp.zeros((s, 0), jnp.int32), None
+  if n:
+    ring, drafts, q = _propose(models, dcfg, st, keys[:, 1])
+  capture = models.drafter.cfg.target_layers if n else ()
+  vtok = jnp.concatenate([st.id_last[:, None], drafts], axis=1)
+  cache, logits, feats = qwen3.verify(models.target, models.target_cfg, st.cache, vtok,
+                                      capture_layers=capture, impl=dcfg.target_impl)
+  if samp.greedy:
+    target_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    n_ok = (step.accept(drafts, target_tokens[:, :n], impl=dcfg.impl) if n
+            else jnp.zeros((s,), jnp.int32))
+    t = jnp.take_along_axis(target_tokens, n_ok[:, None], axis=1)[:, 0]
+  else:
+    n_ok, t = SP.verify_sampled(keys[:, 2], drafts, SP.probs(logits, samp), q)
+  rows = jnp.arange(w, dtype=jnp.int32)[None]
+  # Row i of the commit: drafts[i] for i < n_ok, then t; rows past n_ok are scratch.
+  committed = jnp.where(rows < n_ok[:, None], jnp.concatenate([drafts, t[:, None]], axis=1),
+                        t[:, None])
+  tokens = jax.vmap(lambda b, c, p: lax.dynamic_update_slice(b, c, (p,)))(
+      st.tokens, committed, st.n_past + 1)
+  n_past = st.n_past + n_ok + 1
+  stop = n_past + 1 >= st.max_len
+  if dcfg.eos_ids:
+    is_eos = (committed[:, :, None] == jnp.asarray(dcfg.eos_ids, jnp.int32)).any(-1)
+    stop |= (is_eos & (rows <= n_ok[:, None])).any(-1)
+
+  def keep(new, old):   # finished slots keep their state
+    return jnp.where(active.reshape(-1, *([1] * (new.ndim - 1))), new, old)
+
+  return st.replace(
+      cache=cache.replace(length=keep(n_past, st.cache.length)), ring=ring,
+      tokens=keep(tokens, st.tokens), n_past=keep(n_past, st.n_past),
+      id_last=keep(t, st.id_last), pending=keep(feats, st.pending) if n else None,
+      n_new=keep(n_ok + 1, st.n_new), done=st.done | (active & stop),
+      rounds=st.rounds + active, hist=st.hist.at[jnp.arange(s), n_ok].add(active.astype(jnp.int32)),
+      key=keys[:, 0])
+
+
+def _rounds(models: Models, dcfg: DecodeConfig, state: DecodeState, max_rounds) -> DecodeState:
+  def cond(c):
+    return (c[1] < max_rounds) & ~jnp.all(c[0].done)
+
+  def body(c):
+    return _round(models, dcfg, c[0]), c[1] + 1
+  return lax.while_loop(cond, body, (state, jnp.int32(0)))[0]
+
+
+# Up to max_rounds rounds (a traced int32: one compile for any value) in one call.
+run_rounds = jax.jit(_rounds, static_argnames=("dcfg",), donate_argnames=("state",))
+round_jit = jax.jit(_round, static_argnames=("dcfg",), donate_argnames=("st",))
+
+
+@functools.partial(jax.jit, static_argnames=("dcfg",), donate_argnames=("cache", "ring"))
+def _prefill(models: Models, dcfg: DecodeConfig, cache, ring, tokens, n_valid):
+  capture = models.drafter.cfg.target_layers if models.drafter is not None else ()
+  cache, feats = qwen3.prefill(models.target, models.target_cfg, cache, tokens, n_valid,
+                               capture_layers=capture, impl=dcfg.target_impl)
+  if models.drafter is not None:
+    ring = _inject_prompt(models, ring, feats, n_valid, dcfg.impl)
+  return cache, ring
+
+
+# --- host side -------------------------------------------------------------------------------
+
+def _check_prompts(prompts, vocab: int) -> list[np.ndarray]:
+  if not prompts:
+    raise ValueError("no prompts")
+  out = []
+  for i, p in enumerate(prompts):
+    a = np.asarray(p)
+    if a.ndim != 1 or a.size == 0 or not np.issubdtype(a.dtype, np.integer):
+      raise ValueError(f"prompt {i} must be a non-empty list of token ids, got {a.dtype}{list(a.shape)}")
+    if a.min() < 0 or a.max() >= vocab:
+      raise ValueError(f"prompt {i} holds token ids outside the vocab [0, {vocab}): "
+                       f"[{a.min()}, {a.max()}]")
+    out.append(a.astype(np.int32))
+  return out
+
+
+def start(models: Models, dcfg: DecodeConfig, prompts: Sequence[Sequence[int]], max_new: int, *,
+          seed: int = 0, capacity: int | None = None, window: int | None = None,
+          cache_dtype: Any = "fp32", ring_dtype: Any = "fp32",
+          oracle: Sequence[Sequence[int]] | None = None) -> DecodeState:
+  """Prefill every prompt (one slot each; SPEC.md section 4 step 1) and return the state.
+
+  capacity: target cache slots (default: the longest prompt + max_new + width, the least
+  that the loop can need, rounded up to a multiple of 16). Its cost per verify grows with it
+  (the attention reads every slot). The prompt is prefilled in one call padded to a power
+  of two (at most the capacity). oracle (tests, benchmarks): per slot, the tokens to
+  propose as drafts at each position (the prompt then a continuation), instead of the
+  drafter's; they are treated as one-hot proposals.
+  """
+  check_models(models, dcfg)
+  tc = models.target_cfg
+  ps = _check_prompts(prompts, tc.vocab_size)
+  if isinstance(max_new, bool) or not isinstance(max_new, (int, np.integer)) or max_new < 1:
+    raise ValueError(f"max_new must be an int >= 1, got {max_new!r}")
+  bad = [e for e in dcfg.eos_ids if not 0 <= e < tc.vocab_size]
+  if bad:
+    raise ValueError(f"eos ids {bad} outside the vocab [0, {tc.vocab_size})")
+  s, w = len(ps), dcfg.width
+  longest = max(len(p) for p in ps)
+  need = longest + max_new + w
+  if capacity is None:
+    capacity = -(-need // 16) * 16
+  if capacity < need:
+    raise ValueError(f"capacity {capacity} < longest prompt {longest} + max_new {max_new} + "
+                     f"width {w} = {need}")
+  buf_len = capacity + w
+  tokens = np.zeros((s, buf_len), np.int32)
+  for i, p in enumerate(ps):
+    tokens[i, :len(p)] = p
+  n_prompt = np.array([len(p) for p in ps], np.int32)
+  bucket = min(qwen3.prefill_bucket(longest - 1), capacity)
+  pre = tokens[:, :bucket]
+  cache = qwen3.init_cache(tc, s, capacity, cache_dtype)
+  ring = pending = None
+  if models.drafter is not None:
+    r = step.init_ring(models.drafter.cfg, window, ring_dtype)
+    step.attention_knobs(r.window, r.k.dtype, dcfg.impl)   # the window's kernel limits, now
+    ring = jax.tree.map(lambda a: jnp.broadcast_to(a, (s, *a.shape)), r)
+    pending = jnp.zeros((s, w, models.drafter.cfg.n_embd_fc), jnp.float32)
+  cache, ring = _prefill(models, dcfg, cache, ring, jnp.asarray(pre), jnp.asarray(n_prompt - 1))
+  orc = None
+  if oracle is not None:
+    if len(oracle) != s:
+      raise ValueError(f"oracle needs one token list per prompt ({s}), got {len(oracle)}")
+    orc = np.zeros((s, buf_len), np.int32)
+    for i, o in enumerate(_check_prompts(oracle, tc.vocab_size)):
+      orc[i, :min(len(o), buf_len)] = o[:buf_len]
+    orc = jnp.asarray(orc)
+  return DecodeState(
+      cache=cache, ring=ring, tokens=jnp.asarray(tokens), n_past=jnp.asarray(n_prompt - 1),
+      id_last=jnp.asarray(tokens[np.arange(s), n_prompt - 1]), pending=pending,
+      n_new=jnp.zeros((s,), jnp.int32), n_prompt=jnp.asarray(n_prompt),
+      max_len=jnp.asarray(n_prompt + max_new, jnp.int32), done=jnp.zeros((s,), bool),
+      rounds=jnp.zeros((s,), jnp.int32), hist=jnp.zeros((s, w), jnp.int32),
+      key=jax.random.split(jax.random.key(seed), s), oracle=orc)
+
+
+@dataclasses.dataclass
+class Generation:
+  """tokens[s]: slot s's generated tokens (through the first EOS, at most max_new);
+  rounds[s]; hist[s, j]: rounds with j drafts accepted; seconds: wall time of the rounds
+  (after prefill; compile included on a first call); prefill_seconds likewise."""
+  tokens: list[list[int]]
+  rounds: np.ndarray
+  hist: np.ndarray
+  seconds: float
+  prefill_seconds: float
+
+  @property
+  def tau(self) -> float:
+    """Mean tokens committed per round: the accepted drafts plus the target's own token."""
+    h = self.hist.sum(0)
+    return float((h * np.arange(1, len(h) + 1)).sum() / max(h.sum(), 1))
+
+  @property
+  def n_tokens(self) -> int:
+    return sum(len(t) for t in self.tokens)
+
+
+def _visible(row: np.ndarray, eos_ids: tuple[int, ...], max_new: int) -> list[int]:
+  out = row[:max_new].tolist()
+  for i, t in enumerate(out):
+    if t in eos_ids:
+      return out[:i + 1]
+  return out
+
+
+def generate(models: Models, dcfg: DecodeConfig, prompts: Sequence[Sequence[int]], max_new: int,
+             *, rounds_per_call: int = 8,
+             on_tokens: Callable[[int, list[int]], None] | None = None, **start_kw) -> Generation:
+  """Decode every prompt (one slot each) to max_new tokens or EOS.
+
+  Syncs with the host once per `rounds_per_call` rounds: on_tokens(slot, new_tokens) then
+  receives the tokens committed since the last sync (never past EOS or max_new). start_kw
+  goes to `start` (seed, capacity, window, cache_dtype, ring_dtype, oracle).
+  """
+  if rounds_per_call < 1:
+    raise ValueError(f"rounds_per_call must be >= 1, got {rounds_per_call}")
+  t0 = time.perf_counter()
+  state = start(models, dcfg, prompts, max_new, **start_kw)
+  jax.block_until_ready(state.n_past)
+  t1 = time.perf_counter()
+  n_prompt = np.asarray(state.n_prompt)
+  sent = [0] * len(n_prompt)
+  while True:
+    state = run_rounds(models, dcfg, state, jnp.int32(rounds_per_call))
+    n_past, done, tokens = jax.device_get((state.n_past, state.done, state.tokens))
+    for i in range(len(n_prompt)):
+      vis = _visible(tokens[i, n_prompt[i]:n_past[i] + 1], dcfg.eos_ids, max_new)
+      if on_tokens is not None and len(vis) > sent[i]:
+        on_tokens(i, vis[sent[i]:])
+      sent[i] = len(vis)
+    if done.all():
+      break
+  t2 = time.perf_counter()
+  rounds, hist = jax.device_get((state.rounds, state.hist))
+  out = [_visible(tokens[i, n_prompt[i]:n_past[i] + 1], dcfg.eos_ids, max_new)
+         for i in range(len(n_prompt))]
+  return Generation(tokens=out, rounds=rounds, hist=hist, seconds=t2 - t1, prefill_seconds=t1 - t0)
+
+
+def generate_target_only(target: qwen3.TargetParams, cfg: qwen3.TargetConfig,
+                         prompts: Sequence[Sequence[int]], max_new: int, *,
+                         sampling: Sampling = Sampling(), eos_ids: tuple[int, ...] = (),
+                         target_impl: str = "xla", **kw) -> Generation:
+  """The target's own decoding (one token per round) with the same target code."""
+  return generate(Models(target=target, drafter=None, d2t=None, target_cfg=cfg),
+                  DecodeConfig(width=1, sampling=sampling, eos_ids=eos_ids,
+                               target_impl=target_impl), prompts, max_new, **kw)
