@@ -22,3 +22,11 @@ TCFG = qwen3.TargetConfig(vocab_size=80, hidden_size=32, intermediate_size=64,
 CFG = dfj.DFlashConfig(n_layer=1, n_embd=32, n_ff=64, n_head=2, n_head_kv=1, head_dim=16,
                        rope_theta=1e4, eps=1e-6, target_layers=(1, 2), mask_token_id=79,
                        block_size=8, window=16)
+
+from dflash_jax.train import trainer as TR  # noqa: E402
+
+TC = TR.DrafterTrainConfig(optim=TR.OptimConfig(lr=1e-2, total_steps=40, warmup_steps=2),
+                           compute_dtype="bf16")
+TRAIN_STATIC = ("cfg", "target_cfg", "tc")
+drafter_step = fast_jit(TR.drafter_train_step, static_argnames=TRAIN_STATIC,
+                        donate_argnames=("state",))

@@ -1,5 +1,5 @@
-"""The drafter train step: online = cached features, float32 masters under bf16 compute, the
-loss falls, and a checkpointed run resumes to the same weights as an uninterrupted one."""
+"""The drafter train step: online = cached features, float32 masters under bf16 compute, and
+a checkpointed run resumes to the same weights as an uninterrupted one."""
 import dataclasses
 
 import jax
@@ -13,21 +13,16 @@ from dflash_jax.train import data as D
 from dflash_jax.train import forward as F
 from dflash_jax.train import trainer as TR
 
-from _train_common import CFG, TCFG, fast_jit
-
-TC = TR.DrafterTrainConfig(optim=TR.OptimConfig(lr=3e-3, total_steps=40, warmup_steps=2),
-                           compute_dtype="bf16")
-_STATIC = ("cfg", "target_cfg", "tc")
-_step = fast_jit(TR.drafter_train_step, static_argnames=_STATIC, donate_argnames=("state",))
+from _train_common import CFG, TC, TCFG, drafter_step, fast_jit
 
 
-def _setup(seed=0, n_seq=8, t=24):
+def _setup(seed=0, n_seq=16, t=32):
   target = qwen3.init_params(TCFG, jax.random.key(seed))
   rng = np.random.default_rng(seed)
   tokens = rng.integers(0, 79, (n_seq, t)).astype(np.int32)
   mask = np.ones_like(tokens, bool)
   mask[:, :4] = False
-  data = D.DrafterData(tokens, mask, batch_size=4, n_anchors=3, seed=seed)
+  data = D.DrafterData(tokens, mask, batch_size=8, n_anchors=8, seed=seed)
   return target, data
 
 
@@ -50,7 +45,7 @@ def test_online_features_equal_cached_features():
 def _run(state, target, data, steps):
   losses = []
   for s in steps:
-    state, m = _step(state, target, data.batch(s), cfg=CFG, target_cfg=TCFG,
+    state, m = drafter_step(state, target, data.batch(s), cfg=CFG, target_cfg=TCFG,
                                          tc=TC)
     losses.append(float(m["loss"]))
   return state, losses

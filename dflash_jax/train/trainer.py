@@ -63,7 +63,9 @@ class TrainState:
 
 
 def init_state(params: Any, oc: OptimConfig) -> TrainState:
-  params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
+  """A fresh state holding float32 copies of params (the donated steps never delete the
+  caller's arrays)."""
+  params = jax.tree.map(lambda x: jnp.array(x, jnp.float32, copy=True), params)
   return TrainState(params=params, opt_state=oc.optimizer().init(params),
                     step=jnp.zeros((), jnp.int32))
 
