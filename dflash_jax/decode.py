@@ -59,14 +59,12 @@ class DecodeConfig:
   "xla"); target_impl: the target's GEMMs ("xla", or "pallas" for the skinny GEMM)."""
   width: int
   sampling: Sampling = Sampling()
-  eos_ids: tuple[int, ...] = ()
   impl: str = "pallas"
   target_impl: str = "xla"
 
   def __post_init__(self):
     if isinstance(self.width, bool) or not isinstance(self.width, int) or self.width < 1:
       raise ValueError(f"width must be an int >= 1, got {self.width!r}")
-    object.__setattr__(self, "eos_ids", tuple(int(e) for e in self.eos_ids))
     step.kernels(self.impl)
     step.kernels(self.target_impl)
 
@@ -76,8 +74,8 @@ class DecodeState:
   """The whole decoding state (donated into every call). Per slot s: tokens[s, :n_past+1]
   are the prompt and committed tokens (id_last = tokens[s, n_past]); the target cache holds
   positions < n_past; pending/n_new: features of the rows committed last round, not yet in
-  the ring; hist[s, j]: rounds that accepted j drafts; oracle: benchmark/test-only drafts
-  (None: the drafter's)."""
+  the ring; hist[s, j]: rounds that accepted j drafts; eos: the ids that end the sequence
+  (-1 pads); oracle: benchmark/test-only drafts (None: the drafter's)."""
   cache: qwen3.TargetCache
   ring: step.RingState | None       # leading slot axis
   tokens: jax.Array                 # [S, L] int32
@@ -90,6 +88,7 @@ class DecodeState:
   done: jax.Array                   # [S] bool
   rounds: jax.Array                 # [S] int32
   hist: jax.Array                   # [S, width] int32
+  eos: jax.Array                    # [S, n_eos] int32
   key: jax.Array                    # [S] PRNG keys
   oracle: jax.Array | None          # [S, L] int32
 
@@ -209,10 +208,8 @@ def _round(models: Models, dcfg: DecodeConfig, st: DecodeState) -> DecodeState:
   tokens = jax.vmap(lambda b, c, p: lax.dynamic_update_slice(b, c, (p,)))(
       st.tokens, committed, st.n_past + 1)
   n_past = st.n_past + n_ok + 1
-  stop = n_past + 1 >= st.max_len
-  if dcfg.eos_ids:
-    is_eos = (committed[:, :, None] == jnp.asarray(dcfg.eos_ids, jnp.int32)).any(-1)
-    stop |= (is_eos & (rows <= n_ok[:, None])).any(-1)
+  is_eos = (committed[:, :, None] == st.eos[:, None, :]).any(-1) & (rows <= n_ok[:, None])
+  stop = (n_past + 1 >= st.max_len) | is_eos.any(-1)
 
   def keep(new, old):   # finished slots keep their state
     return jnp.where(active.reshape(-1, *([1] * (new.ndim - 1))), new, old)
@@ -240,13 +237,14 @@ run_rounds = jax.jit(_rounds, static_argnames=("dcfg",), donate_argnames=("state
 round_jit = jax.jit(_round, static_argnames=("dcfg",), donate_argnames=("st",))
 
 
-@functools.partial(jax.jit, static_argnames=("dcfg",), donate_argnames=("cache", "ring"))
-def _prefill(models: Models, dcfg: DecodeConfig, cache, ring, tokens, n_valid):
+@functools.partial(jax.jit, static_argnames=("impl", "target_impl"),
+                   donate_argnames=("cache", "ring"))
+def _prefill(models: Models, cache, ring, tokens, n_valid, *, impl: str, target_impl: str):
   capture = models.drafter.cfg.target_layers if models.drafter is not None else ()
   cache, feats = qwen3.prefill(models.target, models.target_cfg, cache, tokens, n_valid,
-                               capture_layers=capture, impl=dcfg.target_impl)
+                               capture_layers=capture, impl=target_impl)
   if models.drafter is not None:
-    ring = _inject_prompt(models, ring, feats, n_valid, dcfg.impl)
+    ring = _inject_prompt(models, ring, feats, n_valid, impl)
   return cache, ring
 
 
@@ -268,7 +266,8 @@ def _check_prompts(prompts, vocab: int) -> list[np.ndarray]:
 
 
 def start(models: Models, dcfg: DecodeConfig, prompts: Sequence[Sequence[int]], max_new: int, *,
-          seed: int = 0, capacity: int | None = None, window: int | None = None,
+          eos_ids: Sequence[int] = (), seed: int = 0, capacity: int | None = None,
+          window: int | None = None,
           cache_dtype: Any = "fp32", ring_dtype: Any = "fp32",
           oracle: Sequence[Sequence[int]] | None = None) -> DecodeState:
   """Prefill every prompt (one slot each; SPEC.md section 4 step 1) and return the state.
@@ -285,7 +284,8 @@ def start(models: Models, dcfg: DecodeConfig, prompts: Sequence[Sequence[int]], 
   ps = _check_prompts(prompts, tc.vocab_size)
   if isinstance(max_new, bool) or not isinstance(max_new, (int, np.integer)) or max_new < 1:
     raise ValueError(f"max_new must be an int >= 1, got {max_new!r}")
-  bad = [e for e in dcfg.eos_ids if not 0 <= e < tc.vocab_size]
+  eos_ids = tuple(int(e) for e in eos_ids)
+  bad = [e for e in eos_ids if not 0 <= e < tc.vocab_size]
   if bad:
     raise ValueError(f"eos ids {bad} outside the vocab [0, {tc.vocab_size})")
   s, w = len(ps), dcfg.width
@@ -310,7 +310,8 @@ def start(models: Models, dcfg: DecodeConfig, prompts: Sequence[Sequence[int]], 
     step.attention_knobs(r.window, r.k.dtype, dcfg.impl)   # the window's kernel limits, now
     ring = jax.tree.map(lambda a: jnp.broadcast_to(a, (s, *a.shape)), r)
     pending = jnp.zeros((s, w, models.drafter.cfg.n_embd_fc), jnp.float32)
-  cache, ring = _prefill(models, dcfg, cache, ring, jnp.asarray(pre), jnp.asarray(n_prompt - 1))
+  cache, ring = _prefill(models, cache, ring, jnp.asarray(pre), jnp.asarray(n_prompt - 1),
+                         impl=dcfg.impl, target_impl=dcfg.target_impl)
   orc = None
   if oracle is not None:
     if len(oracle) != s:
@@ -325,6 +326,7 @@ def start(models: Models, dcfg: DecodeConfig, prompts: Sequence[Sequence[int]], 
       n_new=jnp.zeros((s,), jnp.int32), n_prompt=jnp.asarray(n_prompt),
       max_len=jnp.asarray(n_prompt + max_new, jnp.int32), done=jnp.zeros((s,), bool),
       rounds=jnp.zeros((s,), jnp.int32), hist=jnp.zeros((s, w), jnp.int32),
+      eos=jnp.asarray(np.tile(np.array(eos_ids or (-1,), np.int32), (s, 1))),
       key=jax.random.split(jax.random.key(seed), s), oracle=orc)
 
 
@@ -359,7 +361,7 @@ def _visible(row: np.ndarray, eos_ids: tuple[int, ...], max_new: int) -> list[in
 
 
 def generate(models: Models, dcfg: DecodeConfig, prompts: Sequence[Sequence[int]], max_new: int,
-             *, rounds_per_call: int = 8,
+             *, eos_ids: Sequence[int] = (), rounds_per_call: int = 8,
              on_tokens: Callable[[int, list[int]], None] | None = None, **start_kw) -> Generation:
   """Decode every prompt (one slot each) to max_new tokens or EOS.
 
@@ -370,7 +372,8 @@ def generate(models: Models, dcfg: DecodeConfig, prompts: Sequence[Sequence[int]
   if rounds_per_call < 1:
     raise ValueError(f"rounds_per_call must be >= 1, got {rounds_per_call}")
   t0 = time.perf_counter()
-  state = start(models, dcfg, prompts, max_new, **start_kw)
+  eos_ids = tuple(int(e) for e in eos_ids)
+  state = start(models, dcfg, prompts, max_new, eos_ids=eos_ids, **start_kw)
   jax.block_until_ready(state.n_past)
   t1 = time.perf_counter()
   n_prompt = np.asarray(state.n_prompt)
@@ -379,7 +382,7 @@ def generate(models: Models, dcfg: DecodeConfig, prompts: Sequence[Sequence[int]
     state = run_rounds(models, dcfg, state, jnp.int32(rounds_per_call))
     n_past, done, tokens = jax.device_get((state.n_past, state.done, state.tokens))
     for i in range(len(n_prompt)):
-      vis = _visible(tokens[i, n_prompt[i]:n_past[i] + 1], dcfg.eos_ids, max_new)
+      vis = _visible(tokens[i, n_prompt[i]:n_past[i] + 1], eos_ids, max_new)
       if on_tokens is not None and len(vis) > sent[i]:
         on_tokens(i, vis[sent[i]:])
       sent[i] = len(vis)
@@ -387,16 +390,16 @@ def generate(models: Models, dcfg: DecodeConfig, prompts: Sequence[Sequence[int]
       break
   t2 = time.perf_counter()
   rounds, hist = jax.device_get((state.rounds, state.hist))
-  out = [_visible(tokens[i, n_prompt[i]:n_past[i] + 1], dcfg.eos_ids, max_new)
+  out = [_visible(tokens[i, n_prompt[i]:n_past[i] + 1], eos_ids, max_new)
          for i in range(len(n_prompt))]
   return Generation(tokens=out, rounds=rounds, hist=hist, seconds=t2 - t1, prefill_seconds=t1 - t0)
 
 
 def generate_target_only(target: qwen3.TargetParams, cfg: qwen3.TargetConfig,
                          prompts: Sequence[Sequence[int]], max_new: int, *,
-                         sampling: Sampling = Sampling(), eos_ids: tuple[int, ...] = (),
-                         target_impl: str = "xla", **kw) -> Generation:
+                         sampling: Sampling = Sampling(), target_impl: str = "xla",
+                         **kw) -> Generation:
   """The target's own decoding (one token per round) with the same target code."""
   return generate(Models(target=target, drafter=None, d2t=None, target_cfg=cfg),
-                  DecodeConfig(width=1, sampling=sampling, eos_ids=eos_ids,
-                               target_impl=target_impl), prompts, max_new, **kw)
+                  DecodeConfig(width=1, sampling=sampling, target_impl=target_impl), prompts,
+                  max_new, **kw)

@@ -1,0 +1,177 @@
+"""Speculative decoding (dflash_jax.decode): lossless greedy decoding against target-only
+decoding with the same target code, the ring's contents against the target's own features,
+the reduced draft vocab against the full vocab restricted the same way, and input errors."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dflash_jax import decode as D
+from dflash_jax import step as S
+from dflash_jax.models import qwen3 as Q
+import tiny_models as TM
+
+PROMPT_LENGTHS = (1, 2, 3, 7, 12, 20)
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def pair():
+  tcfg, tp = TM.target(seed=0)
+  return tcfg, tp, TM.drafter(tcfg, tp, seed=1)
+
+
+@pytest.fixture(scope="module")
+def prompts(pair):
+  rng = np.random.default_rng(2)
+  return [rng.integers(0, pair[0].vocab_size, n).tolist() for n in PROMPT_LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def reference(pair, prompts):
+  """Target-only greedy continuations, and an EOS id that stops some slots early."""
+  tcfg, tp, _ = pair
+  g = D.generate_target_only(tp, tcfg, prompts, MAX_NEW)
+  assert [len(t) for t in g.tokens] == [MAX_NEW] * len(prompts)
+  assert g.hist.sum() == g.rounds.sum() == MAX_NEW * len(prompts)
+  eos = g.tokens[0][9]
+  ge = D.generate_target_only(tp, tcfg, prompts, MAX_NEW, eos_ids=(eos,))
+  for full, cut in zip(g.tokens, ge.tokens):
+    want = full[:full.index(eos) + 1] if eos in full else full
+    assert cut == want
+  assert any(len(t) < MAX_NEW for t in ge.tokens)
+  return g.tokens, eos, ge.tokens
+
+
+def _noisy_oracle(prompts, continuations, seed):
+  """The target's own continuation with ~1/4 of its tokens replaced: every acceptance length
+  occurs, with corrections after partial accepts and bonus tokens after full ones."""
+  rng = np.random.default_rng(seed)
+  out = []
+  for p, c in zip(prompts, continuations):
+    c = np.array(c)
+    bad = rng.random(len(c)) < 0.25
+    c[bad] = (c[bad] + 1 + rng.integers(0, 90, bad.sum())) % 97
+    out.append(list(p) + c.tolist())
+  return out
+
+
+@pytest.mark.parametrize("width, oracle", [(8, False), (5, True)], ids=["random-w8", "oracle-w5"])
+def test_greedy_speculative_is_lossless(pair, prompts, reference, width, oracle):
+  tcfg, tp, dp = pair
+  ref, eos, ref_eos = reference
+  m = TM.models(tcfg, tp, dp)
+  dcfg = D.DecodeConfig(width=width, impl="xla")
+  orc = _noisy_oracle(prompts, ref, seed=width) if oracle else None
+  streamed = {i: [] for i in range(len(prompts))}
+  g = D.generate(m, dcfg, prompts, MAX_NEW, oracle=orc, rounds_per_call=2,
+                 on_tokens=lambda i, t: streamed[i].extend(t))
+  assert g.tokens == ref
+  assert [streamed[i] for i in range(len(prompts))] == ref
+  assert (g.hist.sum(1) == g.rounds).all()
+  # Every round commits n_ok + 1 tokens; the last one may overshoot max_new.
+  committed = (g.hist * np.arange(1, width + 1)).sum(1)
+  assert (committed >= MAX_NEW).all() and (committed < MAX_NEW + width).all()
+  if oracle:
+    assert (g.hist[:, 1:].sum() > 0) and g.hist[:, -1].sum() > 0, g.hist   # long accepts, bonus
+    assert g.tau > 2
+  ge = D.generate(m, dcfg, prompts, MAX_NEW, oracle=orc, eos_ids=(eos,))
+  assert ge.tokens == ref_eos
+
+
+def test_greedy_pallas_interpret(pair, prompts, reference):
+  """The drafter's Pallas kernels (interpret mode) in the loop: still lossless."""
+  tcfg, tp, dp = pair
+  g = D.generate(TM.models(tcfg, tp, dp), D.DecodeConfig(width=4, impl="pallas"), prompts[3:4],
+                 6, oracle=_noisy_oracle(prompts[3:4], reference[0][3:4], seed=3))
+  assert g.tokens == [reference[0][3][:6]]
+
+
+def test_ring_holds_the_committed_features(pair, prompts, reference):
+  """After some rounds, the drafter's ring holds exactly the target's features of the
+  committed tokens at positions 0 .. n_past - n_new - 1 (the last round's rows pending)."""
+  tcfg, tp, dp = pair
+  m = TM.models(tcfg, tp, dp)
+  dcfg = D.DecodeConfig(width=5, impl="xla")
+  st = D.start(m, dcfg, prompts, MAX_NEW, oracle=_noisy_oracle(prompts, reference[0], seed=5))
+  st = D.run_rounds(m, dcfg, st, jnp.int32(4))
+  n_past, n_new = np.asarray(st.n_past), np.asarray(st.n_new)
+  np.testing.assert_array_equal(st.cache.length, n_past)
+  assert (n_new >= 1).all() and len(set(n_new.tolist())) > 1
+  tokens = np.asarray(st.tokens)
+  for s in range(len(prompts)):
+    got = tokens[s, :n_past[s] + 1]
+    np.testing.assert_array_equal(got, prompts[s] + reference[0][s][:len(got) - len(prompts[s])])
+  # Causal: the features of each slot's committed rows do not depend on the rows after them.
+  _, feats = Q.forward_jit(tp, tcfg, tokens, capture_layers=dp.cfg.target_layers,
+                           with_logits=False)
+  n_in = n_past - n_new
+  ring = jax.tree.map(lambda a: jnp.broadcast_to(a, (len(prompts), *a.shape)),
+                      S.init_ring(dp.cfg, dp.cfg.window))
+  want = jax.jit(jax.vmap(lambda r, f, n: S.inject(
+      dp, r, S.encode(dp, f, impl="xla"), jnp.arange(f.shape[0]), n, impl="xla")))(
+          ring, feats, jnp.asarray(n_in))
+  np.testing.assert_array_equal(st.ring.pos, want.pos)
+  np.testing.assert_allclose(st.ring.k, want.k, rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(st.ring.v, want.v, rtol=1e-4, atol=1e-4)
+  for s in range(len(prompts)):
+    np.testing.assert_allclose(st.pending[s, :n_new[s]], feats[s, n_in[s]:n_past[s]],
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_reduced_draft_vocab_equals_restricted_full_vocab(pair, prompts):
+  """A drafter whose head keeps only the d2t rows proposes what the full-vocab drafter
+  proposes when its logits are restricted to those rows (greedy and sampled proposals)."""
+  tcfg, tp, dp = pair
+  d2t = np.sort(np.random.default_rng(7).choice(tcfg.vocab_size, 40, replace=False))
+  full = TM.models(tcfg, tp, dp)
+  reduced = TM.models(tcfg, tp, TM.drafter(tcfg, tp, seed=1, d2t=d2t), d2t=d2t)
+  # The two drafters differ only in the LM head, so one prefilled state serves both.
+  st = D.start(reduced, D.DecodeConfig(width=6, impl="xla"), prompts, 8)
+  _, _, logits = jax.jit(jax.vmap(lambda r, f, nn, i, p: S.draft_round(
+      full.drafter, r, f, nn, i, p, impl="xla")))(st.ring, st.pending, st.n_new, st.id_last,
+                                                   st.n_past)
+  restricted = logits[:, 1:6][..., d2t]
+  keys = jax.random.split(jax.random.key(3), len(prompts))
+  for samp in (D.Sampling(), D.Sampling(temperature=0.7, proposals="sampled")):
+    dcfg = D.DecodeConfig(width=6, sampling=samp, impl="xla")
+    ring, drafts, q = jax.jit(D._propose, static_argnames="dcfg")(reduced, dcfg, st, keys)
+    if samp.greedy:
+      np.testing.assert_array_equal(drafts, d2t[np.argmax(restricted, -1)])
+      assert q is None
+    else:
+      want = np.zeros(q.shape, np.float32)
+      want[..., d2t] = jax.nn.softmax(restricted / 0.7, -1)
+      np.testing.assert_allclose(q, want, rtol=1e-5, atol=1e-6)
+      assert np.isin(np.asarray(drafts), d2t).all()   # verified in target ids
+
+
+def test_input_errors(pair):
+  tcfg, tp, dp = pair
+  m = TM.models(tcfg, tp, dp)
+  dcfg = D.DecodeConfig(width=4, impl="xla")
+  with pytest.raises(ValueError, match="capacity 20 < longest prompt 5 \\+ max_new 16 \\+ width 4"):
+    D.start(m, dcfg, [[1, 2, 3, 4, 5]], 16, capacity=20)
+  with pytest.raises(ValueError, match="outside the vocab \\[0, 97\\)"):
+    D.start(m, dcfg, [[1, 97]], 4)
+  with pytest.raises(ValueError, match="non-empty"):
+    D.start(m, dcfg, [[]], 4)
+  with pytest.raises(ValueError, match="max_new must be an int >= 1"):
+    D.start(m, dcfg, [[1]], 0)
+  with pytest.raises(ValueError, match="eos ids \\[200\\]"):
+    D.start(m, dcfg, [[1]], 4, eos_ids=(200,))
+  with pytest.raises(ValueError, match="width must lie in \\[2, block_size 8\\]"):
+    D.check_models(m, D.DecodeConfig(width=9))
+  with pytest.raises(ValueError, match="width 4 needs a drafter"):
+    D.check_models(m.replace(drafter=None), dcfg)
+  with pytest.raises(ValueError, match="a reduced draft vocab needs d2t"):
+    D.check_models(TM.models(tcfg, tp, TM.drafter(tcfg, tp, d2t=np.arange(10))), dcfg)
+  with pytest.raises(ValueError, match="distinct target ids"):
+    D.check_models(TM.models(tcfg, tp, TM.drafter(tcfg, tp, d2t=np.arange(10)),
+                             d2t=np.zeros(10, int)), dcfg)
+  deep = dataclasses.replace(dp.cfg, target_layers=(1, 3))
+  with pytest.raises(ValueError, match="capture_layers \\[3\\] outside \\[0, 2\\]"):
+    D.check_models(m.replace(drafter=dp.replace(cfg=deep)), dcfg)
+  np.testing.assert_array_equal(D.d2t_from_offsets([5, 5, 6]), [5, 6, 8])
