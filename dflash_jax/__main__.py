@@ -5,9 +5,10 @@ import argparse
 import importlib
 import sys
 
-# Each module dflash_jax.cli.<name> defines register(subparsers), which adds its parser and
-# sets `run` (args -> exit status) as the parser's default.
-COMMANDS = ("demo", "convert")
+# Each module dflash_jax.cli.<name> (dashes in a command's name are underscores in its module's)
+# defines register(subparsers), which adds its parser and sets `run` (args -> exit status) as
+# the parser's default.
+COMMANDS = ("demo", "convert", "train-target", "train-drafter", "eval")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -15,7 +16,7 @@ def _parser() -> argparse.ArgumentParser:
                               description="DFlash block-diffusion speculative decoding in JAX")
   sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
   for name in COMMANDS:
-    importlib.import_module(f"dflash_jax.cli.{name}").register(sub)
+    importlib.import_module(f"dflash_jax.cli.{name.replace('-', '_')}").register(sub)
   return p
 
 
