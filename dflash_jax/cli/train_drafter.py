@@ -72,12 +72,16 @@ def train_drafter(args) -> int:
   from dflash_jax.train import recipes
   from dflash_jax.train import trainer as TR
   from dflash_jax.train.loss import resolve_gamma
+  from dflash_jax.train.trainer import cast_matrices
 
   tok = D.TOKENIZER
   try:
     tcfg, target = qwen3.load_target(args.target)
   except (ValueError, OSError) as e:
     return C.arg_error(PROG, "--target", e)
+  # The frozen target computes (features, distilled continuations) in the compute dtype, as
+  # `eval --dtype` decodes with it.
+  target = cast_matrices(target, args.compute_dtype)
   layers = args.target_layers or default_target_layers(tcfg.num_hidden_layers)
   try:
     qwen3.check_capture_layers(tcfg, layers)

@@ -34,7 +34,7 @@ def _generate(params: qwen3.TargetParams, cfg: qwen3.TargetConfig, prompts: jax.
 
 def greedy_continuations(params: qwen3.TargetParams, cfg: qwen3.TargetConfig,
                          prompts: np.ndarray, n_new: int, batch_size: int = 256,
-                         cache_dtype: str = "bf16") -> np.ndarray:
+                         cache_dtype: str = "fp32") -> np.ndarray:
   """[N, n_new] int32: the target's greedy continuation of each prompt [N, P] (P >= 2; the
   argmax breaks ties to the lowest id), computed batch_size prompts at a time with the KV cache
   (prefill, then one verify per token inside one jitted scan). No early stop at EOS."""
