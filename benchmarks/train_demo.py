@@ -10,19 +10,19 @@ trained against it, both evaluated on held-out stdlib files, every stage one com
 Each stage runs the `python -m dflash_jax` subcommand with the presets below (printed as the
 equivalent command line) and everything it writes is small: W/target holds config.json, the
 bf16 safetensors (~26 MB for the GPU preset, in shards when save_target shards) and
-train_log.json; W/drafter holds drafter.gguf (bf16, ~12 MB) and train_log.json. A fresh
+train_log.json; W/drafter holds drafter.gguf (bf16, ~11 MB) and train_log.json. A fresh
 machine per stage works: carry W from the previous stage. `eval` writes OUT/eval.md,
 OUT/eval.json, OUT/loss_curves.png and OUT/demo.md (sizes, FLOP counts, stage times, table).
 
 Sizing (GPU preset; FLOPs = 6 x params per trained token + 12 L T E for attention, forward +
-backward): target 8 x 384 (FFN 1024, 6/2 heads of 64, vocab 272): 12.8 M params, ~95 MFLOP per
-token; 3000 steps x 64 x 512 tokens = 98 M tokens (~3 epochs of the ~30 M byte corpus) =
-9.3 PFLOP, ~1 min at 150 TFLOP/s, more as the tiny GEMMs and the unfused T^2 attention run
-below peak. Drafter 3 x 384: 4.7 M params; a step (32 sequences x 32 anchors x 16 rows =
-16 k block rows, plus the frozen target's forward over 32 x 512 tokens for the features)
-~1.6 TFLOP, 3000 steps ~5 PFLOP. Distillation: 8192 prompts x 384 greedy tokens through the
-KV cache, 1024 at a time (384 cached steps per batch, memory-bound, seconds). Eval: 32 prompts
-x 256 tokens per method at batch 1 (latency-bound).
+backward): target 8 x 384 (FFN 1024, 6 query / 3 kv heads of 64, vocab 272): 13.2 M params,
+~98 MFLOP per token; 3000 steps x 64 x 512 tokens = 98 M tokens (~3 epochs of the ~30 M byte
+corpus) = 9.6 PFLOP, ~1 min at 150 TFLOP/s, more as the small GEMMs and the unfused T^2
+attention run below peak. Drafter 3 x 384: 5.3 M params; a step (32 sequences x 32 anchors x
+16 rows = 16 k block rows, plus the frozen target's forward over 32 x 512 tokens for the
+features) ~1.7 TFLOP, 3000 steps ~5 PFLOP. Distillation: 8192 prompts x 384 greedy tokens
+through the KV cache, 1024 at a time (384 cached steps per batch, memory-bound, seconds).
+Eval: 32 prompts x 256 tokens per method at batch 1 (latency-bound).
 
 Why self-distillation: the drafter is judged on the target's greedy continuations, so its
 training sequences are exactly those (held-out-free training prompts + 384 target tokens,
@@ -41,7 +41,7 @@ import time
 from dflash_jax.__main__ import main as cli
 
 GPU = dict(
-    target=["--layers", "8", "--hidden", "384", "--heads", "6", "--kv-heads", "2",
+    target=["--layers", "8", "--hidden", "384", "--heads", "6", "--kv-heads", "3",
             "--head-dim", "64", "--ffn", "1024", "--seq-len", "512", "--batch", "64",
             "--steps", "3000", "--lr", "2e-3", "--warmup", "200", "--log-every", "100",
             "--eval-every", "500", "--max-minutes", "7"],

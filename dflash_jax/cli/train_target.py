@@ -26,7 +26,9 @@ def register(sub) -> None:
   p.add_argument("--layers", type=C.positive_int, default=8)
   p.add_argument("--hidden", type=C.positive_int, default=384)
   p.add_argument("--heads", type=C.positive_int, default=6)
-  p.add_argument("--kv-heads", type=C.positive_int, default=2)
+  p.add_argument("--kv-heads", type=C.positive_int, default=3,
+                 help="default 3: heads / kv-heads must be a power of 2 for the drafter's "
+                      "Pallas kernels (the drafter takes the target's head layout)")
   p.add_argument("--head-dim", type=C.positive_int, default=64)
   p.add_argument("--ffn", type=C.positive_int, default=1024)
   p.add_argument("--rope-theta", type=C.positive_float, default=1e4)
