@@ -2,7 +2,6 @@
 equal the reference step at n_past = a after injecting the context features of positions < a."""
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -10,8 +9,9 @@ import pytest
 import dflash_jax as dfj
 from dflash_jax.config import FULL, SLIDING
 from dflash_jax.train import forward as F
-from _train_common import fast_jit
 from reference import DFlashRef
+
+from _train_common import fast_jit
 
 CFG = dataclasses.replace(dfj.TINY_CONFIG, window=None)   # block 8, 2 layers, GQA 4/2
 VOCAB = 96

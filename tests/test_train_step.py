@@ -1,7 +1,5 @@
 """The drafter train step: online = cached features, float32 masters under bf16 compute, and
 a checkpointed run resumes to the same weights as an uninterrupted one."""
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -50,7 +50,7 @@ def evaluate(args) -> int:
   from dflash_jax.train import data as D
   from dflash_jax.train import evaluate as E
   from dflash_jax.train import recipes
-  from dflash_jax.train.trainer import cast_matrices
+  from dflash_jax.train.forward import cast_matrices
 
   if any(w < 2 for w in args.widths):
     return C.arg_error(PROG, "--widths", f"block widths must be >= 2, got {args.widths}")

@@ -72,7 +72,7 @@ def train_drafter(args) -> int:
   from dflash_jax.train import recipes
   from dflash_jax.train import trainer as TR
   from dflash_jax.train.loss import resolve_gamma
-  from dflash_jax.train.trainer import cast_matrices
+  from dflash_jax.train.forward import cast_matrices
 
   tok = D.TOKENIZER
   try:

@@ -6,7 +6,6 @@ target (HF folder) and drafter (GGUF).
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import jax
 import orbax.checkpoint as ocp

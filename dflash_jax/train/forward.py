@@ -55,11 +55,12 @@ def check_weights(cfg: DFlashConfig, w: Weights) -> None:
                        f"expected {shape}")
 
 
-def compute_weights(w: Weights, compute_dtype: Any) -> dict[str, jax.Array]:
-  """The weights the forward computes with: matrices in compute_dtype (bf16 training keeps
-  float32 masters and casts here, so gradients reach the masters in float32), norms float32."""
-  dt = resolve_dtype(compute_dtype, "compute_dtype")
-  return {k: (v.astype(dt) if v.ndim == 2 else v.astype(jnp.float32)) for k, v in w.items()}
+def cast_matrices(tree: Any, dtype: Any) -> Any:
+  """Matrices (ndim 2) in dtype, everything else as is: the compute copy of float32 masters
+  (bf16 training casts here, inside the loss, so gradients reach the masters in float32).
+  Works on any pytree (drafter weight dicts, TargetParams)."""
+  dt = resolve_dtype(dtype, "compute_dtype")
+  return jax.tree.map(lambda x: x.astype(dt) if x.ndim == 2 else x, tree)
 
 
 def _norm_rope(x: jax.Array, w: jax.Array, pos: jax.Array, inv_freq: jax.Array,
@@ -111,7 +112,7 @@ def block_logits(w: Weights, tok_embd: jax.Array, lm_head: jax.Array, cfg: DFlas
     raise ValueError(f"tokens must be [S, T] = {(s, t)} like features, got {tokens.shape}")
   if anchors.ndim != 2 or anchors.shape[0] != s:
     raise ValueError(f"anchors must be [S, A] with S = {s}, got {anchors.shape}")
-  cw = compute_weights(w, dt)
+  cw = cast_matrices(w, dt)
   bsz, hq, hkv, d, eps = cfg.block_size, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.eps
   g = hq // hkv
   inv_freq = jnp.asarray(rope_inv_freq(d, cfg.rope_theta))

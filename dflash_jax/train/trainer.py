@@ -18,9 +18,8 @@ import optax
 
 from dflash_jax.config import DFlashConfig
 from dflash_jax.models import qwen3
-from dflash_jax.params import resolve_dtype
 from dflash_jax.train.data import DrafterBatch
-from dflash_jax.train.forward import block_logits
+from dflash_jax.train.forward import block_logits, cast_matrices
 from dflash_jax.train.loss import block_loss, block_targets, resolve_gamma
 
 
@@ -75,12 +74,6 @@ def _apply(state: TrainState, grads: Any, oc: OptimConfig, metrics: dict) -> tup
   metrics = dict(metrics, grad_norm=optax.tree.norm(grads), lr=oc.schedule()(state.step))
   return TrainState(params=optax.apply_updates(state.params, updates), opt_state=opt_state,
                     step=state.step + 1), metrics
-
-
-def cast_matrices(tree: Any, dtype: Any) -> Any:
-  """Matrices (ndim 2) in dtype, everything else as is: the compute copy of float32 masters."""
-  dt = resolve_dtype(dtype, "compute_dtype")
-  return jax.tree.map(lambda x: x.astype(dt) if x.ndim == 2 else x, tree)
 
 
 # --- drafter ---------------------------------------------------------------------------------
