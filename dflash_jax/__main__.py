@@ -8,7 +8,7 @@ import sys
 # Each module dflash_jax.cli.<name> (dashes in a command's name are underscores in its module's)
 # defines register(subparsers), which adds its parser and sets `run` (args -> exit status) as
 # the parser's default.
-COMMANDS = ("demo", "convert", "train-target", "train-drafter", "eval")
+COMMANDS = ("demo", "convert", "generate", "train-target", "train-drafter", "eval")
 
 
 def _parser() -> argparse.ArgumentParser:

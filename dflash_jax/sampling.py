@@ -81,6 +81,8 @@ def choose(key: jax.Array, logits: jax.Array, s: Sampling) -> jax.Array:
 def _first_false(ok: jax.Array) -> jax.Array:
   """ok [S, n] bool -> index of the first False per row (n when all True), int32."""
   n = ok.shape[-1]
+  if n == 0:
+    return jnp.zeros(ok.shape[:-1], jnp.int32)
   return jnp.min(jnp.where(ok, n, jnp.arange(n, dtype=jnp.int32)), axis=-1).astype(jnp.int32)
 
 

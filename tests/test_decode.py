@@ -175,3 +175,75 @@ def test_input_errors(pair):
   with pytest.raises(ValueError, match="capture_layers \\[3\\] outside \\[0, 2\\]"):
     D.check_models(m.replace(drafter=dp.replace(cfg=deep)), dcfg)
   np.testing.assert_array_equal(D.d2t_from_offsets([5, 5, 6]), [5, 6, 8])
+
+
+# --- python -m dflash_jax generate ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def folders(pair, tmp_path_factory):
+  """The pair on disk: an HF target folder with a word-level tokenizer.json, a drafter GGUF."""
+  import dflash_jax as dfj
+  from tokenizers import Tokenizer, models, pre_tokenizers
+  tcfg, tp, _ = pair
+  root = tmp_path_factory.mktemp("generate")
+  Q.save_target(root / "target", tcfg, tp, dtype="f32")
+  tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(tcfg.vocab_size)}, unk_token="w0"))
+  tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+  tok.save(str(root / "target" / "tokenizer.json"))
+  dcfg, w = TM.drafter_weights(tcfg, seed=1)
+  dfj.save_drafter(str(root / "drafter.gguf"), dcfg, w)
+  return root, tok
+
+
+def test_generate_cli(folders, capsys):
+  from dflash_jax.__main__ import main
+  root, tok = folders
+  target, drafter = str(root / "target"), str(root / "drafter.gguf")
+  assert main(["generate", "--target", target, "--drafter", drafter, "--prompt", "w5 w9 w3",
+               "--max-new", "12", "--impl", "xla", "--block", "4", "--sync-every", "2",
+               "--compare"]) == 0
+  out = capsys.readouterr().out
+  want = D.generate_target_only(Q.load_target(target)[1], Q.TargetConfig.from_hf(target),
+                                [[5, 9, 3]], 12).tokens[0]
+  assert out.splitlines()[0] == tok.decode(want)   # the streamed text, detokenized
+  import re
+  rounds, tau = re.search(r"tokens:  12 in (\d+) rounds; tau ([\d.]+) \(mean tokens", out).groups()
+  hist = [int(c) for c in re.search(r"per round \(count\): 0:(\d+) 1:(\d+) 2:(\d+) 3:(\d+)\n",
+                                    out).groups()]
+  assert sum(hist) == int(rounds) and abs(float(tau) - np.dot(hist, [1, 2, 3, 4]) / sum(hist)) < 0.01
+  assert "output identical (expected: greedy decoding is lossless)" in out
+  # Without a tokenizer.json the ids stream; the same run with ids gives the same tokens.
+  (root / "target" / "tokenizer.json").rename(root / "tokenizer.json")
+  try:
+    assert main(["generate", "--target", target, "--drafter", drafter, "--prompt-ids", "5,9,3",
+                 "--max-new", "12", "--impl", "xla", "--block", "4", "--sync-every", "2"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == " ".join(map(str, want))
+    assert main(["generate", "--target", target, "--drafter", drafter, "--prompt", "w1"]) == 2
+    assert "--prompt: text needs" in capsys.readouterr().err
+  finally:
+    (root / "tokenizer.json").rename(root / "target" / "tokenizer.json")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--prompt-ids", "1,200"], "--prompt-ids: id 200 is outside the target vocab [0, 97)"),
+    (["--prompt-ids", "1", "--block", "9"], "--block: must lie in [2, 8]"),
+    (["--prompt-ids", "1", "--eos", "500"], "--eos: ids must lie in [0, 97)"),
+    (["--prompt-ids", "1", "--target", "/nonexistent"], "--target: /nonexistent: no such model folder"),
+    (["--prompt-ids", "1", "--drafter", "/nonexistent.gguf"], "--drafter:"),
+])
+def test_generate_cli_errors(folders, capsys, argv, message):
+  from dflash_jax.__main__ import main
+  root, _ = folders
+  base = ["generate", "--target", str(root / "target"), "--drafter", str(root / "drafter.gguf")]
+  assert main(base + argv) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and message in err[0], err
+
+
+@pytest.mark.parametrize("argv", [["--top-p", "0"], ["--max-new", "0"], ["--prompt-ids", "a,b"],
+                                  ["--temperature", "-1"]])
+def test_generate_cli_rejects_bad_values(argv):
+  from dflash_jax.__main__ import main
+  with pytest.raises(SystemExit) as e:   # argparse: usage + one error line, exit 2
+    main(["generate", "--target", "t", "--drafter", "d", "--prompt-ids", "1"] + argv)
+  assert e.value.code == 2

@@ -52,11 +52,10 @@ def test_capture_layers_out_of_range():
     Q.forward(p, cfg, _tokens(0, (1, 4)), capture_layers=(1, 3))
 
 
-@pytest.mark.parametrize("kw", VARIANTS, ids=["qwen3", "llama-tied"])
-def test_cached_prefill_verify_equals_forward(kw):
+def test_cached_prefill_verify_equals_forward():
   """Prefill (bucketed, padded) then verify in chunks of varying width, with a rejected chunk
   rolled back by setting the length, equals the uncached forward row for row."""
-  cfg, p = _model(3, **kw)
+  cfg, p = _model(3, **VARIANTS[0])
   capture = (1, 2)
   toks = _tokens(4, (1, 29))
   ref_logits, ref_feats = Q.forward_jit(p, cfg, toks, capture_layers=capture)
@@ -70,7 +69,7 @@ def test_cached_prefill_verify_equals_forward(kw):
   np.testing.assert_allclose(feats[:, :n], ref_feats[:, :n], rtol=1e-5, atol=1e-5)
   assert int(cache.length[0]) == n
   pos = n
-  for i, w in enumerate((1, 4, 3, 4)):
+  for i, w in enumerate((1, 4, 4, 1, 4)):
     # A rejected continuation first: verify garbage, then roll back (no copy).
     cache, _, _ = Q.verify_jit(p, cfg, cache, _tokens(10 + i, (1, w)), capture_layers=capture)
     cache = cache.replace(length=jnp.asarray([pos], jnp.int32))
@@ -82,16 +81,20 @@ def test_cached_prefill_verify_equals_forward(kw):
 
 
 def test_cache_batch_rows_are_independent():
-  """Two sequences at different lengths in one cache: each row equals its own forward."""
-  cfg, p = _model(6)
+  """Two sequences at different lengths in one cache (the Llama-like variant: no q/k norm,
+  tied head): each row equals its own uncached forward."""
+  cfg, p = _model(6, **VARIANTS[1])
   toks = _tokens(7, (2, 20))
-  ref_logits, _ = Q.forward_jit(p, cfg, toks)
+  ref_logits, ref_feats = Q.forward_jit(p, cfg, toks, capture_layers=(1, 2))
   cache = Q.init_cache(cfg, 2, 32)
-  cache, _ = Q.prefill_jit(p, cfg, cache, toks[:, :16], jnp.asarray([5, 9], jnp.int32))
+  cache, feats = Q.prefill_jit(p, cfg, cache, toks[:, :16], jnp.asarray([5, 9], jnp.int32),
+                               capture_layers=(1, 2))
+  np.testing.assert_allclose(feats[1, :9], ref_feats[1, :9], rtol=1e-5, atol=1e-5)
   verify_toks = np.stack([toks[0, 5:9], toks[1, 9:13]])
-  cache, logits, _ = Q.verify_jit(p, cfg, cache, verify_toks)
+  cache, logits, feats = Q.verify_jit(p, cfg, cache, verify_toks, capture_layers=(1, 2))
   np.testing.assert_allclose(logits[0], ref_logits[0, 5:9], rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(logits[1], ref_logits[1, 9:13], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(feats[1], ref_feats[1, 9:13], rtol=1e-5, atol=1e-5)
   np.testing.assert_array_equal(cache.length, [9, 13])
 
 
@@ -184,3 +187,84 @@ def test_llama3_rope_scaling():
   assert np.all((got[mid] < base[mid]) & (got[mid] > base[mid] / 32))
   np.testing.assert_allclose(Q.inv_freq(Q.TargetConfig.from_hf(QWEN3_8B_HF)),
                              1e6 ** (-np.arange(0, 128, 2) / 128), rtol=1e-6)
+
+
+# --- HF folders --------------------------------------------------------------------------------
+
+def _params_equal(a, b):
+  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+  assert len(la) == len(lb)
+  for x, y in zip(la, lb):
+    assert x.dtype == y.dtype and x.shape == y.shape
+    np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+
+
+@pytest.mark.parametrize("kw", VARIANTS, ids=["qwen3", "llama-tied"])
+def test_hf_round_trip(tmp_path, kw):
+  cfg, p = _model(12, **kw)
+  cfg = dataclasses.replace(cfg, eos_token_ids=(5, 6))
+  Q.save_target(tmp_path / "f32", cfg, p, dtype="f32")
+  cfg2, p2 = Q.load_target(tmp_path / "f32")
+  assert cfg2 == cfg
+  _params_equal(p2, p)
+  # bf16, sharded: every tensor rounded to bf16 (norms too, as HF stores them).
+  Q.save_target(tmp_path / "bf16", cfg, p, dtype="bf16", max_shard_bytes=4096)
+  assert (tmp_path / "bf16" / "model.safetensors.index.json").exists()
+  cfg3, p3 = Q.load_target(tmp_path / "bf16")
+  assert p3.embed.dtype == jnp.bfloat16 and p3.final_norm.dtype == jnp.float32
+  r = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16), np.float32)
+  _params_equal(jax.tree.map(lambda a: a.astype(jnp.float32), p3),
+                jax.tree.map(lambda a: jnp.asarray(r(a)), p))
+  hf = json.loads((tmp_path / "bf16" / "config.json").read_text())
+  assert hf["model_type"] == ("qwen3" if kw["qk_norm"] else "llama") and hf["eos_token_id"] == [5, 6]
+
+
+def _rewrite(folder, change):
+  from dflash_jax import safetensors_io
+  t = safetensors_io.read_tensors(folder)
+  change(t)
+  safetensors_io.write_tensors(folder, t, dtype=None)
+
+
+def test_hf_load_errors(tmp_path):
+  cfg, p = _model(13, **VARIANTS[0])
+  good = tmp_path / "good"
+  Q.save_target(good, cfg, p, dtype="f32")
+  with pytest.raises(FileNotFoundError, match="no such model folder"):
+    Q.load_target(tmp_path / "nothing")
+  (tmp_path / "empty").mkdir()
+  with pytest.raises(Q.TargetFormatError, match="no config.json"):
+    Q.load_target(tmp_path / "empty")
+
+  def broken(name, change=None, config=None):
+    import shutil
+    d = tmp_path / name
+    shutil.copytree(good, d)
+    if change:
+      _rewrite(d, change)
+    if config:
+      c = json.loads((d / "config.json").read_text())
+      config(c)
+      (d / "config.json").write_text(json.dumps(c))
+    return d
+
+  cases = [
+      (broken("missing", lambda t: t.pop("model.layers.1.mlp.up_proj.weight")),
+       r"missing tensors \['model.layers.1.mlp.up_proj.weight'\]"),
+      (broken("extra", lambda t: t.update({"model.layers.2.mlp.up_proj.weight": t["model.norm.weight"]})),
+       r"unknown tensors \['model.layers.2.mlp.up_proj.weight'\] for a 2-layer qwen3 model"),
+      (broken("shape", lambda t: t.update({"model.layers.0.self_attn.k_proj.weight": np.zeros((8, 32), np.float32)})),
+       r"tensor model.layers.0.self_attn.k_proj.weight has shape \(8, 32\), expected \(16, 32\)"),
+      (broken("dtype", lambda t: t.update({"model.norm.weight": np.zeros(32, np.int32)})),
+       r"tensor model.norm.weight is I32"),
+      (broken("nan", lambda t: t["model.layers.0.mlp.down_proj.weight"].__setitem__((0, 0), np.nan)),
+       r"tensor model.layers.0.mlp.down_proj.weight holds NaN or Inf"),
+      (broken("config", config=lambda c: c.pop("rms_norm_eps")), r"missing config keys \['rms_norm_eps'\]"),
+      (broken("tied", config=lambda c: c.update(tie_word_embeddings=True)),
+       r"lm_head.weight differs from model.embed_tokens.weight"),
+  ]
+  for folder, message in cases:
+    with pytest.raises(Q.TargetFormatError, match=message):
+      Q.load_target(folder)
+  with pytest.raises(ValueError, match="params have an lm_head but tie_word_embeddings is True"):
+    Q.save_target(tmp_path / "x", dataclasses.replace(cfg, tie_word_embeddings=True), p)

@@ -22,14 +22,19 @@ def target(vocab=97, hidden=64, layers=2, seed=0, logit_scale=1.0):
   return cfg, p
 
 
-def drafter(tcfg, tparams, seed=0, block_size=8, window=32, d2t=None):
-  """A random drafter of the target (its tok_embd / lm_head are the target's; with d2t, the
-  head keeps only those rows: a reduced draft vocab)."""
+def drafter_weights(tcfg, seed=0, block_size=8, window=32):
+  """(DFlashConfig, host weights without tok_embd / lm_head) of a random drafter of tcfg."""
   cfg = dataclasses.replace(dfj.TINY_CONFIG, n_layer=1, n_embd=tcfg.hidden_size,
                             target_layers=tuple(range(1, tcfg.num_hidden_layers + 1)),
                             mask_token_id=tcfg.vocab_size - 1, block_size=block_size,
                             window=window)
-  w = dfj.synthetic_drafter(cfg, seed=seed, with_target=False)
+  return cfg, dfj.synthetic_drafter(cfg, seed=seed, with_target=False)
+
+
+def drafter(tcfg, tparams, seed=0, block_size=8, window=32, d2t=None):
+  """A random drafter of the target (its tok_embd / lm_head are the target's; with d2t, the
+  head keeps only those rows: a reduced draft vocab)."""
+  cfg, w = drafter_weights(tcfg, seed, block_size, window)
   w["tok_embd"] = np.asarray(tparams.embed)
   head = np.asarray(tparams.head)
   w["lm_head"] = head if d2t is None else head[np.asarray(d2t)]

@@ -32,6 +32,7 @@ import functools
 import json
 import math
 import os
+import uuid
 from typing import Any, Mapping
 
 import flax.struct
@@ -40,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from dflash_jax import safetensors_io
 from dflash_jax.config import rope_inv_freq
 from dflash_jax.params import linear, resolve_dtype, rms_norm
 
@@ -470,3 +472,194 @@ _STATIC = ("cfg", "capture_layers", "impl")
 prefill_jit = jax.jit(prefill, static_argnames=_STATIC, donate_argnames=("cache",))
 verify_jit = jax.jit(verify, static_argnames=_STATIC, donate_argnames=("cache",))
 forward_jit = jax.jit(forward, static_argnames=("cfg", "capture_layers", "with_logits"))
+
+
+# --- HF checkpoint folders ---------------------------------------------------------------------
+
+class TargetFormatError(ValueError):
+  """An HF target folder that does not hold the model its config.json describes."""
+
+
+CONFIG_FILE = "config.json"
+STORED_DTYPES = ("F32", "F16", "BF16")
+_SAVE_DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
+# Buffers some older checkpoints store; derived from the config, so not read.
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def hf_tensor_shapes(cfg: TargetConfig) -> dict[str, tuple[int, ...]]:
+  """HF tensor name -> (out, in) shape for every tensor of the model (lm_head only untied)."""
+  e, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+  shapes = {"model.embed_tokens.weight": (cfg.vocab_size, e), "model.norm.weight": (e,)}
+  for i in range(cfg.num_hidden_layers):
+    p = f"model.layers.{i}."
+    shapes.update({
+        p + "input_layernorm.weight": (e,), p + "post_attention_layernorm.weight": (e,),
+        p + "self_attn.q_proj.weight": (cfg.q_dim, e), p + "self_attn.k_proj.weight": (cfg.kv_dim, e),
+        p + "self_attn.v_proj.weight": (cfg.kv_dim, e), p + "self_attn.o_proj.weight": (e, cfg.q_dim),
+        p + "mlp.gate_proj.weight": (f, e), p + "mlp.up_proj.weight": (f, e),
+        p + "mlp.down_proj.weight": (e, f)})
+    if cfg.qk_norm:
+      shapes.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
+  if not cfg.tie_word_embeddings:
+    shapes["lm_head.weight"] = (cfg.vocab_size, e)
+  return shapes
+
+
+def params_from_hf(cfg: TargetConfig, t: Mapping[str, np.ndarray], dtype: Any) -> TargetParams:
+  """HF-named host arrays (hf_tensor_shapes' names) -> device TargetParams (matrices in
+  dtype, norms float32; q/k/v and gate/up concatenated)."""
+  dt = resolve_dtype(dtype)
+
+  def mat(*names):
+    a = np.concatenate([np.asarray(t[n]) for n in names]) if len(names) > 1 else t[names[0]]
+    return jnp.asarray(np.asarray(a, np.float32) if dt == jnp.float32 else a, dt)
+
+  def vec(name):
+    return jnp.asarray(np.asarray(t[name], np.float32))
+
+  layers = []
+  for i in range(cfg.num_hidden_layers):
+    p = f"model.layers.{i}."
+    a = p + "self_attn."
+    layers.append(TargetLayer(
+        attn_norm=vec(p + "input_layernorm.weight"),
+        wqkv=mat(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
+        q_norm=vec(a + "q_norm.weight") if cfg.qk_norm else None,
+        k_norm=vec(a + "k_norm.weight") if cfg.qk_norm else None,
+        wo=mat(a + "o_proj.weight"), ffn_norm=vec(p + "post_attention_layernorm.weight"),
+        wgu=mat(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+        wd=mat(p + "mlp.down_proj.weight")))
+  return TargetParams(embed=mat("model.embed_tokens.weight"), layers=tuple(layers),
+                      final_norm=vec("model.norm.weight"),
+                      lm_head=None if cfg.tie_word_embeddings else mat("lm_head.weight"))
+
+
+def params_to_hf(cfg: TargetConfig, params: TargetParams) -> dict[str, np.ndarray]:
+  """TargetParams -> HF-named host arrays in the params' dtypes (inverse of params_from_hf)."""
+  _check_params(cfg, params)
+  q, kv, f = cfg.q_dim, cfg.kv_dim, cfg.intermediate_size
+  out = {"model.embed_tokens.weight": np.asarray(params.embed),
+         "model.norm.weight": np.asarray(params.final_norm)}
+  for i, lp in enumerate(params.layers):
+    p = f"model.layers.{i}."
+    wqkv, wgu = np.asarray(lp.wqkv), np.asarray(lp.wgu)
+    out.update({
+        p + "input_layernorm.weight": np.asarray(lp.attn_norm),
+        p + "post_attention_layernorm.weight": np.asarray(lp.ffn_norm),
+        p + "self_attn.q_proj.weight": wqkv[:q], p + "self_attn.k_proj.weight": wqkv[q:q + kv],
+        p + "self_attn.v_proj.weight": wqkv[q + kv:], p + "self_attn.o_proj.weight": np.asarray(lp.wo),
+        p + "mlp.gate_proj.weight": wgu[:f], p + "mlp.up_proj.weight": wgu[f:],
+        p + "mlp.down_proj.weight": np.asarray(lp.wd)})
+    if cfg.qk_norm:
+      out[p + "self_attn.q_norm.weight"] = np.asarray(lp.q_norm)
+      out[p + "self_attn.k_norm.weight"] = np.asarray(lp.k_norm)
+  if not cfg.tie_word_embeddings:
+    out["lm_head.weight"] = np.asarray(params.lm_head)
+  return out
+
+
+def _check_params(cfg: TargetConfig, params: TargetParams) -> None:
+  if len(params.layers) != cfg.num_hidden_layers:
+    raise ValueError(f"params have {len(params.layers)} layers, the config "
+                     f"{cfg.num_hidden_layers}")
+  if (params.lm_head is None) != cfg.tie_word_embeddings:
+    raise ValueError(f"params have {'no' if params.lm_head is None else 'an'} lm_head but "
+                     f"tie_word_embeddings is {cfg.tie_word_embeddings}")
+  if (params.layers[0].q_norm is None) == cfg.qk_norm:
+    raise ValueError(f"params {'lack' if cfg.qk_norm else 'have'} q/k norms but qk_norm is "
+                     f"{cfg.qk_norm}")
+  lp, e = params.layers[0], cfg.hidden_size
+  for what, got, want in (("embed", params.embed.shape, (cfg.vocab_size, e)),
+                          ("wqkv", lp.wqkv.shape, (cfg.q_dim + 2 * cfg.kv_dim, e)),
+                          ("wgu", lp.wgu.shape, (2 * cfg.intermediate_size, e))):
+    if tuple(got) != want:
+      raise ValueError(f"params {what} has shape {tuple(got)}, the config implies {want}")
+
+
+def load_target(folder: str | os.PathLike, dtype: Any = None
+                ) -> tuple[TargetConfig, TargetParams]:
+  """An HF Qwen3 / Llama folder (config.json + safetensors, single or sharded) -> device params.
+
+  dtype: the device weight dtype ("fp32" / "bf16"); None = bf16 when the checkpoint's
+  matrices are stored BF16, else fp32. Every check runs on the headers before tensor data
+  is read: missing or unknown tensors, shapes, stored dtypes (F32, F16, BF16); then values
+  (NaN/Inf) and a tied checkpoint that also stores a different lm_head. Errors
+  (TargetFormatError) name the file and the tensor or config key.
+  """
+  folder = os.fspath(folder)
+  if not os.path.isdir(folder):
+    raise FileNotFoundError(f"{folder}: no such model folder")
+  config_path = os.path.join(folder, CONFIG_FILE)
+  if not os.path.isfile(config_path):
+    raise TargetFormatError(f"{folder}: no {CONFIG_FILE}: not an HF model folder")
+  try:
+    cfg = TargetConfig.from_hf(config_path)
+    specs = safetensors_io.tensor_specs(folder)
+  except FileNotFoundError as e:
+    raise TargetFormatError(f"{folder}: no {safetensors_io.SINGLE_FILE} or "
+                            f"{safetensors_io.INDEX_FILE}") from e
+  except ValueError as e:
+    raise TargetFormatError(str(e)) from e
+  shapes = hf_tensor_shapes(cfg)
+  optional = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+  extra = sorted(n for n in set(specs) - set(shapes) - optional
+                 if not n.endswith(_IGNORED_SUFFIXES))
+  if extra:
+    raise TargetFormatError(f"{folder}: unknown tensors {extra[:8]}{' ...' * (len(extra) > 8)} "
+                            f"for a {cfg.num_hidden_layers}-layer "
+                            f"{'qwen3' if cfg.qk_norm else 'llama'} model ({config_path})")
+  missing = [n for n in shapes if n not in specs]
+  if missing:
+    raise TargetFormatError(f"{folder}: missing tensors {missing[:8]}"
+                            f"{' ...' * (len(missing) > 8)} (expected by {config_path})")
+  wanted = list(shapes) + sorted(optional & set(specs))
+  for name in wanted:
+    spec, want = specs[name], shapes.get(name, (cfg.vocab_size, cfg.hidden_size))
+    if spec.dtype not in STORED_DTYPES:
+      raise TargetFormatError(f"{spec.file}: tensor {name} is {spec.dtype}, not one of "
+                              f"{STORED_DTYPES}")
+    if spec.shape != want:
+      raise TargetFormatError(f"{spec.file}: tensor {name} has shape {spec.shape}, expected "
+                              f"{want} from {config_path}")
+  if dtype is None:
+    dtype = "bf16" if specs["model.embed_tokens.weight"].dtype == "BF16" else "fp32"
+  try:
+    t = safetensors_io.read_tensors(folder, names=wanted)
+  except safetensors_io.SafetensorsFormatError as e:
+    raise TargetFormatError(str(e)) from e
+  for name, a in t.items():
+    if not np.isfinite(a).all():
+      raise TargetFormatError(f"{specs[name].file}: tensor {name} holds NaN or Inf")
+  if "lm_head.weight" in optional and "lm_head.weight" in t:
+    if not np.array_equal(t.pop("lm_head.weight"), t["model.embed_tokens.weight"]):
+      raise TargetFormatError(f"{folder}: tie_word_embeddings is true but lm_head.weight "
+                              "differs from model.embed_tokens.weight")
+  return cfg, params_from_hf(cfg, t, dtype)
+
+
+def save_target(folder: str | os.PathLike, cfg: TargetConfig, params: TargetParams,
+                dtype: str = "bf16", max_shard_bytes: int | None = None) -> str:
+  """Write an HF folder (config.json + safetensors) that `load_target` and transformers read.
+
+  Every tensor is stored as dtype ("f32", "f16", "bf16"; rounded to nearest even), as HF
+  checkpoints store them. Each file appears only complete; config.json is written last.
+  """
+  folder = os.fspath(folder)
+  if dtype not in _SAVE_DTYPES:
+    raise ValueError(f"dtype must be one of {sorted(_SAVE_DTYPES)}, got {dtype!r}")
+  if os.path.exists(folder) and not os.path.isdir(folder):
+    raise ValueError(f"{folder}: exists and is not a folder")
+  tensors = params_to_hf(cfg, params)
+  safetensors_io.write_tensors(folder, tensors, dtype=dtype, max_shard_bytes=max_shard_bytes)
+  config = {**cfg.to_hf(), "torch_dtype": _SAVE_DTYPES[dtype]}
+  tmp = os.path.join(folder, f".{CONFIG_FILE}.{uuid.uuid4().hex}.tmp")
+  try:
+    with open(tmp, "w", encoding="utf-8") as f:
+      json.dump(config, f, indent=2)
+      f.write("\n")
+    os.replace(tmp, os.path.join(folder, CONFIG_FILE))
+  finally:
+    if os.path.exists(tmp):
+      os.unlink(tmp)
+  return folder

@@ -1,0 +1,154 @@
+"""Sampling (SPEC.md section 9): the filters against numpy, and the committed tokens of
+speculative sampling distributed as the target's own sampling, by chi-square tests.
+
+Each chi-square test draws 10^5 sequences of 3 tokens (one slot each, 4 calls of 25000
+slots, every slot starting from the same prefilled state with its own PRNG key) and compares the counts of the 8^3 outcomes with the exact target-only distribution,
+computed independently in float64 numpy (tests/target_ref.py plus numpy filters). Cells with
+an expected count below 5 are pooled. A test fails when p < ALPHA = 1e-3: each test's false
+alarm rate is 1e-3 (three such tests: at most 0.3% for the file, over random seeds; the seeds
+here are fixed, so a run is reproducible). The same counts must REJECT the distribution at a
+10% different temperature, so the test is shown to have the power to see a wrong rule.
+"""
+import dataclasses
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+import dflash_jax as dfj
+from dflash_jax import decode as D
+from dflash_jax import sampling as SP
+from dflash_jax.models import qwen3 as Q
+from target_ref import hidden_states
+import tiny_models as TM
+
+ALPHA = 1e-3
+V, N_TOK, PROMPT = 8, 3, [3, 1, 4]
+SLOTS, CALLS = 25_000, 4
+
+
+def _np_probs(logits, s: SP.Sampling):
+  """The target distribution of section 9 in numpy (float64), written independently."""
+  z = np.asarray(logits, np.float64) / s.temperature
+  if 0 < s.top_k < z.shape[-1]:
+    z = np.where(z >= np.sort(z)[-s.top_k], z, -np.inf)
+  p = np.exp(z - z.max())
+  p /= p.sum()
+  if s.top_p < 1:
+    order = np.argsort(-p, kind="stable")
+    before = np.cumsum(p[order]) - p[order]
+    floor = p[order][before < s.top_p].min()
+    z = np.where(p >= floor, z, -np.inf)
+    p = np.exp(z - z.max())
+    p /= p.sum()
+  return p
+
+
+def test_filters_match_numpy():
+  rng = np.random.default_rng(0)
+  logits = rng.standard_normal((64, 11)).astype(np.float32)
+  logits[:8, 3] = logits[:8, 5]   # ties
+  for s in (SP.Sampling(1.0), SP.Sampling(0.6, top_k=3), SP.Sampling(1.3, top_p=0.5),
+            SP.Sampling(0.8, top_k=6, top_p=0.8), SP.Sampling(2.0, top_k=1)):
+    got = np.asarray(SP.probs(jnp.asarray(logits), s))
+    want = np.stack([_np_probs(l, s) for l in logits])
+    np.testing.assert_allclose(got, want, atol=1e-6, err_msg=str(s))
+  # By hand: probs .644 .237 .087 .032; top_p 0.7 keeps the first two (mass before: 0, .644).
+  p = np.asarray(SP.probs(jnp.asarray([3.0, 2.0, 1.0, 0.0]), SP.Sampling(1.0, top_p=0.7)))
+  np.testing.assert_allclose(p, [np.e / (np.e + 1), 1 / (np.e + 1), 0, 0], rtol=1e-6)
+
+
+def test_sampling_config_errors():
+  for kw, msg in ((dict(temperature=-1), "temperature"), (dict(top_k=-2), "top_k"),
+                  (dict(top_p=0), "top_p"), (dict(proposals="beam"), "proposals")):
+    with pytest.raises(ValueError, match=msg):
+      SP.Sampling(**kw)
+
+
+@pytest.fixture(scope="module")
+def target():
+  cfg = Q.TargetConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                       rope_theta=1e4, max_position_embeddings=64)
+  return cfg, Q.init_params(cfg, jax.random.key(11))
+
+
+def _exact(cfg, params, s: SP.Sampling):
+  """P(t1, t2, t3 | PROMPT) of target-only sampling, [V, V, V], float64."""
+  def p_next(seq):
+    return _np_probs(hidden_states(params, cfg, np.array(seq))[1][-1], s)
+  out = np.zeros((V,) * N_TOK)
+  p1 = p_next(PROMPT)
+  for a in range(V):
+    p2 = p_next(PROMPT + [a])
+    for b in range(V):
+      out[a, b] = p1[a] * p2[b] * p_next(PROMPT + [a, b])
+  return out
+
+
+def _drafter(cfg, params, d2t=None):
+  dc = dataclasses.replace(dfj.TINY_CONFIG, n_layer=1, n_embd=cfg.hidden_size, n_head=2,
+                           n_head_kv=1, target_layers=(0, 1), mask_token_id=V - 1,
+                           block_size=4, window=8)
+  w = dfj.synthetic_drafter(dc, seed=5, with_target=False)
+  w["tok_embd"] = np.asarray(params.embed)
+  head = np.asarray(params.head)
+  w["lm_head"] = head if d2t is None else head[d2t]
+  return dfj.prepare_weights(dc, w)
+
+
+def _draws(models, dcfg, prefilled, seed):
+  """N_TOK-token continuations of PROMPT, one per slot, SLOTS slots: [SLOTS, N_TOK]."""
+  st = jax.tree.map(lambda a: jnp.broadcast_to(a, (SLOTS, *a.shape[1:])),
+                    prefilled.replace(key=None))
+  st = st.replace(key=jax.random.split(jax.random.key(seed), SLOTS))
+  st = D.run_rounds(models, dcfg, st, jnp.int32(N_TOK))
+  assert bool(st.done.all())
+  return np.asarray(st.tokens[:, len(PROMPT):len(PROMPT) + N_TOK]), np.asarray(st.hist)
+
+
+def _chi2_p(counts, expected_p):
+  e = expected_p.ravel() * counts.sum()
+  o = counts.ravel().astype(np.float64)
+  small = e < 5
+  e = np.append(e[~small], e[small].sum())
+  o = np.append(o[~small], o[small].sum())
+  keep = e > 0
+  return stats.chi2.sf(((o[keep] - e[keep]) ** 2 / e[keep]).sum(), keep.sum() - 1)
+
+
+CASES = {
+    "target-only": (SP.Sampling(1.0), 1, None),
+    "greedy-proposals-topp": (SP.Sampling(1.2, top_p=0.8), 3, None),
+    "sampled-proposals-topk-topp-d2t": (
+        SP.Sampling(0.8, top_k=5, top_p=0.9, proposals="sampled"), 3, np.array([0, 2, 3, 5, 6])),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_committed_tokens_follow_target_sampling(target, case):
+  cfg, params = target
+  samp, width, d2t = CASES[case]
+  drafter = None if width == 1 else _drafter(cfg, params, d2t)
+  models = D.Models(target=params, drafter=drafter,
+                    d2t=None if d2t is None else jnp.asarray(d2t, jnp.int32), target_cfg=cfg)
+  dcfg = D.DecodeConfig(width=width, sampling=samp, impl="xla")
+  prefilled = D.start(models, dcfg, [PROMPT], N_TOK)
+  runs = [_draws(models, dcfg, prefilled, seed=100 + i) for i in range(CALLS)]
+  toks = np.concatenate([r[0] for r in runs])
+  counts = np.zeros((V,) * N_TOK, np.int64)
+  np.add.at(counts, tuple(toks.T), 1)
+  p = _chi2_p(counts, _exact(cfg, params, samp))
+  assert p >= ALPHA, f"{case}: chi-square p = {p:.2e} < {ALPHA}"
+  hotter = dataclasses.replace(samp, temperature=samp.temperature * 1.1)
+  assert _chi2_p(counts, _exact(cfg, params, hotter)) < ALPHA, "the test cannot see a 10% change"
+  if width > 1:   # acceptance and rejection both happen, and so do bonus tokens
+    hist = sum(r[1] for r in runs).sum(0)
+    assert hist[0] > 0 and hist[1:].sum() > 0 and hist[-1] > 0, hist
+  # Seeded: the same seed reproduces every token, another seed does not.
+  assert (runs[1][0] != runs[0][0]).any()
+  if case == "sampled-proposals-topk-topp-d2t":
+    np.testing.assert_array_equal(_draws(models, dcfg, prefilled, seed=100)[0], runs[0][0])
