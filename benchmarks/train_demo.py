@@ -9,7 +9,7 @@ trained against it, both evaluated on held-out stdlib files, every stage one com
 
 Each stage runs the `python -m dflash_jax` subcommand with the presets below (printed as the
 equivalent command line) and everything it writes is small: W/target holds config.json, the
-bf16 safetensors (~26 MB for the GPU preset, in shards when save_target shards) and
+bf16 safetensors (~26 MB for the GPU preset, in shards of <= 15 MB) and
 train_log.json; W/drafter holds drafter.gguf (bf16, ~11 MB) and train_log.json. A fresh
 machine per stage works: carry W from the previous stage. `eval` writes OUT/eval.md,
 OUT/eval.json, OUT/loss_curves.png and OUT/demo.md (sizes, FLOP counts, stage times, table).
@@ -44,7 +44,7 @@ GPU = dict(
     target=["--layers", "8", "--hidden", "384", "--heads", "6", "--kv-heads", "3",
             "--head-dim", "64", "--ffn", "1024", "--seq-len", "512", "--batch", "64",
             "--steps", "3000", "--lr", "2e-3", "--warmup", "200", "--log-every", "100",
-            "--eval-every", "500", "--max-minutes", "7"],
+            "--eval-every", "500", "--max-minutes", "7", "--max-shard-mb", "15"],
     drafter=["--layers", "3", "--block", "16", "--window", "512", "--data", "distill",
              "--prompts", "8192", "--prompt-len", "128", "--gen-len", "384", "--gen-batch",
              "1024", "--anchors", "32", "--batch", "32", "--steps", "3000", "--lr", "1e-3",

@@ -1,77 +1,66 @@
-"""A tiny drafter trained for a few dozen steps against a tiny frozen target (the CI check of
-issue 16 item 4): the loss falls, and its tau in the real decoding loop beats the untrained
-drafter's; the evaluation (target-only, drafters, prompt lookup) is lossless.
+"""Issue 16's CI check, through the CLI: `train-target` trains a tiny target, `train-drafter`
+trains a tiny drafter against it for a few dozen steps (the loss falls), and `eval` shows the
+trained drafter's tau beating the untrained one's in the real decoding loop, every method
+lossless.
 
-The target is first trained briefly on a corpus of four fixed 16-token phrases in random
-order, so its greedy continuations are mostly deterministic (within a phrase) and learnable.
-The drafter trains on those continuations (self-distillation: exactly what decoding rewards).
-All seeded and CPU-sized; the drafter step shares its compile with tests/test_train_step.py.
+The corpus is four fixed 16-byte phrases in random order, written as .py files: the target
+learns them in a few dozen steps, so its greedy continuations are mostly determined (within a
+phrase) and the drafter, trained on them (self-distillation), can learn them too. Seeded and
+CPU-sized.
 """
-import jax
-import jax.numpy as jnp
+import json
+
 import numpy as np
 
 import dflash_jax as dfj
-from dflash_jax.models import qwen3
-from dflash_jax.train import data as D
-from dflash_jax.train import evaluate as E
+from dflash_jax.__main__ import main
 from dflash_jax.train import forward as F
 from dflash_jax.train import recipes
-from dflash_jax.train import trainer as TR
 
-from _train_common import CFG, TC, TCFG, drafter_step, fast_jit
-
-PROMPT, NEW = 8, 24
-PHRASES = np.random.default_rng(0).permutation(64).reshape(4, 16)
+ALPHABET = b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789+-"
+PHRASES = [bytes(p) for p in np.random.default_rng(0).permutation(list(ALPHABET)).reshape(4, 16)]
 
 
-def _phrases(n, seed):
-  order = np.random.default_rng(seed).integers(0, len(PHRASES), n)
-  return np.concatenate([PHRASES[i] for i in order]).astype(np.int32)
+def _corpus(folder):
+  rng = np.random.default_rng(1)
+  for i in range(40):
+    text = b"".join(PHRASES[j] for j in rng.integers(0, 4, 100))
+    (folder / f"m{i:02d}.py").write_bytes(text)
+  return ["--corpus", str(folder), "--holdout-every", "4"]
 
 
-def _trained_target(steps=30):
-  oc = TR.OptimConfig(lr=1e-2, total_steps=steps, warmup_steps=2)
-  step = fast_jit(TR.target_train_step, static_argnames=("cfg", "oc", "compute_dtype"),
-                  donate_argnames=("state",))
-  seqs = D.chunk(_phrases(400, seed=1), 32)
-  state = TR.init_state(qwen3.init_params(TCFG, jax.random.key(0)), oc)
-  for s in range(steps):
-    rows = D.epoch_rows(seqs.shape[0], 16, 0, s)[1]
-    state, m = step(state, jnp.asarray(seqs[rows]), cfg=TCFG, oc=oc, compute_dtype="bf16")
-  assert float(m["acc"]) > 0.9   # within-phrase successors learnt
-  return state.params
+def _log(path):
+  return json.loads(path.read_text())
 
 
-def _drafter(target, w):
-  host = recipes.host_weights(w)
-  host["tok_embd"], host["lm_head"] = np.asarray(target.embed), np.asarray(target.head)
-  return dfj.prepare_weights(CFG, host)
+def test_cli_trains_a_drafter_that_beats_the_untrained_one(tmp_path):
+  (tmp_path / "corpus").mkdir()
+  corpus = _corpus(tmp_path / "corpus")
+  target, drafter, out = tmp_path / "target", tmp_path / "drafter", tmp_path / "eval"
+  assert main(["train-target", "--out", str(target), *corpus, "--layers", "2", "--hidden", "32",
+               "--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--ffn", "64",
+               "--seq-len", "32", "--batch", "16", "--steps", "30", "--lr", "1e-2",
+               "--warmup", "2", "--log-every", "10"]) == 0
+  assert _log(target / "train_log.json")["log"][-1]["eval_acc"] > 0.8   # phrases learnt
 
+  assert main(["train-drafter", "--target", str(target), "--out", str(drafter), *corpus,
+               "--layers", "1", "--block", "8", "--window", "16", "--prompts", "64",
+               "--prompt-len", "8", "--gen-len", "24", "--gen-batch", "64", "--anchors", "8",
+               "--batch", "8", "--steps", "40", "--lr", "1e-2", "--warmup", "2",
+               "--log-every", "5"]) == 0
+  losses = [r["loss"] for r in _log(drafter / "train_log.json")["log"]]
+  assert losses[-1] < 0.6 * losses[0], losses
 
-def test_training_lowers_the_loss_and_raises_tau():
-  target = _trained_target()
-  rng = np.random.default_rng(2)
-  prompts = np.stack([_phrases(2, 100 + i)[r:r + PROMPT]
-                      for i, r in enumerate(rng.integers(0, 16, 72))])
-  tokens, mask = recipes.distill_data(target, TCFG, prompts[:64], NEW, batch_size=64)
-  train = D.DrafterData(tokens, mask, batch_size=8, n_anchors=8, seed=0)
-
-  w0 = F.init_drafter(CFG, seed=1)
-  state = TR.init_state(w0, TC.optim)
-  losses = []
-  for step in range(TC.optim.total_steps):
-    state, m = drafter_step(state, target, train.batch(step), cfg=CFG, target_cfg=TCFG, tc=TC)
-    losses.append(float(m["loss"]))
-  assert np.mean(losses[-5:]) < 0.6 * np.mean(losses[:5]), losses
-  rows = E.evaluate(target, TCFG, [("untrained", _drafter(target, w0)),
-                                   ("trained", _drafter(target, state.params))],
-                    prompts[64:], NEW, widths=(CFG.block_size,), impl="xla", out=lambda s: None)
-  by = {r.method.split(" (")[0]: r for r in rows}
-  assert by["trained"].tau > by["untrained"].tau + 0.5, E.markdown_table(rows)
-  for r in rows:   # greedy speculative decoding is lossless, whatever proposes
-    assert r.same_as_target == r.n_prompts == 8, E.markdown_table(rows)
-    assert r.n_tokens == 8 * NEW
-  # The phrases recur, so looking up the committed text finds continuations too.
-  assert by["prompt lookup"].tau > 1.2, E.markdown_table(rows)
-  assert "| trained | 8 |" in E.markdown_table(rows)
+  trained = drafter / "drafter.gguf"
+  cfg, _ = dfj.load_drafter(trained)
+  untrained = str(tmp_path / "untrained.gguf")   # the trained drafter's initial weights
+  dfj.save_drafter(untrained, cfg, recipes.host_weights(F.init_drafter(cfg, seed=0)))
+  assert main(["eval", "--target", str(target), "--drafter", untrained, "--drafter",
+               str(trained), *corpus, "--prompts", "8", "--prompt-len", "8", "--gen", "24",
+               "--widths", "8", "--impl", "xla", "--dtype", "fp32", "--out", str(out)]) == 0
+  rows = {r["method"].split(" (")[0]: r for r in _log(out / "eval.json")["rows"]}
+  table = (out / "eval.md").read_text()
+  assert set(rows) == {"target only", "untrained.gguf", "drafter.gguf", "prompt lookup"}, table
+  assert rows["drafter.gguf"]["tau"] > rows["untrained.gguf"]["tau"] + 0.5, table
+  for r in rows.values():   # greedy speculative decoding is lossless, whatever proposes
+    assert r["same_as_target"] == r["n_prompts"] == 8 and r["n_tokens"] == 8 * 24, table

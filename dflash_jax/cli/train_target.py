@@ -36,6 +36,8 @@ def register(sub) -> None:
   p.add_argument("--compute-dtype", choices=("bf16", "fp32"), default="bf16",
                  help="GEMM inputs (masters, grads and optimizer state are float32)")
   p.add_argument("--save-dtype", choices=("bf16", "f32"), default="bf16")
+  p.add_argument("--max-shard-mb", type=C.positive_float, default=None,
+                 help="split the safetensors into shards of at most this many MB")
   C.add_run_args(p)
   p.set_defaults(run=train_target)
 
@@ -90,7 +92,9 @@ def train_target(args) -> int:
       checkpoint_dir=ckpt, checkpoint_every=args.checkpoint_every,
       max_seconds=None if args.max_minutes is None else 60 * args.max_minutes)
   seconds = time.perf_counter() - t0
-  qwen3.save_target(args.out, tcfg, params, dtype=args.save_dtype)
+  qwen3.save_target(args.out, tcfg, params, dtype=args.save_dtype,
+                    max_shard_bytes=None if args.max_shard_mb is None
+                    else int(args.max_shard_mb * 2**20))
   final = log[-1]
   C.write_json(os.path.join(args.out, "train_log.json"), dict(
       kind="target", args=vars(args) | {"run": None}, tokenizer="bytes", corpus=dict(

@@ -49,8 +49,8 @@ def greedy_continuations(params: qwen3.TargetParams, cfg: qwen3.TargetConfig,
   out = []
   for i in range(0, prompts.shape[0], batch_size):
     chunk = prompts[i:i + batch_size]
-    pad = batch_size - chunk.shape[0] if prompts.shape[0] > batch_size else 0
-    if pad:   # keep one compiled shape; the padding rows are dropped
+    pad = batch_size - chunk.shape[0]
+    if pad:   # one compiled shape for every call; the padding rows are dropped
       chunk = np.concatenate([chunk, np.repeat(chunk[-1:], pad, 0)])
     gen = np.asarray(_generate(params, cfg, jnp.asarray(chunk), n_new, cache_dtype))
     out.append(gen[:gen.shape[0] - pad])
