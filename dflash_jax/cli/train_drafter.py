@@ -4,7 +4,8 @@ frozen target (SPEC.md section 10).
 --data distill (default): the sequences are training-file prompts followed by the target's own
 greedy continuations, with the loss on the continuations (what decoding rewards); --data
 corpus: the training files themselves, loss everywhere. Target features are computed online in
-every step. Writes DIR/drafter.gguf (or an HF folder with --format hf) and DIR/train_log.json.
+every step (--features online) or once into npy shards under DIR/features (--features cached,
+for targets too large to run beside the drafter). Writes DIR/drafter.gguf (or an HF folder with --format hf) and DIR/train_log.json.
 Errors are one line with exit status 2.
 """
 from __future__ import annotations
@@ -50,6 +51,10 @@ def register(sub) -> None:
                  help="loss decay (default: 7 for B=16, 5 for B=10, 4 for B=8)")
   C.add_optim_args(p, steps=2000, lr=1e-3, warmup=100)
   p.add_argument("--compute-dtype", choices=("bf16", "fp32"), default="bf16")
+  p.add_argument("--features", choices=("online", "cached"), default="online",
+                 help="target features computed in every step, or once to DIR/features")
+  p.add_argument("--feature-dtype", choices=("float32", "float16"), default="float32",
+                 help="cached features' storage")
   p.add_argument("--save-type", default="BF16", help=f"GGUF matrix type {GGUF_TYPES} "
                  "(HF: f32|f16|bf16)")
   p.add_argument("--format", choices=("gguf", "hf"), default="gguf")
@@ -71,6 +76,7 @@ def train_drafter(args) -> int:
   from dflash_jax.train import data as D
   from dflash_jax.train import recipes
   from dflash_jax.train import trainer as TR
+  from dflash_jax.train.features import FeatureShards, write_feature_shards
   from dflash_jax.train.loss import resolve_gamma
   from dflash_jax.train.forward import cast_matrices
 
@@ -155,12 +161,24 @@ def train_drafter(args) -> int:
   print(f"drafter: {cfg.n_layer} layers x {cfg.n_embd}, block {cfg.block_size}, target layers "
         f"{cfg.target_layers}, window {cfg.window}, {args.anchors} anchors x {args.batch} "
         f"sequences per step, gamma {gamma}")
+  shards = None
+  if args.features == "cached":
+    folder = os.path.join(args.out, "features")
+    t2 = time.perf_counter()
+    try:
+      m = write_feature_shards(folder, target, tcfg, cfg.target_layers, tokens,
+                               batch_size=args.batch, dtype=args.feature_dtype)
+    except ValueError as e:
+      return C.arg_error(PROG, "--feature-dtype", e)
+    shards = FeatureShards(folder, cfg.target_layers)
+    print(f"features: {m['n_rows']} x {m['seq_len']} x {m['width']} {m['dtype']} in "
+          f"{len(m['shards'])} shards under {folder} ({time.perf_counter() - t2:.1f} s)")
   ckpt = os.path.join(args.out, "checkpoints") if args.checkpoint_every else None
   t1 = time.perf_counter()
   w, log = recipes.train_drafter(
       cfg, target, tcfg, data, tc, seed=args.seed, eval_data=held, log_every=args.log_every,
       eval_every=args.eval_every, checkpoint_dir=ckpt, checkpoint_every=args.checkpoint_every,
-      max_seconds=None if args.max_minutes is None else 60 * args.max_minutes)
+      max_seconds=None if args.max_minutes is None else 60 * args.max_minutes, features=shards)
   seconds = time.perf_counter() - t1
   path = os.path.join(args.out, "drafter.gguf" if fmt == "gguf" else "drafter-hf")
   dfj.save_drafter(path, cfg, recipes.host_weights(w), tensor_type=save_type, format=fmt)

@@ -116,6 +116,19 @@ def epoch_rows(n_rows: int, batch_size: int, seed: int, step: int) -> tuple[int,
   return epoch, perm[i * batch_size:(i + 1) * batch_size]
 
 
+def map_batches(fn, rows: np.ndarray, batch_size: int) -> np.ndarray:
+  """np.concatenate of fn(batch) over rows [N, ...] taken batch_size at a time, every batch
+  padded to batch_size rows (repeating its last row) so fn compiles once; padding rows of the
+  result are dropped."""
+  out = []
+  for i in range(0, rows.shape[0], batch_size):
+    chunk = rows[i:i + batch_size]
+    pad = batch_size - chunk.shape[0]
+    full = np.concatenate([chunk, np.repeat(chunk[-1:], pad, 0)]) if pad else chunk
+    out.append(np.asarray(fn(full))[:chunk.shape[0]])
+  return np.concatenate(out)
+
+
 @flax.struct.dataclass
 class DrafterBatch:
   """One drafter batch (a pytree; numpy from `DrafterData.batch`): tokens [S, T] int32,
@@ -144,6 +157,10 @@ class DrafterData:
   @property
   def steps_per_epoch(self) -> int:
     return self.tokens.shape[0] // self.batch_size
+
+  def rows(self, step: int) -> np.ndarray:
+    """The sequence indices of batch `step` (e.g. to look up cached features)."""
+    return epoch_rows(self.tokens.shape[0], self.batch_size, self.seed, step)[1]
 
   def batch(self, step: int) -> DrafterBatch:
     epoch, rows = epoch_rows(self.tokens.shape[0], self.batch_size, self.seed, step)

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.models import qwen3
+from dflash_jax.train.data import map_batches
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "n_new", "cache_dtype"))
@@ -46,15 +47,8 @@ def greedy_continuations(params: qwen3.TargetParams, cfg: qwen3.TargetConfig,
   if prompts.shape[1] + n_new > cfg.max_position_embeddings:
     raise ValueError(f"prompt {prompts.shape[1]} + {n_new} new tokens exceed the target's "
                      f"max_position_embeddings {cfg.max_position_embeddings}")
-  out = []
-  for i in range(0, prompts.shape[0], batch_size):
-    chunk = prompts[i:i + batch_size]
-    pad = batch_size - chunk.shape[0]
-    if pad:   # one compiled shape for every call; the padding rows are dropped
-      chunk = np.concatenate([chunk, np.repeat(chunk[-1:], pad, 0)])
-    gen = np.asarray(_generate(params, cfg, jnp.asarray(chunk), n_new, cache_dtype))
-    out.append(gen[:gen.shape[0] - pad])
-  return np.concatenate(out)
+  return map_batches(lambda b: _generate(params, cfg, jnp.asarray(b), n_new, cache_dtype),
+                     prompts, batch_size)
 
 
 def distill_sequences(prompts: np.ndarray, continuations: np.ndarray

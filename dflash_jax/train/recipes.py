@@ -17,6 +17,7 @@ from dflash_jax.train import data as D
 from dflash_jax.train import distill
 from dflash_jax.train import forward as F
 from dflash_jax.train import trainer as TR
+from dflash_jax.train.features import FeatureShards
 from dflash_jax.train.loop import train_loop
 
 
@@ -75,20 +76,30 @@ def train_drafter(cfg: DFlashConfig, target: qwen3.TargetParams, tcfg: qwen3.Tar
                   eval_data: D.DrafterData | None = None, log_every: int = 50,
                   eval_every: int = 0, checkpoint_dir: str | None = None,
                   checkpoint_every: int = 0, max_seconds: float | None = None,
-                  init: dict | None = None, out: Callable[[str], None] = print
-                  ) -> tuple[dict, list[dict]]:
-  """Train drafter weights (from `init`, else random with `seed`) against the frozen target,
-  features online. Returns (float32 weights keyed like the host weights, log); eval_data's
-  first batch gives the logged held-out loss and accept length."""
+                  init: dict | None = None, features: FeatureShards | None = None,
+                  out: Callable[[str], None] = print) -> tuple[dict, list[dict]]:
+  """Train drafter weights (from `init`, else random with `seed`) against the frozen target.
+  Features online (computed in each step), or from `features` (cached shards of data's
+  sequences, row for row). Returns (float32 weights keyed like the host weights, log);
+  eval_data's first batch gives the logged held-out loss and accept length (online)."""
   w = init if init is not None else F.init_drafter(cfg, seed)
   state = TR.init_state(w, tc.optim)
-  step = lambda st, b: TR.drafter_train_step_jit(st, target, b, cfg=cfg, target_cfg=tcfg, tc=tc)
+  kw = dict(cfg=cfg, target_cfg=tcfg, tc=tc)
+  if features is None:
+    step = lambda st, b: TR.drafter_train_step_jit(st, target, b, **kw)
+    batch_fn = data.batch
+  else:
+    if features.n_rows != data.tokens.shape[0]:
+      raise ValueError(f"cached features hold {features.n_rows} sequences, the data "
+                       f"{data.tokens.shape[0]}")
+    step = lambda st, bf: TR.drafter_train_step_jit(st, target, bf[0], bf[1], **kw)
+    batch_fn = lambda s: (data.batch(s), features.rows(data.rows(s)))
   ev = None
   if eval_data is not None:
     held = eval_data.batch(0)
     ev = lambda st: TR.drafter_eval_jit(st.params, target, held, cfg=cfg, target_cfg=tcfg,
                                         tc=tc)[1]
-  state, log = train_loop(state, step, data.batch, tc.optim.total_steps, log_every=log_every,
+  state, log = train_loop(state, step, batch_fn, tc.optim.total_steps, log_every=log_every,
                           eval_fn=ev, eval_every=eval_every, checkpoint_dir=checkpoint_dir,
                           checkpoint_every=checkpoint_every, max_seconds=max_seconds,
                           record=dict(kind="drafter", seed=seed),

@@ -89,9 +89,10 @@ class DrafterTrainConfig:
 
 
 def target_features(target: qwen3.TargetParams, target_cfg: qwen3.TargetConfig,
-                    cfg: DFlashConfig, tokens: jax.Array) -> jax.Array:
-  """The frozen target's features [S, T, n_target_layers n_embd] of tokens (no gradient)."""
-  _, feats = qwen3.forward(target, target_cfg, tokens, capture_layers=cfg.target_layers,
+                    capture_layers: tuple[int, ...], tokens: jax.Array) -> jax.Array:
+  """The frozen target's features [S, T, len(capture_layers) n_embd] of tokens (no gradient);
+  capture_layers is a drafter's `target_layers`."""
+  _, feats = qwen3.forward(target, target_cfg, tokens, capture_layers=capture_layers,
                            with_logits=False)
   return jax.lax.stop_gradient(feats)
 
@@ -102,7 +103,7 @@ def drafter_loss(w: Any, target: qwen3.TargetParams, batch: DrafterBatch,
   """(loss, metrics) of drafter weights w on a batch; features None: computed online from the
   target (else cached features [S, T, F]). tok_embd / lm_head are the target's."""
   if features is None:
-    features = target_features(target, target_cfg, cfg, batch.tokens)
+    features = target_features(target, target_cfg, cfg.target_layers, batch.tokens)
   logits = block_logits(w, target.embed, target.head, cfg, features, batch.tokens,
                         batch.anchors, window=tc.window, compute_dtype=tc.compute_dtype)
   labels, weights = block_targets(batch.tokens, batch.loss_mask, batch.anchors,
