@@ -4,6 +4,7 @@ trained against it, both evaluated on held-out stdlib files, every stage one com
   python -m benchmarks.train_demo target  --work W            # ~4-6 min on an H200
   python -m benchmarks.train_demo drafter --work W            # ~3-4 min (needs W/target)
   python -m benchmarks.train_demo eval    --work W --out OUT  # ~2 min (needs W/target, W/drafter)
+  python -m benchmarks.train_demo drafter+eval --work W --out OUT   # the two in one call
   python -m benchmarks.train_demo all     --work W --out OUT  # the three in one process
   ... --smoke                                                  # tiny dims, 30 files: CPU minutes
 
@@ -136,25 +137,27 @@ def write_summary(work: str, out: str, times: dict) -> str:
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="python -m benchmarks.train_demo", description=__doc__.split(
       "\n\n")[0])
-  p.add_argument("stage", choices=("target", "drafter", "eval", "all"))
+  p.add_argument("stage", choices=("target", "drafter", "eval", "drafter+eval", "all"))
   p.add_argument("--work", required=True, help="folder for the target and drafter")
   p.add_argument("--out", default=None, help="folder for eval.md, loss_curves.png, demo.md")
   p.add_argument("--smoke", action="store_true", help="tiny dims (CPU): keeps the script alive")
   p.add_argument("--seed", default="0")
   args = p.parse_args(argv)
-  if args.stage in ("eval", "all") and not args.out:
+  stages = {"all": ("target", "drafter", "eval"), "drafter+eval": ("drafter", "eval")}.get(
+      args.stage, (args.stage,))
+  if "eval" in stages and not args.out:
     p.error("eval needs --out")
   preset = SMOKE if args.smoke else GPU
   tdir, ddir = os.path.join(args.work, "target"), os.path.join(args.work, "drafter")
   seed = ["--seed", args.seed]
   times = {}
-  if args.stage in ("target", "all"):
+  if "target" in stages:
     times["train-target"] = _run("train-target", ["train-target", "--out", tdir] + seed
                                  + preset["target"])
-  if args.stage in ("drafter", "all"):
+  if "drafter" in stages:
     times["train-drafter"] = _run("train-drafter", ["train-drafter", "--target", tdir, "--out",
                                                     ddir] + seed + preset["drafter"])
-  if args.stage in ("eval", "all"):
+  if "eval" in stages:
     drafter = os.path.join(ddir, "drafter.gguf")
     times["eval"] = _run("eval", ["eval", "--target", tdir, "--drafter", drafter, "--out",
                                   args.out] + seed + preset["eval"])

@@ -44,7 +44,9 @@ def register(sub) -> None:
                  help="captured target layers, llama.cpp convention (HF hidden_states index; "
                       "default: 3 spread over the target ending at its last)")
   p.add_argument("--window", type=C.positive_int, default=512,
-                 help="sliding window of every drafter layer (default 512)")
+                 help="sliding window of the drafter's sliding layers (default 512)")
+  p.add_argument("--full-layers", type=C.int_list, default=(),
+                 help="drafter layers with full attention (default: none, every layer slides)")
   p.add_argument("--anchors", type=C.positive_int, default=32, help="anchors per sequence")
   p.add_argument("--batch", type=C.positive_int, default=32, help="sequences per step")
   p.add_argument("--gamma", type=C.positive_float, default=None,
@@ -72,6 +74,7 @@ def train_drafter(args) -> int:
   import numpy as np
 
   import dflash_jax as dfj
+  from dflash_jax.config import FULL, SLIDING
   from dflash_jax.models import qwen3
   from dflash_jax.train import data as D
   from dflash_jax.train import recipes
@@ -93,6 +96,10 @@ def train_drafter(args) -> int:
     qwen3.check_capture_layers(tcfg, layers)
   except ValueError as e:
     return C.arg_error(PROG, "--target-layers", e)
+  bad = [l for l in args.full_layers if not 0 <= l < args.layers]
+  if bad:
+    return C.arg_error(PROG, "--full-layers", f"{bad} outside [0, {args.layers})")
+  kinds = tuple(FULL if l in args.full_layers else SLIDING for l in range(args.layers))
   try:
     cfg = dfj.DFlashConfig(
         n_layer=args.layers, n_embd=tcfg.hidden_size, n_ff=args.ffn or tcfg.intermediate_size,
@@ -100,7 +107,7 @@ def train_drafter(args) -> int:
         n_head_kv=args.kv_heads or tcfg.num_key_value_heads,
         head_dim=args.head_dim or tcfg.head_dim, rope_theta=tcfg.rope_theta,
         eps=tcfg.rms_norm_eps, target_layers=layers, mask_token_id=tok.mask_id,
-        block_size=args.block, window=args.window)
+        block_size=args.block, window=args.window, layer_types=kinds)
   except ValueError as e:
     return C.arg_error(PROG, "--layers/--heads/--block", e)
   if cfg.mask_token_id >= tcfg.vocab_size:
