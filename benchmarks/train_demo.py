@@ -111,6 +111,9 @@ def write_summary(work: str, out: str, times: dict) -> str:
   ev = _load(os.path.join(out, "eval.json"))
   plot_losses(tl, dl, os.path.join(out, "loss_curves.png"))
   t_end, d_end = tl["log"][-1], dl["log"][-1]
+  a = tl["args"]
+  tokens = t_end["step"] * a["batch"] * a["seq_len"]
+  flops = tokens * (6 * tl["n_params"] + 12 * a["layers"] * a["seq_len"] * a["hidden"])
   with open(os.path.join(out, "eval.md")) as f:
     table = f.read()
   lines = [
@@ -120,7 +123,9 @@ def write_summary(work: str, out: str, times: dict) -> str:
       f"{tl['corpus']['held_out_tokens'] / 1e6:.2f} M byte tokens",
       f"- target: {tl['n_params'] / 1e6:.2f} M params, {t_end['step']} steps in "
       f"{tl['seconds']:.0f} s, held-out loss {t_end.get('eval_loss', float('nan')):.3f} "
-      f"nats/byte, next-byte accuracy {t_end.get('eval_acc', float('nan')):.3f}",
+      f"nats/byte, next-byte accuracy {t_end.get('eval_acc', float('nan')):.3f}; "
+      f"{tokens / 1e6:.0f} M tokens x (6 N + 12 L T E) = {flops / 1e15:.1f} PFLOP, "
+      f"{flops / tl['seconds'] / 1e12:.0f} TFLOP/s over the whole stage (compile included)",
       f"- drafter: {dl['config']}, {d_end['step']} steps in {dl['seconds']:.0f} s on "
       f"{dl['sequences']} distilled sequences ({dl['loss_tokens'] / 1e6:.2f} M loss tokens), "
       f"held-out loss {d_end.get('eval_loss', float('nan')):.3f}, accepted drafts per block "
