@@ -144,7 +144,7 @@ def train_drafter(args) -> int:
       held_p = recipes.seeded_rows(D.chunk(held_s, args.prompt_len), 64, args.seed)
     else:
       seqs = D.chunk(train_s, args.seq_len)
-      held_seqs = D.chunk(held_s, args.seq_len)[:64]
+      held_seqs = recipes.seeded_rows(D.chunk(held_s, args.seq_len), 64, args.seed)
   except ValueError as e:
     return C.arg_error(PROG, "--prompt-len/--seq-len", e)
   if args.data == "distill":

@@ -63,7 +63,9 @@ def train_loop(state: TrainState, step_fn: Callable[[TrainState, Any], tuple[Tra
       log.append(row)
       scalars = " ".join(f"{k} {v:.4g}" for k, v in row.items()
                          if isinstance(v, float) and k not in ("seconds",))
-      speed = f", {rate * tokens_per_step / 1e6:.2f} M tok/s" if tokens_per_step else ""
+      tps = rate * tokens_per_step
+      speed = ((f", {tps / 1e6:.2f} M tok/s" if tps >= 1e6 else f", {tps / 1e3:.1f} k tok/s")
+               if tokens_per_step else "")
       out(f"step {done}/{total_steps} {scalars} | {row['seconds']:.1f} s, "
           f"{rate:.1f} steps/s{speed}")
     if checkpoint_every and done % checkpoint_every == 0 and not final:

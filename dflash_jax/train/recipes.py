@@ -46,15 +46,16 @@ def pretrain_target(tcfg: qwen3.TargetConfig, train_seqs: np.ndarray, eval_seqs:
                     oc: TR.OptimConfig, batch_size: int, *, seed: int = 0,
                     compute_dtype: str = "bf16", log_every: int = 50, eval_every: int = 0,
                     checkpoint_dir: str | None = None, checkpoint_every: int = 0,
-                    max_seconds: float | None = None, out: Callable[[str], None] = print
+                      max_seconds: float | None = None, out: Callable[[str], None] = print
                     ) -> tuple[qwen3.TargetParams, list[dict]]:
   """Train a target LM from random init on token sequences [N, T]; returns (float32 params,
-  log). Held-out loss (eval_seqs, up to 64 rows) is logged every eval_every steps and at the end."""
+  log). Held-out loss (64 seeded rows of eval_seqs) is logged every eval_every steps and at
+  the end."""
   state = TR.init_state(qwen3.init_params(tcfg, jax.random.key(seed)), oc)
   step = lambda st, toks: TR.target_train_step_jit(st, toks, cfg=tcfg, oc=oc,
                                                    compute_dtype=compute_dtype)
   batch = lambda i: train_seqs[D.epoch_rows(train_seqs.shape[0], batch_size, seed, i)[1]]
-  held = jnp.asarray(eval_seqs[:64])
+  held = jnp.asarray(seeded_rows(eval_seqs, 64, seed))
   ev = lambda st: TR.lm_eval_jit(st.params, held, cfg=tcfg, compute_dtype=compute_dtype)[1]
   state, log = train_loop(state, step, batch, oc.total_steps, log_every=log_every, eval_fn=ev,
                           eval_every=eval_every, checkpoint_dir=checkpoint_dir,
