@@ -19,10 +19,11 @@ Sizing (GPU preset; FLOPs = 6 x params per trained token + 12 L T E for attentio
 backward): target 8 x 384 (FFN 1024, 6 query / 3 kv heads of 64, vocab 272): 13.2 M params,
 ~98 MFLOP per token; 3000 steps x 64 x 512 tokens = 98 M tokens (~3 epochs of the ~30 M byte
 corpus) = 9.6 PFLOP, ~1 min at 150 TFLOP/s, more as the small GEMMs and the unfused T^2
-attention run below peak. Drafter 3 x 384: 5.3 M params; a step (32 sequences x 32 anchors x
-16 rows = 16 k block rows, plus the frozen target's forward over 32 x 512 tokens for the
-features) ~1.7 TFLOP, 3000 steps ~5 PFLOP. Distillation: 8192 prompts x 384 greedy tokens
-through the KV cache, 1024 at a time (384 cached steps per batch, memory-bound, seconds).
+attention run below peak. Drafter 3 x 384: 5.3 M params; a step (16 sequences x 64 anchors x
+16 rows = 16 k block rows, plus the frozen target's forward over 16 x 512 tokens for the
+features) ~1.5 TFLOP, 3000 steps ~4.5 PFLOP (~3 epochs of the distilled data). Distillation:
+16384 prompts x 384 greedy tokens (6.3 M loss tokens) through the KV cache, 2048 at a time
+(384 cached steps per batch, memory-bound, tens of seconds).
 Eval: 32 prompts x 256 tokens per method at batch 1 (latency-bound).
 
 Why self-distillation: the drafter is judged on the target's greedy continuations, so its
@@ -47,8 +48,8 @@ GPU = dict(
             "--steps", "3000", "--lr", "2e-3", "--warmup", "200", "--log-every", "100",
             "--eval-every", "500", "--max-minutes", "7", "--max-shard-mb", "15"],
     drafter=["--layers", "3", "--block", "16", "--window", "512", "--data", "distill",
-             "--prompts", "8192", "--prompt-len", "128", "--gen-len", "384", "--gen-batch",
-             "1024", "--anchors", "32", "--batch", "32", "--steps", "3000", "--lr", "1e-3",
+             "--prompts", "16384", "--prompt-len", "128", "--gen-len", "384", "--gen-batch",
+             "2048", "--anchors", "64", "--batch", "16", "--steps", "3000", "--lr", "1e-3",
              "--warmup", "200", "--log-every", "100", "--eval-every", "500",
              "--max-minutes", "6"],
     eval=["--prompts", "32", "--prompt-len", "128", "--gen", "256", "--widths", "16,8"])
