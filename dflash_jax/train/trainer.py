@@ -71,7 +71,9 @@ def init_state(params: Any, oc: OptimConfig) -> TrainState:
 
 def _apply(state: TrainState, grads: Any, oc: OptimConfig, metrics: dict) -> tuple[TrainState, dict]:
   updates, opt_state = oc.optimizer().update(grads, state.opt_state, state.params)
-  metrics = dict(metrics, grad_norm=optax.tree.norm(grads), lr=oc.schedule()(state.step))
+  # The float32 global norm, written out (the optax name for it moved between versions).
+  grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
+  metrics = dict(metrics, grad_norm=grad_norm, lr=oc.schedule()(state.step))
   return TrainState(params=optax.apply_updates(state.params, updates), opt_state=opt_state,
                     step=state.step + 1), metrics
 
