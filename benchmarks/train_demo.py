@@ -10,10 +10,11 @@ trained against it, both evaluated on held-out stdlib files, every stage one com
 
 Each stage runs the `python -m dflash_jax` subcommand with the presets below (printed as the
 equivalent command line) and everything it writes is small: W/target holds config.json, the
-bf16 safetensors (~26 MB for the GPU preset, in shards of <= 15 MB) and
+bf16 safetensors (~26 MB for the GPU preset, two shards of <= 15 MB plus their index) and
 train_log.json; W/drafter holds drafter.gguf (bf16, ~11 MB) and train_log.json. A fresh
-machine per stage works: carry W from the previous stage. `eval` writes OUT/eval.md,
-OUT/eval.json, OUT/loss_curves.png and OUT/demo.md (sizes, FLOP counts, stage times, table).
+machine per stage works: bring the previous stage's folders and name them with --target /
+--drafter. `eval` writes OUT/eval.md, OUT/eval.json, OUT/loss_curves.png and OUT/demo.md
+(sizes, token and FLOP counts, stage times, the table).
 
 Sizing (GPU preset; FLOPs = 6 x params per trained token + 12 L T E for attention, forward +
 backward): target 8 x 384 (FFN 1024, 6 query / 3 kv heads of 64, vocab 272): 13.2 M params,
@@ -106,9 +107,9 @@ def plot_losses(target_log: dict, drafter_log: dict, path: str) -> None:
   plt.close(fig)
 
 
-def write_summary(work: str, out: str, times: dict) -> str:
-  tl = _load(os.path.join(work, "target", "train_log.json"))
-  dl = _load(os.path.join(work, "drafter", "train_log.json"))
+def write_summary(tdir: str, ddir: str, out: str, times: dict) -> str:
+  tl = _load(os.path.join(tdir, "train_log.json"))
+  dl = _load(os.path.join(ddir, "train_log.json"))
   ev = _load(os.path.join(out, "eval.json"))
   plot_losses(tl, dl, os.path.join(out, "loss_curves.png"))
   t_end, d_end = tl["log"][-1], dl["log"][-1]
@@ -144,7 +145,10 @@ def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="python -m benchmarks.train_demo", description=__doc__.split(
       "\n\n")[0])
   p.add_argument("stage", choices=("target", "drafter", "eval", "drafter+eval", "all"))
-  p.add_argument("--work", required=True, help="folder for the target and drafter")
+  p.add_argument("--work", required=True,
+                 help="folder for the target and drafter (W/target, W/drafter)")
+  p.add_argument("--target", default=None, help="the target's folder (default W/target)")
+  p.add_argument("--drafter", default=None, help="the drafter's folder (default W/drafter)")
   p.add_argument("--out", default=None, help="folder for eval.md, loss_curves.png, demo.md")
   p.add_argument("--smoke", action="store_true", help="tiny dims (CPU): keeps the script alive")
   p.add_argument("--seed", default="0")
@@ -154,7 +158,8 @@ def main(argv=None) -> int:
   if "eval" in stages and not args.out:
     p.error("eval needs --out")
   preset = SMOKE if args.smoke else GPU
-  tdir, ddir = os.path.join(args.work, "target"), os.path.join(args.work, "drafter")
+  tdir = args.target or os.path.join(args.work, "target")
+  ddir = args.drafter or os.path.join(args.work, "drafter")
   seed = ["--seed", args.seed]
   times = {}
   if "target" in stages:
@@ -167,7 +172,7 @@ def main(argv=None) -> int:
     drafter = os.path.join(ddir, "drafter.gguf")
     times["eval"] = _run("eval", ["eval", "--target", tdir, "--drafter", drafter, "--out",
                                   args.out] + seed + preset["eval"])
-    print("\n" + write_summary(args.work, args.out, times))
+    print("\n" + write_summary(tdir, ddir, args.out, times))
   return 0
 
 
