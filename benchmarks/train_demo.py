@@ -57,7 +57,8 @@ GPU = dict(
 SMOKE = dict(
     target=["--max-files", "30", "--layers", "2", "--hidden", "64", "--heads", "4",
             "--kv-heads", "2", "--head-dim", "16", "--ffn", "128", "--seq-len", "64",
-            "--batch", "8", "--steps", "12", "--lr", "3e-3", "--warmup", "2", "--log-every", "4"],
+            "--batch", "8", "--steps", "12", "--lr", "3e-3", "--warmup", "2", "--log-every", "4",
+            "--max-shard-mb", "0.1"],
     drafter=["--max-files", "30", "--layers", "1", "--block", "8", "--window", "64",
              "--prompts", "32", "--prompt-len", "16", "--gen-len", "32", "--gen-batch", "32",
              "--anchors", "4", "--batch", "4", "--steps", "6", "--lr", "3e-3", "--warmup", "1",
