@@ -207,7 +207,7 @@ def bench_kernels(bw: float, iters: int, smoke: bool) -> dict:
     ring = C.full_ring(cfg, w, rdt)
     q, k, v = rnd((hkv, b * g, d)), rnd((hkv, b, d)), rnd((hkv, b, d))
     knobs = S.attention_knobs(w, ring.k.dtype)
-    f = jax.jit(functools.partial(R.ring_attention, layer=L - 1, **knobs))
+    f = jax.jit(functools.partial(R.ring_attention, layer=L - 1, window=w, **knobs))
     per = C.cupti_kernels(f, q, k, v, ring.k, ring.v, ring.pos, jnp.int32(w), iterations=iters)
     ring_bytes = 2 * hkv * w * d * ring.k.dtype.itemsize
     out[f"ring_attention_{rdt}"] = dict(device_us=C.device_ms(per) * 1e3,

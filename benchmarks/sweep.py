@@ -1,9 +1,13 @@
 """Tuning sweeps on the GPU: ring attention knobs and skinny-GEMM tiles, CUPTI timed.
 
-  python -m benchmarks.sweep [attention] [gemm] [--out FILE.json]
+  python -m benchmarks.sweep [attention] [gemm] [gate_up] [shapes] [--out FILE.json]
 
 Prints one line per configuration (device us, achieved TB/s) and writes all of them as JSON;
-the defaults in the kernels and step come from these numbers (see RESULTS.md).
+the defaults in the kernels and step come from these numbers (see RESULTS.md). `shapes`
+times the kernels at published drafters' shapes the seed's tiles do not fit (block 10 and 7,
+GQA group 3, windows 3000 and 48, full-attention caches, head_dim 96 / 256, odd GEMM N / K)
+with their default knobs, next to the seed shape, plus alternative chunkings for the
+3000-slot window.
 """
 from __future__ import annotations
 
@@ -20,6 +24,8 @@ import numpy as np
 import dflash_jax as dfj
 from benchmarks import common as C
 from dflash_jax.quant import quantize_fp8, quantize_q8_0
+from pallas_kernels import inject as I
+from pallas_kernels import norm_rope as N
 from pallas_kernels import ring_attention as R
 from pallas_kernels import skinny_gemm as G
 
@@ -48,7 +54,7 @@ def sweep_attention(bw: float) -> list[dict]:
     grid += [dict(splits=16, block_k=128, num_warps=nw, num_stages=ns, terms=t)
              for t in (2, 3) for nw, ns in ((4, 1), (4, 3), (8, 2))]
     for kn in grid:
-      f = functools.partial(R.ring_attention, layer=cfg.n_layer - 1, **kn)
+      f = functools.partial(R.ring_attention, layer=cfg.n_layer - 1, window=w, **kn)
       us, err = _time(f, q, k, v, ring.k, ring.v, ring.pos, jnp.int32(w))
       row = dict(kernel="ring_attention", ring=rdt, us=us, floor_us=floor_us, err=err, **kn)
       print(json.dumps(row), flush=True)
@@ -128,6 +134,112 @@ def sweep_gate_up(fmts: tuple[str, ...]) -> list[dict]:
   return out
 
 
+# Attention shapes: (name, Hkv, T, G, D, S, window, n_past). The seed first: the other rows'
+# floor fractions compare with it. Full caches read only their chunks below n_past.
+ATTN_SHAPES = [
+    ("seed", 8, 16, 4, 128, 2048, 2048, 2048),
+    ("block10", 8, 10, 4, 128, 2048, 2048, 2048),
+    ("block7", 8, 7, 4, 128, 2048, 2048, 2048),
+    ("group3", 8, 16, 3, 128, 2048, 2048, 2048),
+    ("window3000", 8, 16, 4, 128, 3000, 3000, 3000),
+    ("window48", 8, 16, 4, 128, 48, 48, 48),
+    ("head_dim96", 8, 16, 4, 96, 2048, 2048, 2048),
+    ("head_dim256", 8, 16, 4, 256, 2048, 2048, 2048),
+    ("full8192_npast8192", 8, 16, 4, 128, 8192, None, 8192),
+    ("full40960_npast4096", 8, 16, 4, 128, 40960, None, 4096),
+    ("full40960_npast40960", 8, 16, 4, 128, 40960, None, 40960),
+]
+# Alternatives to default_knobs (12 chunks of 256 slots) for the 3000-slot bf16 window:
+# 24 chunks of one 128-slot tile, 24 of two 64-slot tiles, 47 of one 64-slot tile.
+ATTN_ALT = {"window3000": [dict(splits=24, block_k=128), dict(splits=24, block_k=64),
+                           dict(splits=48, block_k=64)]}
+
+
+# qk_norm_rope / inject at the block widths: (name, Hkv, T, G, D).
+BLOCK_SHAPES = [("seed", 8, 16, 4, 128), ("block10", 8, 10, 4, 128), ("block7", 8, 7, 4, 128),
+                ("group3", 8, 16, 3, 128), ("head_dim96", 8, 16, 4, 96)]
+# GEMMs (M = 16): (name, N of one weight stream, K, gate_up).
+GEMM_ODD = [("seed_qkv", 6144, 6656, False), ("group3_qkv", 5120, 6656, False),
+            ("group3_o", 6656, 3072, False), ("lm_head1000", 1000, 6656, False),
+            ("k6696", 6144, 6696, False), ("k6752", 6144, 6752, False),
+            ("gate_up_seed", 19968, 6656, True), ("gate_up_20008", 20008, 6656, True)]
+
+
+def _ring(key, hkv: int, s: int, d: int, n_fill: int, ring_dtype):
+  """A 2-layer ring / cache with slots 0..n_fill-1 holding positions 0.., the rest empty."""
+  kk, kv = jax.random.split(key)
+  shape = (2, hkv, s, d)
+  pos = jnp.where(jnp.arange(s) < n_fill, jnp.arange(s), -1).astype(jnp.int32)
+  return (jax.random.normal(kk, shape, jnp.float32).astype(ring_dtype),
+          jax.random.normal(kv, shape, jnp.float32).astype(ring_dtype), pos)
+
+
+def sweep_shapes(bw: float) -> list[dict]:
+  """Kernels at the published shapes with their default knobs (us, byte floor, fraction)."""
+  out = []
+
+  def emit(row):
+    print(json.dumps(row), flush=True)
+    out.append(row)
+
+  key = iter(jax.random.split(jax.random.key(3), 64))
+  rnd = lambda shape: jax.random.normal(next(key), shape, jnp.float32)
+  for rdt in (jnp.bfloat16, jnp.float32):
+    for name, hkv, t, g, d, s, window, n_past in ATTN_SHAPES:
+      q, k, v = rnd((hkv, t * g, d)), rnd((hkv, t, d)), rnd((hkv, t, d))
+      rk, rv, pos = _ring(next(key), hkv, s, d, min(n_past, s), rdt)
+      # The ring bytes that must be read: the slots below n_past (all of a sliding ring).
+      floor_us = 2 * hkv * min(n_past, s) * d * jnp.dtype(rdt).itemsize / bw * 1e6
+      for kn in [R.default_knobs(s, window, rdt, head_dim=d)] + (
+          ATTN_ALT.get(name, []) if rdt == jnp.bfloat16 else []):
+        kn = dict(dict(terms=2 if rdt == jnp.bfloat16 else 3), **kn)
+        f = functools.partial(R.ring_attention, layer=1, window=window, **kn)
+        us, err = _time(f, q, k, v, rk, rv, pos, jnp.int32(n_past))
+        emit(dict(kernel="ring_attention", shape=name, ring=jnp.dtype(rdt).name, us=us,
+                  floor_us=floor_us, floor_fraction=None if us is None else floor_us / us,
+                  chunks=R.chunking(s, kn["splits"], kn["block_k"])[1], err=err, **kn))
+  # qk_norm_rope (4 split-K partials, as in the step) and inject at the block widths.
+  for name, hkv, t, g, d in BLOCK_SHAPES:
+    qkv = rnd((4, t, (hkv * g + 2 * hkv) * d))
+    f = functools.partial(N.qk_norm_rope, n_head=hkv * g, n_head_kv=hkv, eps=1e-6)
+    us, err = _time(f, qkv, rnd((d,)), rnd((d,)), jnp.int32(100), rnd((d // 2,)))
+    emit(dict(kernel="qk_norm_rope", shape=name, us=us, err=err))
+    rk, rv, pos = _ring(next(key), hkv, 2048, d, 2048, jnp.bfloat16)
+    rk, rv = jnp.concatenate([rk] * 3)[:5], jnp.concatenate([rv] * 3)[:5]   # 5 layers
+    kv = rnd((t, 5, 2, hkv, d))
+    f = functools.partial(I.inject, eps=1e-6)
+    us, err = _time(f, rk, rv, pos, kv, rnd((5, d)), jnp.arange(2040, 2040 + t, dtype=jnp.int32),
+                    jnp.int32(t), rnd((d // 2,)))
+    emit(dict(kernel="inject", shape=name, us=us, err=err))
+  # Skinny GEMMs at odd N / K (M = 16) with default_knobs, next to XLA's bf16 GEMM.
+  x = rnd((16, max(k for _, _, k, _ in GEMM_ODD)))
+  for name, n, k, gate_up in GEMM_ODD:
+    rows = 2 * n if gate_up else n
+    w32 = jax.random.normal(next(key), (rows, k), jnp.float32) / np.sqrt(k)
+    xs = x[:, :k]
+    xla = lambda a, m: jax.lax.dot_general(a.astype(jnp.bfloat16), m, (((1,), (1,)), ((), ())),
+                                           preferred_element_type=jnp.float32)
+    us, err = _time(xla, xs, w32.astype(jnp.bfloat16))
+    emit(dict(kernel="xla_dot_bf16", shape=name, n=rows, k=k, us=us, err=err,
+              TBps=None if us is None else rows * k * 2 / us / 1e6))
+    for fmt in ("bf16", "fp8", "q8_0"):
+      if fmt == "q8_0" and k % 32:
+        continue
+      if fmt == "bf16":
+        wq, sc = w32.astype(jnp.bfloat16), None
+      else:
+        quant = quantize_fp8 if fmt == "fp8" else quantize_q8_0
+        wq, sc = (jnp.asarray(a) for a in quant(np.asarray(w32)))
+      kn = G.default_knobs(fmt, n, k, gate_up)
+      fn = G.skinny_matmul_gate_up if gate_up else G.skinny_matmul
+      f = functools.partial(fn, fmt=fmt, **kn)
+      us, err = _time(f, xs, wq, sc)
+      nbytes = wq.nbytes + (0 if sc is None else sc.nbytes)
+      emit(dict(kernel="skinny_gate_up" if gate_up else "skinny", fmt=fmt, shape=name, n=rows,
+                k=k, us=us, err=err, TBps=None if us is None else nbytes / us / 1e6, **kn))
+  return out
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("what", nargs="*", default=["attention", "gemm"])
@@ -144,6 +256,8 @@ def main(argv=None) -> int:
     res["rows"] += sweep_attention(bw)
   if "gate_up" in args.what:
     res["rows"] += sweep_gate_up(tuple(f for f in args.fmts.split(",") if f != "bf16"))
+  if "shapes" in args.what:
+    res["rows"] += sweep_shapes(bw)
   if "gemm" in args.what:
     res["rows"] += sweep_gemm(bw, tuple(args.fmts.split(",")), tuple(args.shapes.split(",")),
                               args.wide,

@@ -10,8 +10,8 @@ One round, on device, for every slot (sequence) of the state at once:
   -> the committed rows' features (verify rows 0..n_ok) wait in the state; the next round's
      draft_round injects them at positions n_past .. n_past + n_ok.
 `run_rounds` runs up to R rounds inside one `lax.while_loop` in one jitted call with the whole
-state donated; `generate` calls it every R rounds to stream tokens and stop on EOS / max
-length (EOS is seen at most R rounds late: those rounds run, their tokens are dropped).
+state donated; the loop ends early once every slot is done (EOS or max length, checked on
+device each round). `generate` calls it every R rounds to stream the new tokens.
 
 Target-only decoding (`generate_target_only`) is the same loop at width 1 with no drafter, so
 speculative and target-only outputs come from the same target code.
@@ -182,25 +182,29 @@ def _propose(models: Models, dcfg: DecodeConfig, st: DecodeState, key: jax.Array
   return ring, drafts.astype(jnp.int32), q
 
 
-def _round(models: Models, dcfg: DecodeConfig, st: DecodeState) -> DecodeState:
+def _verify(models: Models, dcfg: DecodeConfig, st: DecodeState, drafts: jax.Array):
+  """The target on [id_last, drafts] -> (cache, logits [S, w, V], features [S, w, F])."""
+  capture = models.drafter.cfg.target_layers if dcfg.width > 1 else ()
+  vtok = jnp.concatenate([st.id_last[:, None], drafts], axis=1)
+  return qwen3.verify(models.target, models.target_cfg, st.cache, vtok, capture_layers=capture,
+                      impl=dcfg.target_impl)
+
+
+def _accept_commit(dcfg: DecodeConfig, st: DecodeState, drafts, q, logits, feats,
+                   key: jax.Array) -> DecodeState:
+  """Accept (greedy prefix or rejection sampling), commit, roll the cache length back to the
+  committed tokens, keep the verify features for the next round's inject. The returned
+  state's cache and ring are st's (the caller sets them)."""
   w, n, samp = dcfg.width, dcfg.width - 1, dcfg.sampling
   s = st.n_past.shape[0]
   active = ~st.done
-  keys = jax.vmap(lambda k: jax.random.split(k, 3))(st.key)
-  ring, drafts, q = st.ring, jnp.zeros((s, 0), jnp.int32), None
-  if n:
-    ring, drafts, q = _propose(models, dcfg, st, keys[:, 1])
-  capture = models.drafter.cfg.target_layers if n else ()
-  vtok = jnp.concatenate([st.id_last[:, None], drafts], axis=1)
-  cache, logits, feats = qwen3.verify(models.target, models.target_cfg, st.cache, vtok,
-                                      capture_layers=capture, impl=dcfg.target_impl)
   if samp.greedy:
     target_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     n_ok = (step.accept(drafts, target_tokens[:, :n], impl=dcfg.impl) if n
             else jnp.zeros((s,), jnp.int32))
     t = jnp.take_along_axis(target_tokens, n_ok[:, None], axis=1)[:, 0]
   else:
-    n_ok, t = SP.verify_sampled(keys[:, 2], drafts, SP.probs(logits, samp), q)
+    n_ok, t = SP.verify_sampled(key, drafts, SP.probs(logits, samp), q)
   rows = jnp.arange(w, dtype=jnp.int32)[None]
   # Row i of the commit: drafts[i] for i < n_ok, then t; rows past n_ok are scratch.
   committed = jnp.where(rows < n_ok[:, None], jnp.concatenate([drafts, t[:, None]], axis=1),
@@ -215,12 +219,24 @@ def _round(models: Models, dcfg: DecodeConfig, st: DecodeState) -> DecodeState:
     return jnp.where(active.reshape(-1, *([1] * (new.ndim - 1))), new, old)
 
   return st.replace(
-      cache=cache.replace(length=keep(n_past, st.cache.length)), ring=ring,
+      cache=st.cache.replace(length=keep(n_past, st.cache.length)),
       tokens=keep(tokens, st.tokens), n_past=keep(n_past, st.n_past),
       id_last=keep(t, st.id_last), pending=keep(feats, st.pending) if n else None,
       n_new=keep(n_ok + 1, st.n_new), done=st.done | (active & stop),
-      rounds=st.rounds + active, hist=st.hist.at[jnp.arange(s), n_ok].add(active.astype(jnp.int32)),
-      key=keys[:, 0])
+      rounds=st.rounds + active, hist=st.hist.at[jnp.arange(s), n_ok].add(active.astype(jnp.int32)))
+
+
+def _round(models: Models, dcfg: DecodeConfig, st: DecodeState) -> DecodeState:
+  """propose -> verify -> accept + commit (the next round's propose injects the features)."""
+  s = st.n_past.shape[0]
+  keys = jax.vmap(lambda k: jax.random.split(k, 3))(st.key)
+  ring, drafts, q = st.ring, jnp.zeros((s, 0), jnp.int32), None
+  if dcfg.width > 1:
+    ring, drafts, q = _propose(models, dcfg, st, keys[:, 1])
+  cache, logits, feats = _verify(models, dcfg, st, drafts)
+  st = _accept_commit(dcfg, st.replace(cache=cache.replace(length=st.cache.length)), drafts, q,
+                      logits, feats, keys[:, 2])
+  return st.replace(ring=ring, key=keys[:, 0])
 
 
 def _rounds(models: Models, dcfg: DecodeConfig, state: DecodeState, max_rounds) -> DecodeState:
@@ -234,7 +250,6 @@ def _rounds(models: Models, dcfg: DecodeConfig, state: DecodeState, max_rounds) 
 
 # Up to max_rounds rounds (a traced int32: one compile for any value) in one call.
 run_rounds = jax.jit(_rounds, static_argnames=("dcfg",), donate_argnames=("state",))
-round_jit = jax.jit(_round, static_argnames=("dcfg",), donate_argnames=("st",))
 
 
 @functools.partial(jax.jit, static_argnames=("impl", "target_impl"),
@@ -296,6 +311,10 @@ def start(models: Models, dcfg: DecodeConfig, prompts: Sequence[Sequence[int]], 
   if capacity < need:
     raise ValueError(f"capacity {capacity} < longest prompt {longest} + max_new {max_new} + "
                      f"width {w} = {need}")
+  if need > tc.max_position_embeddings:
+    raise ValueError(f"longest prompt {longest} + max_new {max_new} + width {w} = {need} "
+                     f"positions exceed the target's max_position_embeddings "
+                     f"{tc.max_position_embeddings}")
   buf_len = capacity + w
   tokens = np.zeros((s, buf_len), np.int32)
   for i, p in enumerate(ps):
@@ -307,7 +326,6 @@ def start(models: Models, dcfg: DecodeConfig, prompts: Sequence[Sequence[int]], 
   ring = pending = None
   if models.drafter is not None:
     r = step.init_ring(models.drafter.cfg, window, ring_dtype)
-    step.attention_knobs(r.window, r.k.dtype, dcfg.impl)   # the window's kernel limits, now
     ring = jax.tree.map(lambda a: jnp.broadcast_to(a, (s, *a.shape)), r)
     pending = jnp.zeros((s, w, models.drafter.cfg.n_embd_fc), jnp.float32)
   cache, ring = _prefill(models, cache, ring, jnp.asarray(pre), jnp.asarray(n_prompt - 1),

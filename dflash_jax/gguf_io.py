@@ -14,6 +14,7 @@ import gguf
 import numpy as np
 
 from dflash_jax.config import FULL, SLIDING, DFlashConfig
+from dflash_jax.gguf_guard import GGUFFormatError, open_gguf
 from dflash_jax.synthetic import drafter_tensor_shapes
 
 ARCH = "dflash"
@@ -107,10 +108,9 @@ def _open(path: str) -> gguf.GGUFReader:
   if not os.path.isfile(path):
     raise FileNotFoundError(f"{path}: no such drafter file")
   try:
-    reader = gguf.GGUFReader(path)
-  except Exception as e:  # gguf reports bad magic, truncation, bad types as assorted exceptions
-    raise _fail(path, f"not a readable GGUF file (truncated or corrupt?): "
-                f"{type(e).__name__}: {e}") from e
+    reader = open_gguf(path)   # every header count and offset checked before use
+  except GGUFFormatError as e:
+    raise DrafterFormatError(str(e)) from None
   arch = _get(reader, path, KEY_ARCH, {_VT.STRING}, "a string")
   if arch != ARCH:
     raise _fail(path, f"{KEY_ARCH} is {arch!r}, expected {ARCH!r}: not a DFlash drafter")
@@ -202,16 +202,26 @@ def _numpy_shape(t: Any) -> tuple[int, ...]:
 
 def _drafter_tensors(reader: gguf.GGUFReader, cfg: DFlashConfig, path: str) -> dict[str, Any]:
   """name -> ReaderTensor for exactly the drafter's tensors, with names and shapes checked."""
+  if cfg.n_layer > len(reader.tensors):   # before a table of n_layer entries is built
+    raise _fail(path, f"{INT_KEYS['n_layer']!r} = {cfg.n_layer}, but the file holds only "
+                f"{len(reader.tensors)} tensors (every layer has its own)")
   expected = drafter_tensor_shapes(cfg)
-  by_name = {t.name: t for t in reader.tensors}
-  extra = sorted(n for n in by_name if n.removesuffix(".weight") not in expected
-                 or not n.endswith(".weight"))
+  by_name, extra, limit = {}, [], 8
+  for t in reader.tensors:   # built one at a time: a flood of unknown tensors stops early
+    if t.name.endswith(".weight") and t.name.removesuffix(".weight") in expected:
+      by_name[t.name] = t
+    else:
+      extra.append(t.name)
+      if len(extra) > limit:
+        break
   if extra:
-    raise _fail(path, f"unknown tensors {extra} (a DFlash drafter has only {len(expected)} "
-                f"tensors for n_layer={cfg.n_layer})")
+    more = " and more" if len(extra) > limit else ""
+    raise _fail(path, f"unknown tensors {extra[:limit]}{more} (the file holds "
+                f"{len(reader.tensors)}; a DFlash drafter has {len(expected)} tensors for "
+                f"n_layer={cfg.n_layer})")
   missing = [n + ".weight" for n in expected if n + ".weight" not in by_name]
   if missing:
-    raise _fail(path, f"missing tensors {missing}")
+    raise _fail(path, f"missing tensors {_names(missing)}")
   tensors = {n: by_name[n + ".weight"] for n in expected}
   _check_heads(tensors, cfg, path)
   for name, t in tensors.items():
@@ -219,6 +229,12 @@ def _drafter_tensors(reader: gguf.GGUFReader, cfg: DFlashConfig, path: str) -> d
       raise _fail(path, f"tensor {name}.weight has shape {_numpy_shape(t)}, expected "
                   f"{expected[name]}")
   return tensors
+
+
+def _names(names: list[str], limit: int = 8) -> str:
+  """The first `limit` names and how many more: an error message stays one readable line."""
+  more = f" and {len(names) - limit} more" if len(names) > limit else ""
+  return f"{names[:limit]}{more}"
 
 
 def _check_heads(tensors: Mapping[str, Any], cfg: DFlashConfig, path: str) -> None:
@@ -238,7 +254,8 @@ def _check_heads(tensors: Mapping[str, Any], cfg: DFlashConfig, path: str) -> No
 
 def _dequantize(t: Any, path: str) -> np.ndarray:
   try:
-    a = gguf.quants.dequantize(t.data, t.tensor_type)
+    with np.errstate(invalid="ignore", over="ignore"):   # non-finite values are named below
+      a = gguf.quants.dequantize(t.data, t.tensor_type)
   except NotImplementedError as e:
     raise _fail(path, f"tensor {t.name} is {t.tensor_type.name}, which the gguf package "
                 "cannot dequantize") from e

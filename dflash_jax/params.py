@@ -164,13 +164,12 @@ def prepare_weights(cfg: DFlashConfig, w: dict[str, np.ndarray], dtype: Any = "f
     return quant.quantize_q8_0(w[name])
 
   def mat(*names):
-    if fmt in ("fp8", "q8_0"):
+    if fmt == "q8_0":
       for n in names:
         n_out, k = np.shape(w[n])
-        if not _skinny_tiles_fit(n_out, k):
-          raise ValueError(f"dtype {fmt!r}: tensor '{n}' is [{n_out}, {k}]; the skinny GEMM "
-                           f"needs rows (N) a multiple of {_SKINNY_MIN_N} and columns (K) a "
-                           f"multiple of {_SKINNY_MIN_K}")
+        if k % skinny_gemm.Q8_0_BLOCK:
+          raise ValueError(f"dtype 'q8_0': tensor '{n}' is [{n_out}, {k}]; Q8_0 blocks need "
+                           f"columns (K) a multiple of {skinny_gemm.Q8_0_BLOCK}")
     if fmt == "q8_0":
       parts = [host_q8_0(n) for n in names]
       return QuantWeight(data=jnp.asarray(np.concatenate([p[0] for p in parts])),
@@ -208,39 +207,15 @@ def prepare_weights(cfg: DFlashConfig, w: dict[str, np.ndarray], dtype: Any = "f
 SKINNY_MAX_M = skinny_gemm.MAX_DEFAULT_BLOCK_M
 
 
-# The smallest tiles gemm_knobs falls back to (block_n halves down to 16, block_k to 32).
-_SKINNY_MIN_N, _SKINNY_MIN_K = 16, 32
-
-
-def _skinny_tiles_fit(n_out: int, k: int) -> bool:
-  return n_out % _SKINNY_MIN_N == 0 and k % _SKINNY_MIN_K == 0
-
-
-def _bf16_skinny(x: jax.Array, w: jax.Array, gate_up: bool) -> bool:
-  """Dense bf16 runs on the skinny GEMM for block-sized row counts and shapes its tiles cover;
-  otherwise on XLA's GEMM."""
-  if w.dtype != jnp.bfloat16 or x.ndim != 2 or x.shape[0] > SKINNY_MAX_M:
-    return False
-  return _skinny_tiles_fit(w.shape[0] // 2 if gate_up else w.shape[0], w.shape[1])
+def _bf16_skinny(x: jax.Array, w: jax.Array) -> bool:
+  """Dense bf16 runs on the skinny GEMM for block-sized row counts (any N and K); prefill
+  row counts on XLA's GEMM."""
+  return w.dtype == jnp.bfloat16 and x.ndim == 2 and x.shape[0] <= SKINNY_MAX_M
 
 
 def gemm_knobs(fmt: str, n: int, k: int, gate_up: bool = False) -> dict:
-  """Skinny-GEMM tiles from the H200 sweeps (benchmarks/RESULTS.md, runs 2-5, 7, 9 and 10):
-  128-wide K tiles (256 for q8_0 and for long K), 32-row N tiles for q8_0 and for the fused
-  gate+up (two accumulators), and K split when N / block_n alone cannot fill the 132 SMs: 5
-  ways for a long K (the down projection: 39.6 vs 42.8 us fp8, 53.4 vs 61.9 us q8_0 split 4
-  ways), else 4. bf16 takes fp8's tiles (the best of four tile sets in the bf16 step, run 10)."""
-  long_k = not gate_up and k >= 16384
-  block_k = 256 if fmt == "q8_0" or long_k else 128
-  while block_k > _SKINNY_MIN_K and k % block_k:
-    block_k //= 2
-  block_n = 32 if (fmt == "q8_0" or gate_up) and not long_k else 64
-  while block_n > _SKINNY_MIN_N and n % block_n:
-    block_n //= 2
-  split_k = 1
-  if not gate_up and n <= 16384 and k // block_k >= 16:
-    split_k = 5 if long_k else 4
-  return dict(block_n=block_n, block_k=block_k, split_k=split_k, num_stages=3)
+  """The skinny GEMM's tiles for this weight (`skinny_gemm.default_knobs`)."""
+  return skinny_gemm.default_knobs(fmt, n, k, gate_up)
 
 
 def linear(x: jax.Array, w, *, impl: str = "pallas", gate_up: bool = False,
@@ -250,9 +225,9 @@ def linear(x: jax.Array, w, *, impl: str = "pallas", gate_up: bool = False,
   Dense bf16 weights: the activation is rounded to bf16 (the rounding SPEC.md section 5 names)
   and the product accumulates in float32; up to SKINNY_MAX_M rows the Pallas skinny GEMM
   streams the weights (in the bf16 step it beats XLA's GEMMs, mostly by needing no split-K
-  reduce or convert launches: RESULTS.md run 10), beyond that (prefill row counts, where a
-  GEMM that reads the weights once per 64-row tile would lose) or for shapes its tiles do not
-  cover (`_bf16_skinny`), XLA's GEMM. Dense fp32:
+  reduce or convert launches: RESULTS.md run 10), whatever N and K; beyond that (prefill row
+  counts, where a GEMM that reads the weights once per 64-row tile would lose), XLA's GEMM.
+  Dense fp32:
   XLA, full-precision float32 (HIGHEST, so GPUs do not silently use TF32). QuantWeight: the
   Pallas skinny GEMM streams the 1-byte weights at any row count (impl="xla": its jnp twin,
   which dequantizes in XLA). gate_up: w holds gate rows then up rows and the
@@ -262,7 +237,7 @@ def linear(x: jax.Array, w, *, impl: str = "pallas", gate_up: bool = False,
   """
   if partials and gate_up:
     raise ValueError("linear: partials=True is for plain projections, not gate_up")
-  if impl != "xla" and (isinstance(w, QuantWeight) or _bf16_skinny(x, w, gate_up)):
+  if impl != "xla" and (isinstance(w, QuantWeight) or _bf16_skinny(x, w)):
     data, scale, fmt = (w.data, w.scale, w.fmt) if isinstance(w, QuantWeight) else (w, None, "bf16")
     n, k = data.shape
     knobs = gemm_knobs(fmt, n // 2 if gate_up else n, k, gate_up)

@@ -120,8 +120,8 @@ def block_step(params: DrafterParams, ring: RingState, id_last: jax.Array, n_pas
     qkv = linear(rms_norm(x, lp.attn_norm, cfg.eps), lp.wqkv, impl=impl, partials=True)
     q, k, v = ops.qk_norm_rope(qkv, lp.q_norm, lp.k_norm, n_past, params.inv_freq,
                                n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, eps=cfg.eps)
-    o = ops.ring_attention(q, k, v, ring.k, ring.v, ring.pos, n_past, layer=l, out_dtype=act_dtype,
-                **knobs)
+    o = ops.ring_attention(q, k, v, ring.k, ring.v, ring.pos, n_past, layer=l,
+                           window=ring.window, out_dtype=act_dtype, **knobs)
     x = x + linear(o, lp.wo, impl=impl)
     hidden = linear(rms_norm(x, lp.ffn_norm, cfg.eps), lp.wgu, impl=impl, gate_up=True,
                     out_dtype=act_dtype)

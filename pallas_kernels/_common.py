@@ -1,7 +1,13 @@
 """Helpers shared by the kernel modules."""
 from __future__ import annotations
 
+from typing import Sequence
+
 import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 
 
 def resolve_interpret(interpret: bool | None) -> bool:
@@ -15,7 +21,60 @@ def is_pow2(n: int) -> bool:
   return n > 0 and (n & (n - 1)) == 0
 
 
+def next_pow2(n: int) -> int:
+  """The smallest power of 2 >= n (n >= 1)."""
+  return 1 << (n - 1).bit_length()
+
+
 def check(cond: bool, kernel: str, limit: str, value) -> None:
   """Raise a ValueError naming the kernel, the violated limit and the offending value."""
   if not cond:
     raise ValueError(f"{kernel}: {limit} (got {value})")
+
+
+# Pallas Triton (jax 0.11.2) needs every loaded or stored tensor to have a power-of-2 size and
+# does not mask block reads past an array's end. Kernels therefore work on power-of-2 tiles
+# and mask the lanes past the real extent; a tile whose extent is the whole tile (every shape
+# the tiles already fit) gets a plain, unmasked access, the same code as before masking.
+
+
+def _view(ref, starts: Sequence, sizes: Sequence):
+  # A size of None indexes that axis with the scalar start (the axis is dropped); as an int32
+  # array, which interpret mode's masked load needs (a Python int has no shape).
+  return ref.at[tuple(jnp.int32(s) if n is None else pl.ds(s, n)
+                      for s, n in zip(starts, sizes))]
+
+
+def tile_mask(sizes: Sequence[int], limits: Sequence) -> jax.Array | None:
+  """Lanes of a `sizes` tile whose index along each axis is below that axis' limit (None: no
+  limit on that axis; a limit may be traced); None when no axis has a limit."""
+  mask = None
+  for axis, limit in enumerate(limits):
+    if limit is None:
+      continue
+    m = lax.broadcasted_iota(jnp.int32, tuple(sizes), axis) < limit
+    mask = m if mask is None else mask & m
+  return mask
+
+
+def load_tile(ref, starts: Sequence, sizes: Sequence, limits: Sequence, other=0):
+  """ref[starts[i] : starts[i] + sizes[i], ...] as a tile; lanes at or past an axis' limit
+  (relative to its start) are not read and hold `other`. A size of None reads the single
+  index starts[i] of that axis (dropped from the tile; its limit is ignored)."""
+  view = _view(ref, starts, sizes)
+  kept = [i for i, n in enumerate(sizes) if n is not None]
+  mask = tile_mask([sizes[i] for i in kept], [limits[i] for i in kept])
+  if mask is None:
+    return view[...]
+  return plt.load(view, mask=mask, other=other)
+
+
+def store_tile(ref, starts: Sequence, value: jax.Array, limits: Sequence) -> None:
+  """Stores `value` at ref[starts[i] : starts[i] + value.shape[i], ...], lanes at or past an
+  axis' limit (relative to its start) left unwritten."""
+  view = _view(ref, starts, value.shape)
+  mask = tile_mask(value.shape, limits)
+  if mask is None:
+    view[...] = value
+  else:
+    plt.store(view, value, mask=mask)

@@ -2,7 +2,8 @@
 
 One launch, one program per head: it sums the projection's split-K partials, then
 normalises and ropes a query or key head or copies a value head, emitting the layouts
-`ring_attention` reads (ARCHITECTURE.md, "Kernel signatures").
+`ring_attention` reads (ARCHITECTURE.md, "Kernel signatures"). Any block width T, group G
+and head_dim: rows past T and head-half lanes past D/2 of the power-of-2 tiles are masked.
 """
 from __future__ import annotations
 
@@ -14,21 +15,23 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels._common import check, is_pow2, resolve_interpret
+from pallas_kernels._common import check, load_tile, next_pow2, resolve_interpret, store_tile
+from pallas_kernels.limits import check_head_dim, check_width
 
 
 def rms_rope_halves(x1: jax.Array, x2: jax.Array, w1: jax.Array, w2: jax.Array,
-                    pos: jax.Array, inv_freq: jax.Array, eps: float
+                    pos: jax.Array, inv_freq: jax.Array, eps: float, head_dim: int
                     ) -> tuple[jax.Array, jax.Array]:
   """rms_head then NEOX rope of rows split into halves (x1 = x[:, :D/2], x2 = x[:, D/2:]).
 
   Works on halves because Pallas Triton cannot slice or concatenate register values: kernels
-  load and store the two halves through sliced Refs. x1, x2: [R, D/2] float32; w1, w2: [D/2]
-  float32; pos: [R] int32; inv_freq: [D/2] float32. Shared by the kernels and their twins so
-  that both round identically.
+  load and store the two halves through sliced Refs. x1, x2: [R, H] float32 with H >= D/2
+  (head_dim D); w1, w2: [H] float32; pos: [R] int32; inv_freq: [H] float32. Lanes past D/2
+  (a kernel's power-of-2 padding) must hold zeros in x1, x2: they add nothing to the mean
+  square, which divides by head_dim. Shared by the kernels and their twins so that both round
+  identically.
   """
-  d = 2 * x1.shape[-1]
-  ms = (jnp.sum(x1 * x1, axis=-1) + jnp.sum(x2 * x2, axis=-1)) / d
+  ms = (jnp.sum(x1 * x1, axis=-1) + jnp.sum(x2 * x2, axis=-1)) / head_dim
   r = lax.rsqrt(ms + eps)[:, None]
   a = x1 * r * w1[None, :]
   b = x2 * r * w2[None, :]
@@ -37,62 +40,71 @@ def rms_rope_halves(x1: jax.Array, x2: jax.Array, w1: jax.Array, w2: jax.Array,
   return a * c - b * s, b * c + a * s
 
 
-def _part_sum(x_ref, sl) -> jax.Array:
-  """parts[0] + parts[1] + ... in that order (the twin folds the same way)."""
-  acc = x_ref[0, :, sl]
+def _part_sum(x_ref, c0: int, sizes: tuple[int, int], limits) -> jax.Array:
+  """parts[0] + parts[1] + ... of the [T, D/2] half at column c0, in that order (the twin
+  folds the same way)."""
+  acc = load_tile(x_ref, (0, 0, c0), (None,) + sizes, (None,) + limits)
   for i in range(1, x_ref.shape[0]):
-    acc = acc + x_ref[i, :, sl]
+    acc = acc + load_tile(x_ref, (i, 0, c0), (None,) + sizes, (None,) + limits)
   return acc
 
 
 def _qk_norm_rope_kernel(n_past_ref, inv_ref, qn_ref, kn_ref, x_ref, q_out, k_out, v_out, *,
-                         group: int, eps: float):
+                         group: int, t: int, d: int, eps: float):
   # Program (h, j): query head h*G + j for j < G, kv head h's k for j == G, its v for G + 1.
-  _, t, d = x_ref.shape
+  # Blocks are [T', 2 H'] for T' and H' the powers of 2 >= T and D/2; the lanes past T and
+  # D/2 are masked (no mask when T and D/2 are powers of 2).
   h = d // 2
+  tp, hp = next_pow2(t), next_pow2(h)
+  lims = (None if tp == t else t, None if hp == h else h)
   j = pl.program_id(1)
-  x1, x2 = _part_sum(x_ref, slice(0, h)), _part_sum(x_ref, slice(h, d))
+  x1, x2 = _part_sum(x_ref, 0, (tp, hp), lims), _part_sum(x_ref, h, (tp, hp), lims)
+
+  def store(out_ref, y1, y2):
+    store_tile(out_ref, (0, 0), y1, lims)
+    store_tile(out_ref, (0, h), y2, lims)
 
   @pl.when(j == group + 1)
   def _():
-    v_out[:, :h] = x1
-    v_out[:, h:] = x2
+    store(v_out, x1, x2)
 
   @pl.when(j <= group)
   def _():
     is_k = j == group
-    pos = n_past_ref[0] + jnp.arange(t, dtype=jnp.int32)
-    w1 = jnp.where(is_k, kn_ref[:h], qn_ref[:h])
-    w2 = jnp.where(is_k, kn_ref[h:], qn_ref[h:])
-    y1, y2 = rms_rope_halves(x1, x2, w1, w2, pos, inv_ref[...], eps)
+    pos = n_past_ref[0] + jnp.arange(tp, dtype=jnp.int32)
+
+    def norm_half(c0):
+      return jnp.where(is_k, load_tile(kn_ref, (c0,), (hp,), lims[1:]),
+                       load_tile(qn_ref, (c0,), (hp,), lims[1:]))
+
+    y1, y2 = rms_rope_halves(x1, x2, norm_half(0), norm_half(h), pos,
+                             load_tile(inv_ref, (0,), (hp,), lims[1:]), eps, d)
 
     @pl.when(is_k)
     def _():
-      k_out[:, :h] = y1
-      k_out[:, h:] = y2
+      store(k_out, y1, y2)
 
     @pl.when(j < group)
     def _():
-      q_out[:, :h] = y1
-      q_out[:, h:] = y2
+      store(q_out, y1, y2)
 
 
-def _check_args(name: str, qkv, q_norm, k_norm, n_past, inv_freq, n_head: int,
-                n_head_kv: int) -> tuple[int, int, int]:
+def _check_shapes(name: str, qkv, q_norm, k_norm, n_past, inv_freq, n_head: int,
+                  n_head_kv: int) -> tuple[int, int, int]:
+  """Shape and dtype checks shared by the kernel and its twin; returns (T, G, D)."""
   check(qkv.ndim in (2, 3), name,
         "qkv must be [T, (Hq + 2 Hkv) * D] or split-K partials [S, T, (Hq + 2 Hkv) * D]",
         qkv.shape)
   check(qkv.dtype == jnp.float32, name, "qkv dtype must be float32", qkv.dtype)
-  check(n_head_kv > 0 and n_head % n_head_kv == 0, name,
+  check(n_head_kv > 0 and n_head % n_head_kv == 0 and n_head > 0, name,
         "n_head must be a positive multiple of n_head_kv", (n_head, n_head_kv))
   check(q_norm.ndim == 1, name, "q_norm must be rank 1 [D]", q_norm.shape)
   d = q_norm.shape[0]
   g = n_head // n_head_kv
   t = qkv.shape[-2]
   check(qkv.shape[0] >= 1, name, "at least one partial", qkv.shape)
-  check(is_pow2(d) and d >= 2, name, "head_dim must be a power of 2 >= 2", d)
-  check(is_pow2(g), name, "n_head / n_head_kv must be a power of 2", g)
-  check(is_pow2(t), name, "T (rows of qkv) must be a power of 2", t)
+  check(t >= 1, name, "T (rows of qkv) must be >= 1", t)
+  check(d >= 2 and d % 2 == 0, name, "head_dim must be even and >= 2", d)
   check(qkv.shape[-1] == (n_head + 2 * n_head_kv) * d, name,
         "qkv width must be (n_head + 2 n_head_kv) * head_dim",
         (qkv.shape[-1], (n_head + 2 * n_head_kv) * d))
@@ -116,12 +128,14 @@ def qk_norm_rope(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array, n_past: j
   qkv: [T, (Hq + 2 Hkv) * D] float32 (q heads, k heads, v heads), or the split-K partials
   [S, T, (Hq + 2 Hkv) * D] of the projection, summed here (parts[0] + parts[1] + ...) so the
   step launches no separate reduction. Returns float32 q [Hkv, T*G, D] (row r = token r // G,
-  query head kvh*G + r % G), k and v [Hkv, T, D]. T, G and D must be powers of 2 (Triton
-  tile sizes). One program per head (grid Hkv x (G + 2)): one per kv head measured 5.2 us on
-  the H200, too few programs to hide the loads' latency.
+  query head kvh*G + r % G), k and v [Hkv, T, D]. Any G; T up to `limits.MAX_WIDTH`; D a
+  multiple of 16 up to 256. One program per head (grid Hkv x (G + 2)): one per kv head
+  measured 5.2 us on the H200, too few programs to hide the loads' latency.
   """
   name = "qk_norm_rope"
-  t, g, d = _check_args(name, qkv, q_norm, k_norm, n_past, inv_freq, n_head, n_head_kv)
+  t, g, d = _check_shapes(name, qkv, q_norm, k_norm, n_past, inv_freq, n_head, n_head_kv)
+  check_head_dim(name, d)
+  check_width(name, t)
   hkv = n_head_kv
   parts = qkv if qkv.ndim == 3 else qkv[None]
   heads = parts.reshape(parts.shape[0], t, n_head + 2 * hkv, d)
@@ -129,22 +143,25 @@ def qk_norm_rope(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array, n_past: j
   def head_of(h, j):
     return jnp.where(j < g, h * g + j, jnp.where(j == g, n_head + h, n_head + hkv + h))
 
-  kernel = functools.partial(_qk_norm_rope_kernel, group=g, eps=eps)
+  kernel = functools.partial(_qk_norm_rope_kernel, group=g, t=t, d=d, eps=eps)
+  # Power-of-2 blocks (rows T' >= T, head width 2 H' >= D) hang over the arrays' ends when T
+  # or D/2 is not a power of 2; the kernel masks those lanes.
+  tp, dp = next_pow2(t), 2 * next_pow2(d // 2)
   q, k, v = pl.pallas_call(
       kernel,
       grid=(hkv, g + 2),
       in_specs=[
           pl.BlockSpec((1,), lambda h, j: (0,)),
-          pl.BlockSpec((d // 2,), lambda h, j: (0,)),
-          pl.BlockSpec((d,), lambda h, j: (0,)),
-          pl.BlockSpec((d,), lambda h, j: (0,)),
-          pl.BlockSpec((parts.shape[0], t, None, d), lambda h, j: (0, 0, head_of(h, j), 0)),
+          pl.BlockSpec((dp // 2,), lambda h, j: (0,)),
+          pl.BlockSpec((dp,), lambda h, j: (0,)),
+          pl.BlockSpec((dp,), lambda h, j: (0,)),
+          pl.BlockSpec((parts.shape[0], tp, None, dp), lambda h, j: (0, 0, head_of(h, j), 0)),
       ],
       # Programs j >= G map to q's last head block but store nothing there.
       out_specs=[
-          pl.BlockSpec((None, t, None, d), lambda h, j: (h, 0, jnp.minimum(j, g - 1), 0)),
-          pl.BlockSpec((None, t, d), lambda h, j: (h, 0, 0)),
-          pl.BlockSpec((None, t, d), lambda h, j: (h, 0, 0)),
+          pl.BlockSpec((None, tp, None, dp), lambda h, j: (h, 0, jnp.minimum(j, g - 1), 0)),
+          pl.BlockSpec((None, tp, dp), lambda h, j: (h, 0, 0)),
+          pl.BlockSpec((None, tp, dp), lambda h, j: (h, 0, 0)),
       ],
       out_shape=[
           jax.ShapeDtypeStruct((hkv, t, g, d), jnp.float32),
@@ -174,9 +191,9 @@ def qk_norm_rope_reference(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array,
                            n_past: jax.Array, inv_freq: jax.Array, *, n_head: int,
                            n_head_kv: int, eps: float
                            ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Pure-jnp twin of `qk_norm_rope` (same arguments, minus the tuning knobs)."""
-  t, g, d = _check_args("qk_norm_rope_reference", qkv, q_norm, k_norm, n_past, inv_freq,
-                        n_head, n_head_kv)
+  """Pure-jnp twin of `qk_norm_rope` (same arguments, minus the tuning knobs); any shape."""
+  t, g, d = _check_shapes("qk_norm_rope_reference", qkv, q_norm, k_norm, n_past, inv_freq,
+                          n_head, n_head_kv)
   h = d // 2
   heads = _sum_parts(qkv).reshape(t, n_head + 2 * n_head_kv, d)
   pos = n_past.reshape(()) + jnp.arange(t, dtype=jnp.int32)
@@ -185,7 +202,7 @@ def qk_norm_rope_reference(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array,
     n = x.shape[1]
     rows = jnp.transpose(x, (1, 0, 2)).reshape(n * t, d)
     y1, y2 = rms_rope_halves(rows[:, :h], rows[:, h:], w[:h], w[h:], jnp.tile(pos, n),
-                             inv_freq, eps)
+                             inv_freq, eps, d)
     return jnp.concatenate([y1, y2], axis=-1).reshape(n, t, d)
 
   q = norm_rope(heads[:, :n_head], q_norm)                       # [Hq, T, D]

@@ -1,16 +1,24 @@
-"""Sliding-window GQA attention of the drafter block over its own keys plus the K/V ring.
+"""GQA attention of the drafter block over its own keys plus a K/V ring or cache.
 
-Two launches. `ring_attn_partial` runs a grid (Hkv, splits + 1): program (h, s < splits)
-attends the packed query tile of kv head h (T*G rows: token r // G, query head h*G + r % G)
-over ring chunk s with an online softmax and writes an unnormalised partial (o, m, l); program
-(h, splits) does the same over the block's own T keys, so no ring program carries that extra
-work (measured on the H200: 8.3 vs 9.0 us). `ring_attn_combine` runs a grid (Hkv, T) and merges
-the splits + 1 partials of one token's G query heads straight into the token-major [T, Hq*D]
-output. One program per kv head would fill only Hkv of the H200's 132 SMs (measured 33 us vs
-~6 us with 16 splits); combining in XLA cost ~4 us in 3 launches.
+Two launches. `ring_attn_partial` runs a grid (Hkv x query row tiles, chunks + 1): program
+(h, c < chunks) attends kv head h's packed query rows (T*G rows: token r // G, query head
+h*G + r % G) over ring chunk c with an online softmax and writes an unnormalised partial
+(o, m, l); program (h, chunks) does the same over the block's own T keys, so no ring program
+carries that extra work (measured on the H200: 8.3 vs 9.0 us). `ring_attn_combine` runs a
+grid (Hkv, row tiles of the combine) and merges the chunks + 1 partials of its rows straight
+into the token-major [T, Hq*D] output. One program per kv head would fill only Hkv of the
+H200's 132 SMs (measured 33 us vs ~6 us with 16 splits); combining in XLA cost ~4 us in 3
+launches.
 
-Visibility (SPEC.md section 3): token t sees all T block keys, and ring slot j iff
-0 <= ring_pos[j] < n_past and n_past + t - ring_pos[j] < W.
+Visibility (SPEC.md sections 3 and 7): token t sees all T block keys, and slot j iff
+0 <= ring_pos[j] < n_past and, for a sliding window W, n_past + t - ring_pos[j] < W
+(window=None: a full-attention cache, no window edge).
+
+Any shape: the ring's S slots are cut into chunks of a power-of-2 number of block_k tiles (a
+last chunk past S masks its slots to invisible), T*G query rows into power-of-2 row tiles
+(rows past T*G masked), T own keys into a power-of-2 key tile (keys past T masked) and
+head_dim into a power-of-2 width (columns past D zero). Shapes the tiles fit (the seed
+drafter's T = 16, G = 4, D = 128, S = 2048) run without any mask.
 """
 from __future__ import annotations
 
@@ -24,7 +32,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels._common import check, is_pow2, resolve_interpret
+from pallas_kernels._common import (check, is_pow2, load_tile, next_pow2, resolve_interpret,
+                                    store_tile)
+from pallas_kernels.limits import check_head_dim, check_width
 
 # Finite so that fully masked rows, tiles and splits never produce inf - inf = NaN: a row
 # whose scores are all MASK gets exp(0) = 1 weights (garbage), but its running max stays MASK
@@ -72,14 +82,27 @@ def _split_dot(a_parts: list[jax.Array], b: jax.Array, contract_b: int) -> jax.A
 
 
 def _partial_kernel(n_past_ref, pos_ref, q_ref, k_ref, v_ref, rk_ref, rv_ref,
-                    o_ref, m_ref, l_ref, *, group: int, window: int, block_k: int,
-                    terms: int, splits: int):
-  rows, d = q_ref.shape
+                    o_ref, m_ref, l_ref, *, rows: int, t: int, d: int, n_slots: int, group: int,
+                    window: int | None, block_k: int, terms: int, n_chunks: int,
+                    n_row_tiles: int):
+  block_q, dp = q_ref.shape
+  tp = k_ref.shape[0]
   chunk = pos_ref.shape[0]
   n_past = n_past_ref[0]
-  q_parts = _split(q_ref[...] * (1.0 / math.sqrt(d)), terms)
+  col_lim = None if dp == d else d
+  r0 = 0
+  if n_row_tiles > 1:
+    r0 = (pl.program_id(0) % n_row_tiles) * block_q
+  row_lim = None if rows % block_q == 0 else rows - r0
+  q = load_tile(q_ref, (0, 0), (block_q, dp), (row_lim, col_lim))
+  q_parts = _split(q * (1.0 / math.sqrt(d)), terms)
+
+  def row_ids():
+    r = jnp.arange(block_q, dtype=jnp.int32)
+    return r if n_row_tiles == 1 else r0 + r
+
   # Slot j is visible to row r iff lo[r] < pos[j] (the window edge) and 0 <= pos[j] < n_past.
-  lo = (n_past - window + jnp.arange(rows, dtype=jnp.int32) // group)[:, None]
+  lo = None if window is None else (n_past - window + row_ids() // group)[:, None]
 
   def update(carry, s, v):
     acc, m, l = carry
@@ -89,128 +112,241 @@ def _partial_kernel(n_past_ref, pos_ref, q_ref, k_ref, v_ref, rk_ref, rv_ref,
     acc = acc * corr[:, None] + _split_dot(_split(p, terms), v, 0)
     return acc, m_new, l * corr + jnp.sum(p, axis=1)
 
-  init = (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), MASK, jnp.float32),
-          jnp.zeros((rows,), jnp.float32))
+  init = (jnp.zeros((block_q, dp), jnp.float32), jnp.full((block_q,), MASK, jnp.float32),
+          jnp.zeros((block_q,), jnp.float32))
 
   def own_block(carry):
-    return update(carry, _split_dot(q_parts, k_ref[...], 1), v_ref[...])
+    key_lim = None if tp == t else t
+    sc = _split_dot(q_parts, load_tile(k_ref, (0, 0), (tp, dp), (key_lim, col_lim)), 1)
+    if key_lim is not None:   # key tile columns past T are no keys
+      sc = jnp.where(jnp.arange(tp, dtype=jnp.int32)[None, :] < t, sc, MASK)
+    return update(carry, sc, load_tile(v_ref, (0, 0), (tp, dp), (key_lim, col_lim)))
+
+  # The last chunk may run past S: its slots there read as empty (-1) and their K/V as 0.
+  ragged = n_slots % chunk != 0
+  c0 = pl.program_id(1) * chunk
 
   def ring_tile(i, carry):
-    sl = pl.ds(i * block_k, block_k)
-    pos = pos_ref[sl]
-    vis = (pos[None, :] >= 0) & (pos[None, :] < n_past) & (pos[None, :] > lo)
-    s = _split_dot(q_parts, rk_ref[sl, :], 1)
-    return update(carry, jnp.where(vis, s, MASK), rv_ref[sl, :])
+    start = i * block_k
+    slot_lim = n_slots - c0 - start if ragged else None
+    pos = load_tile(pos_ref, (start,), (block_k,), (slot_lim,), other=-1)
+    vis = (pos[None, :] >= 0) & (pos[None, :] < n_past)
+    if lo is not None:
+      vis &= pos[None, :] > lo
+    sc = _split_dot(q_parts, load_tile(rk_ref, (start, 0), (block_k, dp), (slot_lim, col_lim)),
+                    1)
+    return update(carry, jnp.where(vis, sc, MASK),
+                  load_tile(rv_ref, (start, 0), (block_k, dp), (slot_lim, col_lim)))
 
   def ring_chunk(carry):
     # One test per chunk (row 0 has the widest window, so a chunk with no slot visible to row
     # 0 is invisible to all rows); no branch inside the loop, so its loads can be pipelined.
-    chunk_pos = pos_ref[...]
-    any_vis = jnp.max(((chunk_pos >= 0) & (chunk_pos < n_past)
-                       & (chunk_pos > n_past - window)).astype(jnp.int32)) > 0
+    chunk_pos = load_tile(pos_ref, (0,), (chunk,), (n_slots - c0 if ragged else None,), other=-1)
+    vis0 = (chunk_pos >= 0) & (chunk_pos < n_past)
+    if window is not None:
+      vis0 &= chunk_pos > n_past - window
+    any_vis = jnp.max(vis0.astype(jnp.int32)) > 0
     return lax.cond(any_vis, lambda c: lax.fori_loop(0, chunk // block_k, ring_tile, c),
                     lambda c: c, carry)
 
-  acc, m, l = lax.cond(pl.program_id(1) == splits, own_block, ring_chunk, init)
-  o_ref[...] = acc
-  m_ref[...] = m
-  l_ref[...] = l
+  acc, m, l = lax.cond(pl.program_id(1) == n_chunks, own_block, ring_chunk, init)
+  store_tile(o_ref, (0, 0), acc, (row_lim, col_lim))
+  store_tile(m_ref, (0,), m, (row_lim,))
+  store_tile(l_ref, (0,), l, (row_lim,))
 
 
-def _combine_kernel(o_ref, m_ref, l_ref, own_o_ref, own_m_ref, own_l_ref, out_ref):
-  # Blocks: o [splits, G, D], m and l [splits, G] (the ring chunks) and own_o [G, D], own_m
-  # and own_l [G] (the block's own keys): one token's G query heads.
-  m, own_m = m_ref[...], own_m_ref[...]
-  top = jnp.maximum(jnp.max(m, axis=0), own_m)
-  w = jnp.exp(m - top[None, :])
+def _combine_kernel(o_ref, m_ref, l_ref, own_o_ref, own_m_ref, own_l_ref, out_ref, *,
+                    rows: int, d: int, group: int, n_chunks: int, split_group: int,
+                    hq: int, token_aligned: bool):
+  # Blocks: o [C, RB, D'], m and l [C, RB] (the ring chunks, C >= chunks) and own_o [RB, D'],
+  # own_m and own_l [RB] (the block's own keys) for RB packed query rows of one kv head. The
+  # chunks are merged in groups of `split_group` (one group, hence one load, up to 16).
+  rb, dp = own_o_ref.shape
+  col_lim = None if dp == d else d
+  i = pl.program_id(1)
+  row_lim = None if rows % rb == 0 else rows - i * rb
+  n_groups = pl.cdiv(n_chunks, split_group)
+  chunk_lim = None if n_chunks % split_group == 0 else n_chunks % split_group
+
+  ms = [load_tile(m_ref, (gi * split_group, 0), (split_group, rb),
+                  (chunk_lim if gi == n_groups - 1 else None, row_lim), other=MASK)
+        for gi in range(n_groups)]
+  own_m = load_tile(own_m_ref, (0,), (rb,), (row_lim,), other=MASK)
+  top = jnp.max(ms[0], axis=0)
+  for m in ms[1:]:
+    top = jnp.maximum(top, jnp.max(m, axis=0))
+  top = jnp.maximum(top, own_m)
+  ws = [jnp.exp(m - top[None, :]) for m in ms]
   own_w = jnp.exp(own_m - top)
-  denom = jnp.sum(w * l_ref[...], axis=0) + own_w * own_l_ref[...]
-  num = jnp.sum(w[:, :, None] * o_ref[...], axis=0) + own_w[:, None] * own_o_ref[...]
-  out_ref[...] = (num / denom[:, None]).astype(out_ref.dtype)
+
+  def lims(gi, *tail):
+    return (chunk_lim if gi == n_groups - 1 else None, row_lim) + tail
+
+  def group_sum(f):  # f(gi, w) -> [RB, ...]: summed over the groups in order
+    acc = f(0, ws[0])
+    for gi in range(1, n_groups):
+      acc = acc + f(gi, ws[gi])
+    return acc
+
+  denom = group_sum(lambda gi, w: jnp.sum(
+      w * load_tile(l_ref, (gi * split_group, 0), (split_group, rb), lims(gi)), axis=0)
+  ) + own_w * load_tile(own_l_ref, (0,), (rb,), (row_lim,))
+  num = group_sum(lambda gi, w: jnp.sum(
+      w[:, :, None] * load_tile(o_ref, (gi * split_group, 0, 0), (split_group, rb, dp),
+                                lims(gi, col_lim)), axis=0)
+  ) + own_w[:, None] * load_tile(own_o_ref, (0, 0), (rb, dp), (row_lim, col_lim))
+  out = (num / denom[:, None]).astype(out_ref.dtype)
+  if token_aligned:
+    # The RB rows are RB query heads of one token: one contiguous [RB, D] block of the output.
+    store_tile(out_ref, (0, 0), out, (None, col_lim))
+  else:
+    # Rows cross token boundaries (G not a power of 2): row r goes to output row
+    # (r // G) * Hq + h*G + r % G of the [T*Hq, D] view.
+    r = i * rb + jnp.arange(rb, dtype=jnp.int32)
+    orow = (r // group) * hq + pl.program_id(0) * group + r % group
+    col = jnp.arange(dp, dtype=jnp.int32)[None, :]
+    plt.store(out_ref.at[orow[:, None], col], out, mask=(r < rows)[:, None] & (col < d))
 
 
-def _check_args(name: str, q, k, v, ring_k, ring_v, ring_pos, n_past, layer: int,
-                splits: int, block_k: int, terms: int) -> None:
+def _check_shapes(name: str, q, k, v, ring_k, ring_v, ring_pos, n_past, layer: int,
+                  window: int | None) -> None:
+  """Shape and dtype checks shared by the kernel and its twin."""
   check(q.ndim == 3, name, "q must be rank 3 [Hkv, T*G, D]", q.shape)
   hkv, rows, d = q.shape
+  check(hkv >= 1 and d >= 1, name, "Hkv and D must be >= 1", (hkv, d))
   check(k.ndim == 3 and k.shape[0] == hkv and k.shape[2] == d, name,
         "k must be [Hkv, T, D] matching q", (k.shape, q.shape))
   t = k.shape[1]
   check(v.shape == k.shape, name, "v shape must equal k shape", (v.shape, k.shape))
   for arr, nm in ((q, "q"), (k, "k"), (v, "v")):
     check(arr.dtype == jnp.float32, name, f"{nm} dtype must be float32", arr.dtype)
-  check(is_pow2(d) and d % 16 == 0, name, "D must be a power of 2 and a multiple of 16", d)
-  check(is_pow2(rows) and rows >= 16, name, "T*G (rows of q) must be a power of 2 >= 16",
-        rows)
-  check(t >= 1 and rows % t == 0, name, "T*G (rows of q) must be a multiple of T",
-        (rows, t))
+  check(t >= 1 and rows >= t and rows % t == 0, name,
+        "T*G (rows of q) must be a positive multiple of T (rows of k)", (rows, t))
   check(ring_k.ndim == 4 and ring_k.shape[1:] == (hkv, ring_k.shape[2], d), name,
-        "ring_k must be [L, Hkv, W, D] matching q", (ring_k.shape, q.shape))
+        "ring_k must be [L, Hkv, S, D] matching q", (ring_k.shape, q.shape))
   check(ring_v.shape == ring_k.shape, name, "ring_v shape must equal ring_k shape",
         (ring_v.shape, ring_k.shape))
   check(ring_k.dtype in (jnp.float32, jnp.bfloat16), name,
         "ring dtype must be float32 or bfloat16", ring_k.dtype)
   check(ring_v.dtype == ring_k.dtype, name, "ring_v dtype must equal ring_k dtype",
         (ring_v.dtype, ring_k.dtype))
-  n_layer, w = ring_k.shape[0], ring_k.shape[2]
+  n_layer, s = ring_k.shape[0], ring_k.shape[2]
+  check(s >= 1, name, "S (ring slots) must be >= 1", s)
   check(0 <= layer < n_layer, name, "layer must index the ring's L layers", (layer, n_layer))
-  check(ring_pos.shape == (w,), name, "ring_pos must be [W]", (ring_pos.shape, w))
+  check(ring_pos.shape == (s,), name, "ring_pos must be [S]", (ring_pos.shape, s))
   check(ring_pos.dtype == jnp.int32, name, "ring_pos dtype must be int32", ring_pos.dtype)
   check(n_past.shape in ((), (1,)), name, "n_past must be a scalar or (1,)", n_past.shape)
   check(n_past.dtype == jnp.int32, name, "n_past dtype must be int32", n_past.dtype)
-  check(is_pow2(splits), name, "splits must be a power of 2", splits)
+  check(window is None or (isinstance(window, int) and window >= 1), name,
+        "window must be None (full attention) or an int >= 1", window)
+
+
+def _check_launch(name: str, k, splits: int, block_k: int, block_q: int, terms: int) -> None:
+  """Limits of the Pallas kernel only (the twin has none)."""
+  check_head_dim(name, k.shape[2])
+  check_width(name, k.shape[1])
+  check(isinstance(splits, int) and splits >= 1, name, "splits must be an int >= 1", splits)
   check(is_pow2(block_k) and block_k >= 16, name, "block_k must be a power of 2 >= 16",
         block_k)
+  check(is_pow2(block_q) and block_q >= 16, name, "block_q must be a power of 2 >= 16",
+        block_q)
   check(terms in (2, 3), name, "terms (bf16 parts per float32 operand) must be 2 or 3", terms)
-  check(w > 0 and w % (splits * block_k) == 0, name,
-        "W must be a positive multiple of splits * block_k",
-        (w, splits, block_k))
-  check(is_pow2(w // splits), name,
-        "W / splits must be a power of 2 (a split's positions load as one Triton tile)",
-        (w, splits))
 
 
-@functools.partial(jax.jit, static_argnames=["layer", "splits", "block_k", "num_warps",
-                                             "num_stages", "terms", "out_dtype", "interpret"])
+def chunking(n_slots: int, splits: int, block_k: int) -> tuple[int, int]:
+  """(chunk, chunks): the ring's slots are cut into `chunks` = ceil(S / chunk) <= splits
+  chunks of `chunk` slots, a power-of-2 number of block_k tiles (a chunk's positions load as
+  one Triton tensor), the fewest tiles per chunk that `splits` chunks cover S with."""
+  chunk = block_k * next_pow2(pl.cdiv(n_slots, splits * block_k))
+  return chunk, pl.cdiv(n_slots, chunk)
+
+
+def default_knobs(capacity: int, window: int | None, ring_dtype, head_dim: int = 128) -> dict:
+  """Launch shape and dot precision for a ring / cache of `capacity` slots (H200 sweeps,
+  benchmarks/RESULTS.md runs 1-2 and 7).
+
+  bf16 ring: 128-slot tiles, 2 bf16 terms per float32 operand (~16 mantissa bits, far finer
+  than the bf16 ring itself). fp32 ring: 64-slot tiles (128 spills when fp32 tiles are split
+  three ways) and 3 terms, fp32-accurate like the rest of that path. Tiles shrink to a
+  quarter of a small ring (>= 16 slots), and halve for head_dim > 128 (two pipeline stages of
+  K and V tiles must fit shared memory). Up to 16 chunks of the ring per kv head (16 x 128 at
+  the seed's 2048-slot bf16 ring was the sweep's best), 32 for a full-attention cache
+  (window None), whose large capacity needs more programs to stream at bandwidth.
+  """
+  bf16 = jnp.dtype(ring_dtype) == jnp.bfloat16
+  cap = (128 if bf16 else 64) // (2 if head_dim > 128 else 1)
+  quarter = max(1, capacity // 4)
+  block_k = max(16, min(cap, 1 << (quarter.bit_length() - 1)))
+  splits = max(1, min(16 if window is not None else 32, pl.cdiv(capacity, block_k)))
+  return dict(splits=splits, block_k=block_k, terms=2 if bf16 else 3)
+
+
+def _default_block_q(rows: int, dp: int) -> int:
+  # One row tile up to 64 rows at head_dim 128 (the seed's 16 x 4): larger [rows, D] tiles of
+  # the accumulator and the split query spill registers; wider heads get fewer rows.
+  return max(16, min(next_pow2(rows), 8192 // dp))
+
+
+@functools.partial(jax.jit, static_argnames=["layer", "window", "splits", "block_k",
+                                             "block_q", "num_warps", "num_stages", "terms",
+                                             "out_dtype", "interpret"])
 def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, ring_k: jax.Array,
                    ring_v: jax.Array, ring_pos: jax.Array, n_past: jax.Array, *,
-                   layer: int, splits: int = 16, block_k: int = 128, num_warps: int = 4,
-                   num_stages: int = 2, terms: int = 3, out_dtype=jnp.float32,
+                   layer: int, window: int | None, splits: int = 16, block_k: int = 128,
+                   block_q: int | None = None, num_warps: int = 4, num_stages: int = 2,
+                   terms: int = 3, out_dtype=jnp.float32,
                    interpret: bool | None = None) -> jax.Array:
   """Attention of the block's queries over its own keys and ring layer `layer`.
 
   q: [Hkv, T*G, D] float32 (row r = token r // G, query head h*G + r % G); k, v: [Hkv, T, D]
-  float32; ring_k, ring_v: [L, Hkv, W, D] float32 or bfloat16; ring_pos: [W] int32 (-1 =
-  empty); n_past: int32 scalar. Returns [T, Hq*D] token-major, computed in float32 and
-  stored as out_dtype (bfloat16 when the output projection rounds its input to bf16 anyway).
-  Knobs: `splits` ring chunks per kv head, `block_k` ring slots per tile, `num_warps` and
-  `num_stages` of the partial kernel, `terms` bf16 parts per float32 dot operand (3: fp32
-  accuracy; 2: ~16 mantissa bits, fewer MMAs).
+  float32; ring_k, ring_v: [L, Hkv, S, D] float32 or bfloat16, any S >= 1; ring_pos: [S]
+  int32 (-1 = empty); n_past: int32 scalar; window: the sliding window W, or None for a
+  full-attention cache. Returns [T, Hq*D] token-major, computed in float32 and stored as
+  out_dtype (bfloat16 when the output projection rounds its input to bf16 anyway). Any G;
+  T up to `limits.MAX_WIDTH`; D a multiple of 16 up to 256.
+  Knobs (`default_knobs`): the ring is cut into at most `splits` chunks of a power-of-2
+  number of `block_k`-slot tiles (`chunking`); `block_q` query rows per program (None: all
+  T*G rows up to 64 at D = 128); `num_warps` and `num_stages` of the partial kernel; `terms`
+  bf16 parts per float32 dot operand (3: fp32 accuracy; 2: ~16 mantissa bits, fewer MMAs).
   """
   name = "ring_attention"
-  _check_args(name, q, k, v, ring_k, ring_v, ring_pos, n_past, layer, splits, block_k, terms)
-  interpret = resolve_interpret(interpret)
+  _check_shapes(name, q, k, v, ring_k, ring_v, ring_pos, n_past, layer, window)
   hkv, rows, d = q.shape
   t = k.shape[1]
   group = rows // t
-  window = ring_k.shape[2]
-  chunk = window // splits
-  kernel = functools.partial(_partial_kernel, group=group, window=window, block_k=block_k,
-                             terms=terms, splits=splits)
-  # Program (h, splits) reads no ring chunk; clamping keeps its (unused) block in bounds.
-  chunk_of = lambda s: jnp.minimum(s, splits - 1)
-  ring_spec = pl.BlockSpec((None, None, chunk, d), lambda h, s: (layer, h, chunk_of(s), 0))
-  own_spec = pl.BlockSpec((None, t, d), lambda h, s: (h, 0, 0))
-  n_part = splits + 1
+  n_slots = ring_k.shape[2]
+  dp = next_pow2(d)
+  block_q = _default_block_q(rows, dp) if block_q is None else block_q
+  _check_launch(name, k, splits, block_k, block_q, terms)
+  interpret = resolve_interpret(interpret)
+  chunk, n_chunks = chunking(n_slots, splits, block_k)
+  n_rt = pl.cdiv(rows, block_q)
+  tp = max(16, next_pow2(t))
+  kernel = functools.partial(_partial_kernel, rows=rows, t=t, d=d, n_slots=n_slots,
+                             group=group, window=window, block_k=block_k, terms=terms,
+                             n_chunks=n_chunks, n_row_tiles=n_rt)
+  # Grid axis 0 runs over (kv head, query row tile) pairs; one row tile: the kv head.
+  if n_rt == 1:
+    head, rt = (lambda p: p), (lambda p: 0)
+  else:
+    head, rt = (lambda p: p // n_rt), (lambda p: p % n_rt)
+  # Program (., chunks) reads no ring chunk; clamping keeps its (unused) block in bounds.
+  chunk_of = lambda c: jnp.minimum(c, n_chunks - 1)
+  # Blocks are power-of-2 tiles; where they hang over an array's end (S, T*G, T or D not
+  # fitting them) the kernel masks the lanes past it (0.11.2 Triton does not mask blocks).
+  ring_spec = pl.BlockSpec((None, None, chunk, dp),
+                           lambda p, c: (layer, head(p), chunk_of(c), 0))
+  own_spec = pl.BlockSpec((None, tp, dp), lambda p, c: (head(p), 0, 0))
+  n_part = n_chunks + 1
   o, m, l = pl.pallas_call(
-      kernel, grid=(hkv, n_part),
-      in_specs=[pl.BlockSpec((1,), lambda h, s: (0,)),
-                pl.BlockSpec((chunk,), lambda h, s: (chunk_of(s),)),
-                pl.BlockSpec((None, rows, d), lambda h, s: (h, 0, 0)),
+      kernel, grid=(hkv * n_rt, n_part),
+      in_specs=[pl.BlockSpec((1,), lambda p, c: (0,)),
+                pl.BlockSpec((chunk,), lambda p, c: (chunk_of(c),)),
+                pl.BlockSpec((None, block_q, dp), lambda p, c: (head(p), rt(p), 0)),
                 own_spec, own_spec, ring_spec, ring_spec],
-      out_specs=[pl.BlockSpec((None, None, rows, d), lambda h, s: (h, s, 0, 0)),
-                 pl.BlockSpec((None, None, rows), lambda h, s: (h, s, 0)),
-                 pl.BlockSpec((None, None, rows), lambda h, s: (h, s, 0))],
+      out_specs=[pl.BlockSpec((None, None, block_q, dp), lambda p, c: (head(p), c, rt(p), 0)),
+                 pl.BlockSpec((None, None, block_q), lambda p, c: (head(p), c, rt(p))),
+                 pl.BlockSpec((None, None, block_q), lambda p, c: (head(p), c, rt(p)))],
       out_shape=[jax.ShapeDtypeStruct((hkv, n_part, rows, d), jnp.float32),
                  jax.ShapeDtypeStruct((hkv, n_part, rows), jnp.float32),
                  jax.ShapeDtypeStruct((hkv, n_part, rows), jnp.float32)],
@@ -218,54 +354,84 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, ring_k: jax.Array,
       interpret=interpret, name="ring_attn_partial",
   )(n_past.reshape(1), ring_pos, q, k, v, ring_k, ring_v)
 
-  # Row-major reshapes are free: the partials split rows into (token, head), and the
-  # combine writes [T, Hkv, G, D], which is the [T, Hq*D] buffer.
-  o = o.reshape(hkv, n_part, t, group, d)
-  m = m.reshape(hkv, n_part, t, group)
-  l = l.reshape(hkv, n_part, t, group)
-  # The ring partials load as one [splits, ...] block (a power of 2, as Triton tiles must
-  # be) and the own-keys partial, index `splits`, as a second operand over the same buffers.
-  stat_spec = pl.BlockSpec((None, splits, None, group), lambda h, i: (h, 0, i, 0))
-  own_stat_spec = pl.BlockSpec((None, None, None, group), lambda h, i: (h, splits, i, 0))
+  # The combine merges RB packed rows per program: one token's G heads when G is a power of
+  # 2 (as many as fit: the [chunks, RB, D'] block stays <= 32K floats), else RB = the power
+  # of 2 >= G rows that cross token boundaries and are scattered to their output rows.
+  split_group = min(16, next_pow2(n_chunks))
+  cap = max(1, 32768 // (split_group * dp))
+  rb = min(next_pow2(group), 1 << (cap.bit_length() - 1))
+  token_aligned = group % rb == 0
+  n_ct = pl.cdiv(rows, rb)
+  chunks_p = split_group * pl.cdiv(n_chunks, split_group)
+  hq = hkv * group
+  if token_aligned:
+    # Row-major reshapes are free: the partials' rows split into (token x G/RB, RB), and the
+    # [T, Hkv, G/RB, RB, D] output (G/RB = 1: [T, Hkv, G, D]) is the [T, Hq*D] buffer.
+    n_sub = group // rb
+    o = o.reshape(hkv, n_part, t * n_sub, rb, d)
+    m = m.reshape(hkv, n_part, t * n_sub, rb)
+    l = l.reshape(hkv, n_part, t * n_sub, rb)
+    o_spec = pl.BlockSpec((None, chunks_p, None, rb, dp), lambda h, i: (h, 0, i, 0, 0))
+    own_o_spec = pl.BlockSpec((None, None, None, rb, dp), lambda h, i: (h, n_chunks, i, 0, 0))
+    stat_spec = pl.BlockSpec((None, chunks_p, None, rb), lambda h, i: (h, 0, i, 0))
+    own_stat_spec = pl.BlockSpec((None, None, None, rb), lambda h, i: (h, n_chunks, i, 0))
+    if n_sub == 1:
+      out_shape = (t, hkv, group, d)
+      out_spec = pl.BlockSpec((None, None, rb, dp), lambda h, i: (i, h, 0, 0))
+    else:
+      out_shape = (t, hkv, n_sub, rb, d)
+      out_spec = pl.BlockSpec((None, None, None, rb, dp),
+                              lambda h, i: (i // n_sub, h, i % n_sub, 0, 0))
+  else:
+    o_spec = pl.BlockSpec((None, chunks_p, rb, dp), lambda h, i: (h, 0, i, 0))
+    own_o_spec = pl.BlockSpec((None, None, rb, dp), lambda h, i: (h, n_chunks, i, 0))
+    stat_spec = pl.BlockSpec((None, chunks_p, rb), lambda h, i: (h, 0, i))
+    own_stat_spec = pl.BlockSpec((None, None, rb), lambda h, i: (h, n_chunks, i))
+    out_shape = (t * hq, d)
+    out_spec = pl.BlockSpec(out_shape, lambda h, i: (0, 0))
+  combine = functools.partial(_combine_kernel, rows=rows, d=d, group=group, n_chunks=n_chunks,
+                              split_group=split_group, hq=hq, token_aligned=token_aligned)
   out = pl.pallas_call(
-      _combine_kernel, grid=(hkv, t),
-      in_specs=[pl.BlockSpec((None, splits, None, group, d), lambda h, i: (h, 0, i, 0, 0)),
-                stat_spec, stat_spec,
-                pl.BlockSpec((None, None, None, group, d), lambda h, i: (h, splits, i, 0, 0)),
-                own_stat_spec, own_stat_spec],
-      out_specs=pl.BlockSpec((None, None, group, d), lambda h, i: (i, h, 0, 0)),
-      out_shape=jax.ShapeDtypeStruct((t, hkv, group, d), out_dtype),
-      # No loop to pipeline: one load of the whole [splits, G, D] block per program; 8 warps
+      combine, grid=(hkv, n_ct),
+      in_specs=[o_spec, stat_spec, stat_spec, own_o_spec, own_stat_spec, own_stat_spec],
+      out_specs=out_spec,
+      out_shape=jax.ShapeDtypeStruct(out_shape, out_dtype),
+      # No loop to pipeline: one load of the whole [chunks, RB, D] block per program; 8 warps
       # measured 3.0 vs 4.0 us with 4 (H200).
       compiler_params=plt.CompilerParams(num_warps=8, num_stages=1),
       interpret=interpret, name="ring_attn_combine",
   )(o, m, l, o, m, l)
-  return out.reshape(t, hkv * group * d)
+  return out.reshape(t, hq * d)
 
 
-@functools.partial(jax.jit, static_argnames=["layer", "splits", "block_k", "num_warps",
-                                             "num_stages", "terms", "out_dtype", "interpret"])
+@functools.partial(jax.jit, static_argnames=["layer", "window", "splits", "block_k",
+                                             "num_warps", "num_stages", "terms", "out_dtype",
+                                             "interpret"])
 def ring_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, ring_k: jax.Array,
                              ring_v: jax.Array, ring_pos: jax.Array, n_past: jax.Array, *,
-                             layer: int, splits: int = 16, block_k: int = 128,
-                             num_warps: int = 4, num_stages: int = 2, terms: int = 3,
-                             out_dtype=jnp.float32,
+                             layer: int, window: int | None, splits: int = 16,
+                             block_k: int = 128, num_warps: int = 4, num_stages: int = 2,
+                             terms: int = 3, out_dtype=jnp.float32,
                              interpret: bool | None = None) -> jax.Array:
   """Pure-jnp twin of `ring_attention`: the full score matrix, float32, precision HIGHEST.
 
-  Takes the kernel's knobs so that it is a drop-in replacement; they do not affect it.
+  Any shape. Takes the kernel's knobs so that it is a drop-in replacement; they do not
+  affect it.
   """
   del splits, block_k, num_warps, num_stages, terms, interpret
+  _check_shapes("ring_attention_reference", q, k, v, ring_k, ring_v, ring_pos, n_past, layer,
+                window)
   hkv, rows, d = q.shape
   t = k.shape[1]
-  window = ring_k.shape[2]
   keys = jnp.concatenate([ring_k[layer].astype(jnp.float32), k], axis=1)
   vals = jnp.concatenate([ring_v[layer].astype(jnp.float32), v], axis=1)
   s = jnp.einsum("hrd,hkd->hrk", q, keys, precision=lax.Precision.HIGHEST) / math.sqrt(d)
   n_past = n_past.reshape(())
   tok = jnp.arange(rows, dtype=jnp.int32) // (rows // t)
-  ring_vis = ((ring_pos >= 0) & (ring_pos < n_past))[None, :] & (
-      (n_past + tok)[:, None] - ring_pos[None, :] < window)
+  ring_vis = jnp.broadcast_to(((ring_pos >= 0) & (ring_pos < n_past))[None, :],
+                              (rows, ring_pos.shape[0]))
+  if window is not None:
+    ring_vis &= (n_past + tok)[:, None] - ring_pos[None, :] < window
   vis = jnp.concatenate([ring_vis, jnp.ones((rows, t), bool)], axis=1)
   p = jax.nn.softmax(jnp.where(vis[None], s, -jnp.inf), axis=-1)
   o = jnp.einsum("hrk,hkd->hrd", p, vals, precision=lax.Precision.HIGHEST)

@@ -29,6 +29,10 @@ Grid: (M tiles, N tiles, K splits). M tiles vary fastest so programs that share 
 tile run together and the repeat reads hit L2. split_k > 1 gives each program a contiguous
 range of K blocks and sums the float32 partials in jnp: it fills the GPU when N / block_n
 alone is too few programs (the N = 6656 down projection).
+
+Any N and K (q8_0: K a multiple of 32): a last N tile past N and a last K tile past K are
+masked (0.11.2 Pallas Triton does not mask block reads); shapes the tiles divide run the
+unmasked kernel.
 """
 from __future__ import annotations
 
@@ -53,6 +57,28 @@ def _default_block_m(m: int) -> int:
   # One M tile up to 64 rows streams the weights exactly once; beyond that the accumulator
   # would cost too many registers, so tile M and rely on L2 for the repeat weight reads.
   return min(max(16, pl.next_power_of_2(m)), MAX_DEFAULT_BLOCK_M)
+
+
+def default_knobs(fmt: str, n: int, k: int, gate_up: bool = False) -> dict:
+  """Tiles for an [M <= 64, K] x [N, K]^T GEMM (n: the rows of one weight stream, n_ff for
+  the fused gate+up), from the H200 sweeps (benchmarks/RESULTS.md, runs 2-5, 7, 9 and 10):
+  128-wide K tiles (256 for q8_0 and for long K), 32-row N tiles for q8_0 and for the fused
+  gate+up (two accumulators), and K split when N / block_n alone cannot fill the 132 SMs: 5
+  ways for a long K (the down projection: 39.6 vs 42.8 us fp8, 53.4 vs 61.9 us q8_0 split 4
+  ways), else 4. bf16 takes fp8's tiles (the best of four tile sets in the bf16 step, run
+  10). A dimension the tile does not divide keeps the tile and masks its last one (no
+  smaller tiles, whose extra loop trips cost more than one partly used tile); a dimension
+  smaller than the tile gets the power of 2 covering it (>= 16, >= 32 for q8_0's K).
+  """
+  long_k = not gate_up and k >= 16384
+  block_k = 256 if fmt == "q8_0" or long_k else 128
+  block_k = min(block_k, max(Q8_0_BLOCK if fmt == "q8_0" else 16, pl.next_power_of_2(k)))
+  block_n = 32 if (fmt == "q8_0" or gate_up) and not long_k else 64
+  block_n = min(block_n, max(16, pl.next_power_of_2(n)))
+  split_k = 1
+  if not gate_up and n <= 16384 and pl.cdiv(k, block_k) >= 16:
+    split_k = 5 if long_k else 4
+  return dict(block_n=block_n, block_k=block_k, split_k=split_k, num_stages=3)
 
 
 def _silu_mul(g: jax.Array, u: jax.Array) -> jax.Array:
@@ -86,71 +112,137 @@ def _int8_to_f32(w: jax.Array, interpret: bool) -> jax.Array:
   return f
 
 
-def _skinny_kernel(x_ref, *refs, fmt: str, gate_up: bool, m: int, block_m: int,
-                   block_k: int, split_k: int, kb_total: int, interpret: bool):
-  """One [block_m, block_n] output tile (two weight streams when gate_up)."""
+def _skinny_kernel(x_ref, *refs, fmt: str, gate_up: bool, m: int, n_out: int, k: int,
+                   block_m: int, block_n: int, block_k: int, split_k: int, interpret: bool):
+  """One [block_m, block_n] output tile (two weight streams when gate_up).
+
+  Shapes the tiles fit run the plain loop. A ragged N (n_out % block_n): the weight and scale
+  refs are whole arrays indexed at each stream's first row (the up half of a fused gate+up
+  weight does not start on a tile boundary) and rows past n_out are masked. A K tail
+  (k % block_k): one masked step after the loop over the full K blocks.
+  """
   n_w = 2 if gate_up else 1
   w_refs = refs[:n_w]
   s_refs = refs[n_w:-1]
   o_ref = refs[-1]
-  block_n = w_refs[0].shape[0]
+  n_ragged = n_out % block_n != 0
+  tail = k % block_k
+  kb_full = k // block_k
+  kb_total = kb_full + (1 if tail else 0)
 
   row_mask = None
   if m % block_m:
     rows = pl.program_id(0) * block_m + lax.broadcasted_iota(jnp.int32, (block_m, 1), 0)
     row_mask = rows < m
+  n_mask = None     # [block_n, 1]: weight rows (output columns) of this tile below n_out
+  row0s = [None] * n_w
+  if n_ragged:
+    n_first = pl.program_id(1) * block_n
+    n_mask = (n_first + lax.broadcasted_iota(jnp.int32, (block_n, 1), 0)) < n_out
+    # First row of each stream's tile in the whole weight array.
+    row0s = [n_first + i * n_out for i in range(n_w)]
 
-  def load_x(start, size: int) -> jax.Array:
+  def load_x(start, size: int, k_mask=None) -> jax.Array:
     # No automatic OOB masking in the 0.11 Triton lowering: rows past M must not be read.
     window = x_ref.at[:, pl.ds(start, size)]
-    if row_mask is None:
+    mask = row_mask if k_mask is None else k_mask if row_mask is None else row_mask & k_mask
+    if mask is None:
       return window[...]
-    return plt.load(window, mask=row_mask, other=0.0)
+    return plt.load(window, mask=mask, other=0.0)
+
+  def load_w(w_ref, row0, k0, k_mask=None) -> jax.Array:
+    if not n_ragged and k_mask is None:
+      return w_ref[:, pl.ds(k0, block_k)]
+    if n_ragged:
+      window = w_ref.at[pl.ds(row0, block_n), pl.ds(k0, block_k)]
+    else:
+      window = w_ref.at[:, pl.ds(k0, block_k)]
+    mask = n_mask if k_mask is None else k_mask if n_mask is None else n_mask & k_mask
+    # `other` is cast to the weight dtype: a float for bf16 / fp8 (no int -> fp8 convert).
+    return plt.load(window, mask=mask, other=0 if fmt == "q8_0" else 0.0)
+
+  def load_q8_scale(s_ref, row0, kb, n_sub: int, kb_mask=None) -> jax.Array:
+    if not n_ragged and kb_mask is None:
+      return s_ref[:, pl.ds(kb * n_sub, n_sub)]
+    rows = pl.ds(row0, block_n) if n_ragged else slice(None)
+    window = s_ref.at[rows, pl.ds(kb * n_sub, n_sub)]
+    mask = n_mask if kb_mask is None else kb_mask if n_mask is None else n_mask & kb_mask
+    return plt.load(window, mask=mask, other=0.0)
 
   def dot(x, w):
     return lax.dot_general(x, w, _DOT_NT, preferred_element_type=jnp.float32)
 
-  kb_per_split = pl.cdiv(kb_total, split_k)
-  kb_first = pl.program_id(2) * kb_per_split
-  if kb_per_split * split_k == kb_total:
-    n_iter = kb_per_split
-  else:
-    # The last split is shorter (or empty); a dynamic trip count keeps every K block once.
-    n_iter = jnp.minimum(jnp.maximum(kb_total - kb_first, 0), kb_per_split)
-
-  def body(kb, accs):
-    kb = kb_first + kb
-    k0 = pl.multiple_of(kb * block_k, block_k)
+  def step(kb, accs, owner=None):
+    """accs + this K block's products. owner: this is the masked tail block (columns past K
+    read nothing), read only where owner holds (True: unconditionally)."""
+    # The tail's block index is a Python int (multiple_of takes traced values only).
+    k0 = kb * block_k if isinstance(kb, int) else pl.multiple_of(kb * block_k, block_k)
+    k_mask = kb_mask = None
+    if owner is not None:
+      k_mask = lax.broadcasted_iota(jnp.int32, (1, block_k), 1) < tail
+      if owner is not True:
+        k_mask &= owner
     if fmt != "q8_0":
-      x = load_x(k0, block_k)
+      x = load_x(k0, block_k, k_mask)
       new = []
-      for w_ref, acc in zip(w_refs, accs):
-        w = w_ref[:, pl.ds(k0, block_k)]
+      for w_ref, row0, acc in zip(w_refs, row0s, accs):
+        w = load_w(w_ref, row0, k0, k_mask)
         if fmt == "fp8":
           w = w.astype(jnp.float32)
         new.append(acc + dot(x, w.astype(jnp.bfloat16)))
       return tuple(new)
     n_sub = block_k // Q8_0_BLOCK
-    x = load_x(k0, block_k)
+    if owner is not None:   # the tail's 32-blocks past K / 32
+      kb_mask = (kb * n_sub + lax.broadcasted_iota(jnp.int32, (1, n_sub), 1)
+                 < k // Q8_0_BLOCK)
+      if owner is not True:
+        kb_mask &= owner
+    x = load_x(k0, block_k, k_mask)
     new = []
-    for w_ref, s_ref, acc in zip(w_refs, s_refs, accs):
-      w = _int8_to_f32(w_ref[:, pl.ds(k0, block_k)], interpret)
+    for w_ref, s_ref, row0, acc in zip(w_refs, s_refs, row0s, accs):
+      w = _int8_to_f32(load_w(w_ref, row0, k0, k_mask), interpret)
       w = w.reshape(block_n, n_sub, Q8_0_BLOCK)
-      d = s_ref[:, pl.ds(kb * n_sub, n_sub)]
+      d = load_q8_scale(s_ref, row0, kb, n_sub, kb_mask)
       w = (w * d[:, :, None]).reshape(block_n, block_k).astype(jnp.bfloat16)
       new.append(acc + dot(x, w))
     return tuple(new)
 
+  kb_per_split = pl.cdiv(kb_total, split_k)
+  kb_first = pl.program_id(2) * kb_per_split
+  if kb_per_split * split_k == kb_total and not tail:
+    n_iter = kb_per_split
+  else:
+    # The last split is shorter (or empty); a dynamic trip count keeps every full K block
+    # once (the tail block, if any, is the masked step below).
+    n_iter = jnp.minimum(jnp.maximum(kb_full - kb_first, 0), kb_per_split)
+
   zeros = tuple(jnp.zeros((block_m, block_n), jnp.float32) for _ in w_refs)
-  accs = lax.fori_loop(0, n_iter, body, zeros)
+  accs = lax.fori_loop(0, n_iter, lambda kb, accs: step(kb_first + kb, accs), zeros)
+  if tail:
+    # With split K only the split holding the last block reads it.
+    owner = True
+    if split_k > 1:
+      owner = (kb_first <= kb_full) & (kb_full < kb_first + kb_per_split)
+    accs = step(kb_full, accs, owner)
   if fmt == "fp8":
-    accs = tuple(acc * s_ref[...][None, :] for acc, s_ref in zip(accs, s_refs))
+    if n_ragged:
+      live = (pl.program_id(1) * block_n + jnp.arange(block_n, dtype=jnp.int32)) < n_out
+      scales = [plt.load(s_ref.at[pl.ds(row0, block_n)], mask=live, other=0.0)
+                for s_ref, row0 in zip(s_refs, row0s)]
+      accs = tuple(acc * sc[None, :] for acc, sc in zip(accs, scales))
+    else:
+      accs = tuple(acc * s_ref[...][None, :] for acc, s_ref in zip(accs, s_refs))
   out = _silu_mul(*accs) if gate_up else accs[0]
   out = out.astype(o_ref.dtype)
-  if row_mask is None:
+  out_mask = row_mask
+  if n_ragged:
+    col_ok = (pl.program_id(1) * block_n + lax.broadcasted_iota(jnp.int32, (1, block_n), 1)
+              < n_out)
+    out_mask = col_ok if out_mask is None else out_mask & col_ok
+  if out_mask is None:
     o_ref[...] = out
   else:
-    plt.store(o_ref, out, mask=row_mask)
+    plt.store(o_ref, out, mask=out_mask)
 
 
 def _check_args(kernel: str, x, w, scale, fmt: str, block_m: int, block_n: int,
@@ -175,16 +267,15 @@ def _check_args(kernel: str, x, w, scale, fmt: str, block_m: int, block_n: int,
   check(m >= 1, kernel, "M >= 1", m)
   for name, b in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
     check(is_pow2(b) and b >= 16, kernel, f"{name} a power of 2 >= 16", b)
-  check(n_out % block_n == 0, kernel, f"N % block_n == 0 (block_n={block_n})", n_out)
-  check(k % block_k == 0, kernel, f"K % block_k == 0 (block_k={block_k})", k)
   if fmt == "q8_0":
     check(k % Q8_0_BLOCK == 0, kernel, "K % 32 == 0 for q8_0", k)
     check(block_k >= Q8_0_BLOCK, kernel, "block_k >= 32 for q8_0", block_k)
     check(block_n * block_k >= _PTX_PACK * 32 * num_warps, kernel, "block_n * block_k >= "
           f"{_PTX_PACK * 32} * num_warps for q8_0 ({_PTX_PACK} weights per thread)",
           (block_n, block_k, num_warps))
-  check(1 <= split_k <= k // block_k, kernel, f"1 <= split_k <= K // block_k = "
-        f"{k // block_k}", split_k)
+  check(n_out >= 1 and k >= 1, kernel, "N >= 1 and K >= 1", (n_out, k))
+  kb = -(-k // block_k)
+  check(1 <= split_k <= kb, kernel, f"1 <= split_k <= ceil(K / block_k) = {kb}", split_k)
 
 
 def _launch(x, w, scale, *, fmt: str, gate_up: bool, block_m: int, block_n: int,
@@ -193,18 +284,29 @@ def _launch(x, w, scale, *, fmt: str, gate_up: bool, block_m: int, block_n: int,
   """pallas_call over (M tiles, N tiles, K splits); returns [M, N] or [split_k, M, N]."""
   m, k = x.shape
   n_out = w.shape[0] // 2 if gate_up else w.shape[0]
-  n_tiles = n_out // block_n
+  n_tiles = pl.cdiv(n_out, block_n)
   grid = (pl.cdiv(m, block_m), n_tiles, split_k)
+  # K rounded up to whole tiles: a tail tile's block hangs over the arrays' end (masked).
+  kp = pl.cdiv(k, block_k) * block_k
 
-  x_spec = pl.BlockSpec((block_m, k), lambda i, j, s: (i, 0))
-  w_specs = [pl.BlockSpec((block_n, k), lambda i, j, s: (j, 0))]
-  s_block = (block_n,) if fmt == "fp8" else (block_n, k // Q8_0_BLOCK)
-  s_specs = [pl.BlockSpec(s_block, lambda i, j, s: (j,) + (0,) * (len(s_block) - 1))]
-  if gate_up:
-    # The up half of the fused weight is the same buffer read n_tiles blocks further down.
-    w_specs.append(pl.BlockSpec((block_n, k), lambda i, j, s: (j + n_tiles, 0)))
-    s_specs.append(pl.BlockSpec(s_block,
-                                lambda i, j, s: (j + n_tiles,) + (0,) * (len(s_block) - 1)))
+  x_spec = pl.BlockSpec((block_m, kp), lambda i, j, s: (i, 0))
+  s_cols = () if fmt == "fp8" else (kp // Q8_0_BLOCK,)
+  if n_out % block_n:
+    # Ragged N: whole-array weight (and scale) refs; the kernel indexes each stream's rows
+    # (the up half starts at row n_out, not on a block boundary) and masks rows past n_out.
+    n_w = 2 if gate_up else 1
+    w_specs = [pl.BlockSpec((w.shape[0], kp), lambda i, j, s: (0, 0))] * n_w
+    s_specs = [pl.BlockSpec((w.shape[0],) + s_cols,
+                            lambda i, j, s: (0,) * (1 + len(s_cols)))] * n_w
+  else:
+    w_specs = [pl.BlockSpec((block_n, kp), lambda i, j, s: (j, 0))]
+    s_block = (block_n,) + s_cols
+    s_specs = [pl.BlockSpec(s_block, lambda i, j, s: (j,) + (0,) * (len(s_block) - 1))]
+    if gate_up:
+      # The up half of the fused weight is the same buffer read n_tiles blocks further down.
+      w_specs.append(pl.BlockSpec((block_n, kp), lambda i, j, s: (j + n_tiles, 0)))
+      s_specs.append(pl.BlockSpec(s_block,
+                                  lambda i, j, s: (j + n_tiles,) + (0,) * (len(s_block) - 1)))
   operands = [x] + [w] * len(w_specs)
   in_specs = [x_spec] + w_specs
   if scale is not None:
@@ -218,9 +320,9 @@ def _launch(x, w, scale, *, fmt: str, gate_up: bool, block_m: int, block_n: int,
     out_shape = jax.ShapeDtypeStruct((split_k, m, n_out), jnp.float32)
     out_spec = pl.BlockSpec((None, block_m, block_n), lambda i, j, s: (s, i, j))
 
-  kernel = functools.partial(_skinny_kernel, fmt=fmt, gate_up=gate_up, m=m, block_m=block_m,
-                             block_k=block_k, split_k=split_k, kb_total=k // block_k,
-                             interpret=interpret)
+  kernel = functools.partial(_skinny_kernel, fmt=fmt, gate_up=gate_up, m=m, n_out=n_out, k=k,
+                             block_m=block_m, block_n=block_n, block_k=block_k,
+                             split_k=split_k, interpret=interpret)
   return pl.pallas_call(
       kernel,
       grid=grid,

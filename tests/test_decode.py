@@ -45,7 +45,7 @@ def reference(pair, prompts):
   return g.tokens, eos, ge.tokens
 
 
-def _noisy_oracle(prompts, continuations, seed):
+def _noisy_oracle(prompts, continuations, seed, vocab=97):
   """The target's own continuation with ~1/4 of its tokens replaced: every acceptance length
   occurs, with corrections after partial accepts and bonus tokens after full ones."""
   rng = np.random.default_rng(seed)
@@ -53,7 +53,7 @@ def _noisy_oracle(prompts, continuations, seed):
   for p, c in zip(prompts, continuations):
     c = np.array(c)
     bad = rng.random(len(c)) < 0.25
-    c[bad] = (c[bad] + 1 + rng.integers(0, 90, bad.sum())) % 97
+    c[bad] = (c[bad] + 1 + rng.integers(0, vocab - 2, bad.sum())) % vocab
     out.append(list(p) + c.tolist())
   return out
 
@@ -113,9 +113,11 @@ def test_ring_holds_the_committed_features(pair, prompts, reference):
   want = jax.jit(jax.vmap(lambda r, f, n: S.inject(
       dp, r, S.encode(dp, f, impl="xla"), jnp.arange(f.shape[0]), n, impl="xla")))(
           ring, feats, jnp.asarray(n_in))
-  np.testing.assert_array_equal(st.ring.pos, want.pos)
-  np.testing.assert_allclose(st.ring.k, want.k, rtol=1e-4, atol=1e-4)
-  np.testing.assert_allclose(st.ring.v, want.v, rtol=1e-4, atol=1e-4)
+  for got, exp in zip(jax.tree.leaves(st.ring), jax.tree.leaves(want)):   # positions, K, V
+    if jnp.issubdtype(got.dtype, jnp.integer):
+      np.testing.assert_array_equal(got, exp)
+    else:
+      np.testing.assert_allclose(got, exp, rtol=1e-4, atol=1e-4)
   for s in range(len(prompts)):
     np.testing.assert_allclose(st.pending[s, :n_new[s]], feats[s, n_in[s]:n_past[s]],
                                rtol=1e-4, atol=1e-4)
@@ -123,7 +125,7 @@ def test_ring_holds_the_committed_features(pair, prompts, reference):
 
 def test_reduced_draft_vocab_equals_restricted_full_vocab(pair, prompts):
   """A drafter whose head keeps only the d2t rows proposes what the full-vocab drafter
-  proposes when its logits are restricted to those rows (greedy and sampled proposals)."""
+  proposes when its logits are restricted to those rows, in target ids."""
   tcfg, tp, dp = pair
   d2t = np.sort(np.random.default_rng(7).choice(tcfg.vocab_size, 40, replace=False))
   full = TM.models(tcfg, tp, dp)
@@ -135,17 +137,12 @@ def test_reduced_draft_vocab_equals_restricted_full_vocab(pair, prompts):
                                                    st.n_past)
   restricted = logits[:, 1:6][..., d2t]
   keys = jax.random.split(jax.random.key(3), len(prompts))
-  for samp in (D.Sampling(), D.Sampling(temperature=0.7, proposals="sampled")):
-    dcfg = D.DecodeConfig(width=6, sampling=samp, impl="xla")
-    ring, drafts, q = jax.jit(D._propose, static_argnames="dcfg")(reduced, dcfg, st, keys)
-    if samp.greedy:
-      np.testing.assert_array_equal(drafts, d2t[np.argmax(restricted, -1)])
-      assert q is None
-    else:
-      want = np.zeros(q.shape, np.float32)
-      want[..., d2t] = jax.nn.softmax(restricted / 0.7, -1)
-      np.testing.assert_allclose(q, want, rtol=1e-5, atol=1e-6)
-      assert np.isin(np.asarray(drafts), d2t).all()   # verified in target ids
+  dcfg = D.DecodeConfig(width=6, impl="xla")
+  ring, drafts, q = jax.jit(D._propose, static_argnames="dcfg")(reduced, dcfg, st, keys)
+  np.testing.assert_array_equal(drafts, d2t[np.argmax(restricted, -1)])   # target ids
+  assert q is None
+  # Sampled proposals over a reduced vocab (q scattered to target ids) are checked for
+  # losslessness statistically in test_sampling.py.
 
 
 def test_input_errors(pair):
@@ -154,6 +151,8 @@ def test_input_errors(pair):
   dcfg = D.DecodeConfig(width=4, impl="xla")
   with pytest.raises(ValueError, match="capacity 20 < longest prompt 5 \\+ max_new 16 \\+ width 4"):
     D.start(m, dcfg, [[1, 2, 3, 4, 5]], 16, capacity=20)
+  with pytest.raises(ValueError, match="exceed the target's max_position_embeddings 512"):
+    D.start(m, dcfg, [[1] * 500], 16)
   with pytest.raises(ValueError, match="outside the vocab \\[0, 97\\)"):
     D.start(m, dcfg, [[1, 97]], 4)
   with pytest.raises(ValueError, match="non-empty"):
@@ -175,6 +174,12 @@ def test_input_errors(pair):
   with pytest.raises(ValueError, match="capture_layers \\[3\\] outside \\[0, 2\\]"):
     D.check_models(m.replace(drafter=dp.replace(cfg=deep)), dcfg)
   np.testing.assert_array_equal(D.d2t_from_offsets([5, 5, 6]), [5, 6, 8])
+  # The drafter's head may have fewer rows than tok_embd (a draft vocab), never more.
+  import dflash_jax as dfj
+  dc, w = TM.drafter_weights(tcfg)
+  w["tok_embd"], w["lm_head"] = np.zeros((97, 64)), np.zeros((98, 64))
+  with pytest.raises(ValueError, match="tensor 'lm_head' has shape \\(98, 64\\), expected \\(97, 64\\)"):
+    dfj.prepare_weights(dc, w)
 
 
 # --- python -m dflash_jax generate ---------------------------------------------------------------
@@ -247,3 +252,44 @@ def test_generate_cli_rejects_bad_values(argv):
   with pytest.raises(SystemExit) as e:   # argparse: usage + one error line, exit 2
     main(["generate", "--target", "t", "--drafter", "d", "--prompt-ids", "1"] + argv)
   assert e.value.code == 2
+
+
+def test_benchmark_decode_smoke(tmp_path):
+  """benchmarks/decode.py stays alive: its --smoke run at tiny dims (numbers are not results)."""
+  import json
+  from benchmarks import decode as B
+  assert B.main(["--smoke", "--out", str(tmp_path)]) == 0
+  res = json.loads((tmp_path / "decode.json").read_text())
+  r = res["round_ms"]
+  for k in ("draft_full_vocab", "draft_reduced_vocab", "inject", "block_step_full_vocab",
+            "verify_block", "decode1", "accept_commit"):
+    assert r[k] > 0, k
+  assert res["bytes"]["target_GB"] > 0 and res["target_only"]["tokens_per_s"] > 0
+  (o,) = res["oracle"]
+  assert o["k"] == 3 and sum(o["hist"]) == o["rounds"] and o["tokens"] == 24
+  assert (tmp_path / "decode.md").read_text().startswith("- device:")
+
+
+@pytest.mark.gpu
+def test_greedy_lossless_1b_class_gpu():
+  """A Llama-3.2-1B-shaped float32 target (16 layers, 2048 hidden, 32/8 heads x 64, vocab
+  128256, tied) with a 5-layer drafter of its width, the Pallas kernels: speculative greedy
+  output == target-only greedy output (noisy oracle drafts: every acceptance length)."""
+  from benchmarks import common as C
+  tcfg = Q.TargetConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                        num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                        head_dim=64, rope_theta=5e5, tie_word_embeddings=True, qk_norm=False)
+  tp = Q.init_params(tcfg, jax.random.key(0))
+  import dflash_jax as dfj
+  dcfg = dataclasses.replace(dfj.QWEN3_8B_CONFIG, n_embd=2048, n_ff=6144, head_dim=64,
+                             target_layers=(2, 5, 9, 12, 15), mask_token_id=128000)
+  dp = C.random_params(dcfg, 16, "fp32").replace(tok_embd=tp.embed, lm_head=tp.head)
+  m = D.Models(target=tp, drafter=dp, d2t=None, target_cfg=tcfg)
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(0, tcfg.vocab_size, n).tolist() for n in (5, 40, 100)]
+  ref = D.generate_target_only(tp, tcfg, prompts, 64).tokens
+  for width in (16, 5):
+    g = D.generate(m, D.DecodeConfig(width=width), prompts, 64,
+                   oracle=_noisy_oracle(prompts, ref, seed=width, vocab=tcfg.vocab_size))
+    assert g.tokens == ref, width
+    assert g.hist[:, 1:].sum() > 0

@@ -37,8 +37,9 @@ def make_case(seed: int, *, L=2, hkv=2, d=16, w=32, positions, kv_dtype=jnp.floa
       inv_freq=jnp.asarray(inv_freq(d)))
 
 
-def oracle(c: dict, n_valid: int):
-  """float64 numpy: rows applied one after another, so later rows overwrite earlier ones.
+def oracle(c: dict, n_valid: int, wrap: bool = True):
+  """float64 numpy: rows applied one after another, so later rows overwrite earlier ones;
+  slot pos % S (wrap) or pos, skipped when pos >= S (a full-attention cache).
 
   Returns the expected float64 K/V, ring_pos, and the set of slots written. The angle is the
   float32 product float32(pos) * inv_freq, as SPEC.md defines it; the rest is float64.
@@ -54,6 +55,8 @@ def oracle(c: dict, n_valid: int):
   h = d // 2
   written = set()
   for t in range(min(max(n_valid, 0), len(pos))):
+    if not wrap and pos[t] >= w:
+      continue
     s = int(pos[t]) % w
     ang = (np.float32(pos[t]) * inv).astype(np.float64)
     for l in range(L):
@@ -73,14 +76,14 @@ def run_kernel(c: dict, n_valid, **knobs):
                 n_valid, c["inv_freq"], eps=EPS, interpret=True, **knobs)
 
 
-def run_twin(c: dict, n_valid):
+def run_twin(c: dict, n_valid, wrap: bool = True):
   return inject_reference(c["ring_k"], c["ring_v"], c["ring_pos"], c["kv"], c["k_norm"],
-                          c["positions"], n_valid, c["inv_freq"], eps=EPS)
+                          c["positions"], n_valid, c["inv_freq"], eps=EPS, wrap=wrap)
 
 
-def assert_matches_oracle(out, c: dict, n_valid: int):
+def assert_matches_oracle(out, c: dict, n_valid: int, wrap: bool = True):
   rk, rv, rp = (np.asarray(a) for a in out)
-  ek, ev, ep, written = oracle(c, n_valid)
+  ek, ev, ep, written = oracle(c, n_valid, wrap)
   w = rk.shape[2]
   untouched = [s for s in range(w) if s not in written]
   # Untouched slots: bit-identical to the poisoned input.
@@ -125,18 +128,36 @@ CASES = {
                                 dict(block_rows=8)),
     "single_row_large_pos": (np.array([1_000_003]), 1, dict(w=64, d=32), dict(block_rows=4)),
     "hkv4_L3_W64": (np.arange(1000, 1040), 33, dict(L=3, hkv=4, w=64), dict(block_rows=16)),
+    # Shapes the tiles do not fit: block 10 in a 16-row tile, head_dim 48 (24-wide halves
+    # in 32-wide tiles), a 48-slot ring wrapped by the block.
+    "t10_d48_s48": (np.arange(40, 50), 10, dict(w=48, d=48), {}),
+    # Block 7, head_dim 80, a 1000-slot bf16 ring, random far positions.
+    "t7_d80_s1000": (np.random.default_rng(3).integers(0, 5000, size=7), 7,
+                     dict(L=1, w=1000, d=80, ring_dtype=jnp.bfloat16), {}),
+    # A full-attention cache of 40 slots (wrap=False): rows at positions >= 40 write
+    # nothing, duplicates resolve to the later row, rows >= n_valid write nothing.
+    "full_cache_past_capacity": (np.array([30, 5, 39, 40, 5, 41, 12, 39, 100, 7, 2, 3]), 11,
+                                 dict(w=40), dict(wrap=False, block_rows=4)),
 }
 
 
 @pytest.mark.parametrize("seed, name", list(enumerate(CASES)))
 def test_inject_matches_oracle_and_twin(seed, name):
   positions, n_valid, extra, knobs = CASES[name]
+  wrap = knobs.get("wrap", True)
   c = make_case(seed, positions=positions, **extra)
   nv = jnp.asarray(n_valid, jnp.int32)
   out = run_kernel(c, nv, **knobs)
-  assert_matches_oracle(out, c, n_valid)
-  assert_matches_twin(out, run_twin(c, nv))
-  assert_matches_oracle(run_twin(c, nv), c, n_valid)
+  assert_matches_oracle(out, c, n_valid, wrap)
+  assert_matches_twin(out, run_twin(c, nv, wrap))
+  assert_matches_oracle(run_twin(c, nv, wrap), c, n_valid, wrap)
+
+
+@pytest.mark.parametrize("wrap", [True, False])
+def test_twin_takes_any_shape(wrap):
+  """The jnp twin has no Triton limits: head_dim 6, a 5-slot ring, 9 rows."""
+  c = make_case(30, L=2, hkv=3, d=6, w=5, positions=np.array([0, 7, 2, 3, 9, 4, 5, 1, 2]))
+  assert_matches_oracle(run_twin(c, jnp.asarray(8, jnp.int32), wrap), c, 8, wrap)
 
 
 def test_n_valid_0_leaves_ring_bit_identical():
@@ -205,7 +226,8 @@ def test_rings_aliased_and_donated(ring_dtype):
 
 
 @pytest.mark.parametrize("bad, match", [
-    (dict(d=12), "head_dim must be a power of 2"),
+    (dict(d=24), r"head_dim must be a multiple of 16 in \[16, 256\] \(got 24\)"),
+    (dict(d=272), r"head_dim must be a multiple of 16 in \[16, 256\] \(got 272\)"),
     (dict(kv_dtype=jnp.float16), "kv dtype must be float32 or bfloat16"),
     (dict(ring_dtype=jnp.float16), "ring_k dtype must be float32 or bfloat16"),
 ])
@@ -216,7 +238,7 @@ def test_limits_dtype_and_head_dim(bad, match):
 
 
 @pytest.mark.parametrize("field, value, match", [
-    ("ring_pos", jnp.zeros((16,), jnp.int32), r"ring_pos shape must be \(W,\)"),
+    ("ring_pos", jnp.zeros((16,), jnp.int32), r"ring_pos shape must be \(S,\)"),
     ("k_norm", jnp.ones((3, 16), jnp.float32), r"k_norm shape must be \(L, D\)"),
     ("positions", jnp.arange(8, dtype=jnp.float32), "positions dtype must be int32"),
     ("kv", jnp.ones((8, 2, 2, 3, 16), jnp.float32), r"kv shape must be \[T, L, 2, Hkv, D\]"),
@@ -278,3 +300,35 @@ def test_gpu_in_place_under_donation():
   out = f(*args)
   assert [o.unsafe_buffer_pointer() for o in out] == ptrs
   assert_matches_twin(out, run_twin(c, jnp.asarray(16, jnp.int32)))
+
+
+# Published drafters' shapes at real dims: (make_case kwargs, positions, n_valid, wrap).
+GPU_SHAPES = {
+    "window3000_block16": (dict(L=5, hkv=8, d=128, w=3000), np.arange(5990, 6006), 16, True),
+    "window3000_prefill": (dict(L=5, hkv=8, d=128, w=3000), np.arange(0, 4100), 4100, True),
+    "block10_partial": (dict(L=5, hkv=8, d=128, w=2048), np.arange(2040, 2050), 7, True),
+    "head_dim96_block7": (dict(L=5, hkv=8, d=96, w=2048), np.arange(100, 107), 7, True),
+    "head_dim256": (dict(L=5, hkv=4, d=256, w=2048), np.arange(2040, 2056), 16, True),
+    "full8192_past_capacity": (dict(L=1, hkv=8, d=128, w=8192), np.arange(8180, 8196), 16,
+                               False),
+    "full40960_prefill": (dict(L=1, hkv=8, d=128, w=40960), np.arange(0, 3000), 3000, False),
+}
+
+
+@pytest.fixture(scope="module", params=list(GPU_SHAPES))
+def gpu_inject_case(request):
+  """Inputs, the twin's result and the float64 oracle, once per shape."""
+  extra, positions, n_valid, wrap = GPU_SHAPES[request.param]
+  c = make_case(11, positions=positions, ring_dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16,
+                **extra)
+  nv = jnp.asarray(n_valid, jnp.int32)
+  return request.param, c, nv, n_valid, wrap, run_twin(c, nv, wrap)
+
+
+@pytest.mark.gpu
+def test_gpu_published_shapes(gpu_inject_case):
+  name, c, nv, n_valid, wrap, twin = gpu_inject_case
+  out = inject(c["ring_k"], c["ring_v"], c["ring_pos"], c["kv"], c["k_norm"], c["positions"],
+               nv, c["inv_freq"], eps=EPS, wrap=wrap, interpret=False)
+  assert_matches_twin(out, twin)
+  assert_matches_oracle(out, c, n_valid, wrap)

@@ -91,17 +91,21 @@ def assert_all_close(out, c: dict, twin_rtol: float):
     (16, 2, 4, 32, 5000, (1,)),
     (4, 1, 8, 16, 0, ()),          # G > 2 Hkv: q blocks run past the k/v heads
     (8, 4, 1, 32, 123_456, ()),    # no GQA, large positions
+    # Shapes the tiles do not fit (rows and head halves masked in power-of-2 tiles):
+    (7, 2, 3, 48, 37, ()),         # block 7, G 3, head_dim 48
+    (10, 1, 5, 80, 0, ()),         # block 10, G 5, head_dim 80
+    (2, 2, 6, 16, 999, (1,)),      # block 2, G 6
 ])
 def test_matches_oracle_and_twin(t, hkv, g, d, n_past, scalar_shape):
   c = make_case(t * 100 + g, t=t, hkv=hkv, g=g, d=d, n_past=n_past, scalar_shape=scalar_shape)
   assert_all_close(run_kernel(c), c, twin_rtol=2e-6)
 
 
-@pytest.mark.parametrize("n_parts", [1, 3, 4])
-def test_split_k_partials_are_summed(n_parts):
+@pytest.mark.parametrize("n_parts, t, g, d", [(1, 8, 4, 32), (3, 10, 3, 48), (4, 8, 4, 32)])
+def test_split_k_partials_are_summed(n_parts, t, g, d):
   """qkv given as [S, T, W] partials: the kernel sums them in order (same as the twin, bit for
   bit on v) and the result is the norm/rope of that sum."""
-  c = make_case(20 + n_parts, t=8, hkv=2, g=4, d=32, n_past=999)
+  c = make_case(20 + n_parts, t=t, hkv=2, g=g, d=d, n_past=999)
   rng = np.random.default_rng(n_parts)
   noise = jnp.asarray(rng.normal(size=(n_parts - 1,) + c["qkv"].shape), jnp.float32)
   parts = jnp.concatenate([noise, (c["qkv"] - noise.sum(0))[None]], axis=0)
@@ -148,11 +152,11 @@ def test_matches_reference_module():
 
 
 @pytest.mark.parametrize("overrides, match", [
-    (dict(t=12), "T .* must be a power of 2"),
-    (dict(g=3), "n_head / n_head_kv must be a power of 2"),
-    (dict(d=24), "head_dim must be a power of 2"),
+    (dict(d=24), r"head_dim must be a multiple of 16 in \[16, 256\] \(got 24\)"),
+    (dict(d=272), r"head_dim must be a multiple of 16 in \[16, 256\] \(got 272\)"),
+    (dict(t=65), r"block width .* must be in \[1, 64\] \(got 65\)"),
 ])
-def test_limits_pow2(overrides, match):
+def test_kernel_limits(overrides, match):
   kw = dict(t=8, hkv=2, g=2, d=16, n_past=1) | overrides
   c = make_case(13, **kw)
   with pytest.raises(ValueError, match=match):
@@ -183,3 +187,31 @@ def test_gpu_compiled_matches_twin(n_past):
   out = qk_norm_rope(*args(c), n_head=32, n_head_kv=8, eps=EPS, interpret=False)
   # libdevice vs XLA cos/sin and reduction order: a few float32 ulp.
   assert_all_close(out, c, twin_rtol=1e-5)
+
+
+def test_twin_takes_any_shape():
+  """The jnp twin has no Triton limits: head_dim 6, block 3, G 3."""
+  c = make_case(16, t=3, hkv=2, g=3, d=6, n_past=11)
+  for got, want in zip(run_twin(c), oracle(c)):
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, **F32_TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t, hkv, g, d, n_parts", [
+    (16, 8, 3, 128, 4),    # group 3 (24 query heads), the qkv GEMM's 4 split-K partials
+    (10, 8, 4, 128, 1),    # block 10
+    (7, 8, 4, 96, 4),      # block 7, head_dim 96
+    (16, 4, 4, 256, 1),    # head_dim 256
+])
+def test_gpu_published_shapes(t, hkv, g, d, n_parts):
+  c = make_case(17, t=t, hkv=hkv, g=g, d=d, n_past=4097)
+  rng = np.random.default_rng(t)
+  noise = jnp.asarray(rng.normal(size=(n_parts - 1,) + c["qkv"].shape), jnp.float32)
+  parts = jnp.concatenate([noise, (c["qkv"] - noise.sum(0))[None]], axis=0)
+  c = c | dict(qkv=parts)
+  out = qk_norm_rope(*args(c), n_head=hkv * g, n_head_kv=hkv, eps=EPS, interpret=False)
+  want = oracle(c | dict(qkv=qkv_sum_in_order(parts)))
+  ref = run_twin(c)
+  for got, w, r in zip(out, want, ref):
+    np.testing.assert_allclose(np.asarray(got, np.float64), w, **F32_TOL)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(r), rtol=1e-5, atol=1e-6)

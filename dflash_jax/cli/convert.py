@@ -9,11 +9,11 @@ are exact. Errors are one line naming the argument, with exit status 2.
 from __future__ import annotations
 
 import dataclasses
-import sys
+
+from dflash_jax.cli import CLIError, int_in
 
 GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0")
 HF_TYPES = ("f32", "f16", "bf16")
-PROG = "python -m dflash_jax convert"
 
 
 def register(sub) -> None:
@@ -25,15 +25,14 @@ def register(sub) -> None:
                  help="matrix type: F32|F16|BF16|Q8_0 for GGUF, f32|f16|bf16 for HF (default F32)")
   c.add_argument("--format", choices=("gguf", "hf"), default=None,
                  help="output format (default: gguf for a .gguf name, else hf)")
-  c.add_argument("--window", type=int, default=None,
+  c.add_argument("--window", type=int_in(1), default=None,
                  help="sliding window to record when SRC has none (an HF config with sliding "
                       "layers needs one)")
   c.set_defaults(run=convert)
 
 
-def _error(argument: str, message: str) -> int:
-  print(f"{PROG}: error: argument {argument}: {' '.join(str(message).split())}", file=sys.stderr)
-  return 2
+def _error(argument: str, message) -> CLIError:
+  return CLIError(f"argument {argument}: {' '.join(str(message).split())}")
 
 
 def convert(args) -> int:
@@ -43,21 +42,19 @@ def convert(args) -> int:
   requested = args.type or types[0]
   tensor_type = next((t for t in types if t.lower() == requested.lower()), None)
   if tensor_type is None:
-    return _error("--type", f"{requested!r} is not {'a GGUF' if fmt == 'gguf' else 'an HF'} "
+    raise _error("--type", f"{requested!r} is not {'a GGUF' if fmt == 'gguf' else 'an HF'} "
                   f"type (choose from {', '.join(types)})")
-  if args.window is not None and args.window <= 0:
-    return _error("--window", f"must be positive, got {args.window}")
   try:
     cfg, w = load_drafter(args.src)
   except (DrafterFormatError, OSError) as e:
-    return _error("SRC", e)
+    raise _error("SRC", e)
   if args.window is not None:
     if cfg.window is not None and cfg.window != args.window:
-      return _error("--window", f"SRC already records window {cfg.window}, not {args.window}")
+      raise _error("--window", f"SRC already records window {cfg.window}, not {args.window}")
     cfg = dataclasses.replace(cfg, window=args.window)
   try:
     save_drafter(args.dst, cfg, w, tensor_type=tensor_type, format=fmt)
   except (DrafterFormatError, ValueError, OSError) as e:
-    return _error("DST", e)
+    raise _error("DST", e)
   print(f"{args.src} -> {args.dst}: {fmt}, {tensor_type}, {cfg.n_layer} layers, {len(w)} tensors")
   return 0

@@ -420,6 +420,8 @@ def init_cache(cfg: TargetConfig, batch: int, capacity: int, dtype: Any = "fp32"
 def _write(buf: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Array:
   """buf [B, Hkv, S, D] with rows [B, T, Hkv, D] stored at slots start[b] .. start[b] + T - 1."""
   rows = rows.transpose(0, 2, 1, 3).astype(buf.dtype)
+  if buf.shape[0] == 1:   # one sequence: a plain dynamic-update-slice, in place (no scatter)
+    return lax.dynamic_update_slice(buf, rows, (0, 0, start[0], 0))
   return jax.vmap(lambda c, r, s: lax.dynamic_update_slice(c, r, (0, s, 0)))(buf, rows, start)
 
 

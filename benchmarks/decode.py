@@ -1,0 +1,325 @@
+"""Speculative decoding on the GPU: a Qwen3-8B-shaped target with a Qwen3-8B-DFlash-shaped drafter.
+
+  python -m benchmarks.decode --gpu [--out results/NAME] [--skinny]
+  python -m benchmarks.decode --smoke        # CPU, tiny dims, seconds (CI): not results
+
+Weights are random bf16, generated on the device (timing does not depend on the values).
+Sections, in order (results are saved after each, so a run cut short keeps what it measured):
+1. bytes: target, drafter (layers + fc + inject; LM head full and reduced), K/V cache; the
+   copy bandwidth measured in this run and the byte floors it implies.
+2. target-only greedy decoding (the same target code at width 1): tokens/s, wall clock over
+   a long run after a warm-up that compiles it. Its output is the oracle of section 4.
+3. one round at width block_size (16; 8 in --smoke), piece by piece, CUPTI device time (median over iterations of the
+   kernel sum, XLA copies before aliased kernels excluded): draft (`decode._propose`: encode +
+   inject of the committed rows + block step + drafts), of which inject and block step
+   measured alone; verify of 16 rows; accept + commit; and a 1-token target decode step.
+   The draft with the full 151936-token head and with a 32768-token reduced draft vocab.
+   The target's passes run inside a fori_loop of several iterations per call (their cache is
+   the loop carry, so it is updated in place and copied once per call, not per iteration).
+4. oracle acceptance: drafts are the target's own greedy continuation (section 2), with
+   k = 3, 7, 15 drafts per round (width k + 1): tokens/s, tau, and tokens/s over
+   (k + 1) x target-only tokens/s; bf16 rounding can make a verify of k + 1 rows disagree
+   with a 1-row decode on a near tie, so tau is printed and the ratio is also given per
+   committed token (over tau x target-only).
+
+The target's K/V cache holds `capacity` slots (2048) and its masked attention reads all of
+them in every pass (cost independent of the visible length: keep the capacity modest).
+The target's GEMMs are XLA's (`target_impl="xla"`); `--skinny` also times verify / decode with
+the Pallas skinny GEMM (`target_impl="pallas"`, two more compiles of the target).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import dflash_jax as dfj
+from benchmarks import common as C
+from dflash_jax import decode as D
+from dflash_jax import step as S
+from dflash_jax.models import qwen3 as Q
+
+QWEN3_8B_TARGET = Q.TargetConfig(
+    vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+    num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
+    rope_theta=1e6, tie_word_embeddings=False, qk_norm=True, max_position_embeddings=40960)
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+  target: Q.TargetConfig
+  drafter: dfj.DFlashConfig
+  window: int
+  capacity: int
+  prompt_len: int
+  max_new: int          # tokens per timed speculative run
+  ks: tuple[int, ...]   # drafts per round in section 4
+  draft_vocab: int      # the reduced draft vocab of section 3
+  iters: int
+  inner: int            # target passes per measured call (section 3)
+  sync_every: int       # rounds per device call in timed runs
+
+
+def setup(smoke: bool) -> Setup:
+  if smoke:
+    t = Q.TargetConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=16, rope_theta=1e4)
+    d = dataclasses.replace(dfj.TINY_CONFIG, n_layer=1, n_embd=32, n_ff=64, n_head=2,
+                            n_head_kv=1, target_layers=(0, 1), mask_token_id=255, block_size=8,
+                            window=32)
+    return Setup(t, d, window=32, capacity=64, prompt_len=12, max_new=24, ks=(3,),
+                 draft_vocab=64, iters=1, inner=2, sync_every=4)
+  return Setup(QWEN3_8B_TARGET, dfj.QWEN3_8B_CONFIG, window=2048, capacity=2048,
+               prompt_len=128, max_new=512, ks=(3, 7, 15), draft_vocab=32768, iters=20,
+               inner=8, sync_every=64)
+
+
+def device_ms(f, *args, iters: int, per_call: int = 1) -> float:
+  """Median CUPTI kernel time of one call of f (copies excluded), divided by per_call."""
+  per = C.cupti_kernels(f, *args, iterations=iters)
+  per = [[k for k in it if "copy" not in k[0].lower()] for it in per]
+  return C.device_ms(per) / per_call
+
+
+def target_loop(tc: Q.TargetConfig, inner: int, capture, impl: str):
+  """run(params, cache, tokens [1, w]): `inner` target passes of w rows at one position (the
+  cache length is restored after each pass), each pass's argmax feeding the next; returns the
+  last tokens only. Weights are arguments, never closed over (no constants in the program)."""
+
+  def run(tp, cache, tokens):
+    def body(_, c):
+      cache, toks = c
+      new, logits, feats = Q.verify(tp, tc, cache, toks, capture_layers=capture, impl=impl)
+      toks = jnp.argmax(logits, -1).astype(jnp.int32)
+      if capture:   # keep the captured features live, as the round needs them
+        toks = toks + (feats[..., 0] > 1e30).astype(jnp.int32)
+      return new.replace(length=cache.length), toks
+    return lax.fori_loop(0, inner, body, (cache, tokens))[1]
+  return jax.jit(run)
+
+
+def bytes_section(su: Setup, models: D.Models, reduced: D.Models, st: D.DecodeState, bw: float):
+  dp = models.drafter
+  target = C.tree_bytes(models.target)
+  drafter_body = C.tree_bytes((dp.layers, dp.fc, dp.w_inject, dp.enc_norm, dp.out_norm))
+  head = C.tree_bytes(dp.lm_head)
+  head_r = C.tree_bytes(reduced.drafter.lm_head)
+  cache = C.tree_bytes((st.cache.k, st.cache.v))
+  ring = C.tree_bytes(st.ring)
+  # One decode step reads every target weight but the embedding (a gather of one row) and
+  # the whole cache; one draft step reads the drafter's layers, its head and the ring.
+  embed = C.tree_bytes(models.target.embed)
+  r = dict(target_GB=target / 1e9, target_embedding_GB=embed / 1e9, drafter_body_GB=drafter_body / 1e9,
+           drafter_head_full_GB=head / 1e9, drafter_head_reduced_GB=head_r / 1e9,
+           kv_cache_GB=cache / 1e9, ring_GB=ring / 1e9,
+           decode_step_floor_ms=(target - embed + cache) / bw * 1e3,
+           draft_floor_full_ms=(drafter_body + head + ring) / bw * 1e3,
+           draft_floor_reduced_ms=(drafter_body + head_r + ring) / bw * 1e3)
+  r["draft_byte_fraction_full"] = r["draft_floor_full_ms"] / (r["draft_floor_full_ms"] + r["decode_step_floor_ms"])
+  r["draft_byte_fraction_reduced"] = r["draft_floor_reduced_ms"] / (
+      r["draft_floor_reduced_ms"] + r["decode_step_floor_ms"])
+  return r
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  mode = p.add_mutually_exclusive_group(required=True)
+  mode.add_argument("--gpu", action="store_true", help="Qwen3-8B shapes on the GPU")
+  mode.add_argument("--smoke", action="store_true", help="tiny dims on any backend (not results)")
+  p.add_argument("--skinny", action="store_true",
+                 help="also time verify/decode with the Pallas skinny GEMM for the target")
+  p.add_argument("--ks", default=None, help="drafts per round in section 4 (default 3,7,15)")
+  p.add_argument("--only", default="round,oracle",
+                 help="sections after bytes and target-only: round, oracle (comma list)")
+  p.add_argument("--out", default=None, help="results folder (default results/decode-<stamp>)")
+  args = p.parse_args(argv)
+  if args.gpu and not C.ON_GPU:
+    p.error("--gpu needs a GPU backend")
+  su = setup(args.smoke)
+  only = set(args.only.split(","))
+  if args.ks:
+    su = dataclasses.replace(su, ks=tuple(int(k) for k in args.ks.split(",")))
+  impl = "pallas" if C.ON_GPU else "xla"   # the drafter's kernels (interpret mode is slow)
+  stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
+  out_dir = args.out or os.path.join("results", f"decode-{stamp}")
+  os.makedirs(out_dir, exist_ok=True)
+  res: dict = dict(date=stamp, device=jax.devices()[0].device_kind, jax=jax.__version__,
+                   smoke=bool(args.smoke), command="python -m benchmarks.decode " +
+                   " ".join(argv if argv is not None else sys.argv[1:]),
+                   setup=dict(dataclasses.asdict(su), target=dataclasses.asdict(su.target),
+                              drafter=dataclasses.asdict(su.drafter)), drafter_impl=impl)
+  t_start = time.perf_counter()
+
+  def save(section: str) -> None:
+    res.setdefault("elapsed_s", {})[section] = time.perf_counter() - t_start
+    with open(os.path.join(out_dir, "decode.json"), "w") as f:
+      json.dump(res, f, indent=1, default=str)
+    print(f"[{section} done at {time.perf_counter() - t_start:.0f} s] "
+          f"{json.dumps(res.get(section), default=str)}", flush=True)
+
+  bw = C.copy_bandwidth(1 << 30 if args.gpu else 1 << 22)
+  res["copy_bw_TBps"] = bw / 1e12
+  tc, dc = su.target, su.drafter
+  tp = Q.init_params(tc, jax.random.key(0), jnp.bfloat16)
+  # The drafter borrows the target's embedding and LM head (the same device arrays). At the
+  # tiny smoke dims host weights are quicker than compiling a device RNG per tensor shape.
+  dp = (C.random_params(dc, 16, "bf16") if args.gpu else dfj.prepare_weights(
+      dc, {**dfj.synthetic_drafter(dc, with_target=False),
+           "tok_embd": np.zeros((tc.vocab_size, dc.n_embd)),
+           "lm_head": np.zeros((tc.vocab_size, dc.n_embd))}, "bf16"))
+  dp = dp.replace(tok_embd=tp.embed, lm_head=tp.head)
+  models = D.Models(target=tp, drafter=dp, d2t=None, target_cfg=tc)
+  d2t = jnp.arange(su.draft_vocab, dtype=jnp.int32)
+  reduced = models.replace(drafter=dp.replace(lm_head=tp.head[:su.draft_vocab]), d2t=d2t)
+  prompt = np.random.default_rng(0).integers(0, tc.vocab_size, su.prompt_len).tolist()
+  kw = dict(capacity=su.capacity, window=su.window, cache_dtype="bf16", ring_dtype="bf16")
+  w16 = D.DecodeConfig(width=dc.block_size, impl=impl)
+  probe = D.start(models, w16, [prompt], su.max_new, **kw)
+  res["bytes"] = bytes_section(su, models, reduced, probe, bw)
+  del probe
+  save("bytes")
+
+  # 2. Target-only: a warm-up run compiles it (same capacity: same shapes), then the timed run,
+  # long enough to give the oracle for every speculative run.
+  n_oracle = su.max_new + dc.block_size
+  D.generate_target_only(tp, tc, [prompt], 4, rounds_per_call=su.sync_every, **kw)
+  g0 = D.generate_target_only(tp, tc, [prompt], n_oracle, rounds_per_call=su.sync_every, **kw)
+  base_tps = g0.n_tokens / g0.seconds
+  oracle = [prompt + g0.tokens[0]]
+  res["target_only"] = dict(tokens=g0.n_tokens, seconds=g0.seconds, tokens_per_s=base_tps,
+                            ms_per_token=1e3 / base_tps, prefill_s=g0.prefill_seconds)
+  save("target_only")
+
+  if "round" in only:
+    round_section(su, res, models, reduced, prompt, oracle, w16, kw, impl, args.skinny)
+    save("round_ms")
+  if "oracle" in only:
+    res["oracle"] = []
+    for k in su.ks:
+      res["oracle"].append(oracle_run(su, models, prompt, oracle, g0, base_tps, k, impl, kw))
+      save("oracle")
+  md = markdown(res)
+  print(md)
+  with open(os.path.join(out_dir, "decode.md"), "w") as f:
+    f.write(md + "\n")
+  return 0
+
+
+def round_section(su, res, models, reduced, prompt, oracle, w16, kw, impl, skinny) -> None:
+  """Section 3. The state: the prompt prefilled, then as after a round that accepted 15
+  drafts (16 committed rows pending for inject; the cache and ring lengths to match)."""
+  tc, dc, tp, dp = su.target, su.drafter, models.target, models.drafter
+  st = D.start(models, w16, [prompt], su.max_new, oracle=oracle, **kw)
+  w = dc.block_size
+  keys = jax.random.split(jax.random.key(2), 4)
+  st = st.replace(pending=jax.random.normal(keys[0], st.pending.shape, jnp.float32),
+                  n_new=st.n_new + w, n_past=st.n_past + w,
+                  cache=st.cache.replace(length=st.cache.length + w))
+  key = jax.random.split(keys[1], 1)
+  parts = {}
+  t0 = time.perf_counter()
+  # The drafter's own drafts (oracle off); weights are arguments of every measured function.
+  propose = jax.jit(lambda m, s, k: D._propose(m, w16, s.replace(oracle=None), k)[1])
+  for name, m in (("draft_full_vocab", models), ("draft_reduced_vocab", reduced)):
+    parts[name] = device_ms(propose, m, st, key, iters=su.iters)
+  ring0 = jax.tree.map(lambda a: a[0], st.ring)
+  positions = st.n_past[0] - st.n_new[0] + jnp.arange(st.pending.shape[1], dtype=jnp.int32)
+  # One element of every ring buffer out: the kernel writes them all, nothing big is returned.
+  inject = jax.jit(lambda d, r, f, pos, n: jax.tree.map(
+      lambda a: a.ravel()[0], S.inject(d, r, S.encode(d, f, impl=impl), pos, n, impl=impl)))
+  parts["inject"] = device_ms(inject, dp, ring0, st.pending[0], positions, st.n_new[0],
+                              iters=su.iters)
+  block = jax.jit(lambda d, r, i, n: S.greedy_drafts(S.block_step(d, r, i, n, impl=impl)))
+  parts["block_step_full_vocab"] = device_ms(block, dp, ring0, st.id_last[0], st.n_past[0],
+                                             iters=su.iters)
+  drafts = D._slice_rows(st.oracle, st.n_past + 1, w - 1)
+  # Accept + commit does the same work whatever the values: random verify outputs.
+  logits = jax.random.normal(keys[2], (1, w, tc.vocab_size), jnp.float32)
+  feats = jax.random.normal(keys[3], (1, w, dc.n_embd_fc), jnp.float32)
+  commit = jax.jit(lambda s, d, lg, f, k: (lambda o: (o.tokens, o.n_past, o.pending, o.hist))(
+      D._accept_commit(w16, s, d, None, lg, f, k)))
+  parts["accept_commit"] = device_ms(commit, st, drafts, logits, feats, key, iters=su.iters)
+  res["compile_and_measure_draft_parts_s"] = time.perf_counter() - t0
+  vt = jnp.concatenate([st.id_last[:, None], drafts], 1)
+  for impl_t in ("xla", "pallas") if skinny else ("xla",):
+    sfx = "" if impl_t == "xla" else "_skinny"
+    t0 = time.perf_counter()
+    f16 = target_loop(tc, su.inner, dc.target_layers, impl_t)
+    parts["verify_block" + sfx] = device_ms(f16, tp, st.cache, vt, iters=su.iters, per_call=su.inner)
+    f1 = target_loop(tc, su.inner, (), impl_t)
+    parts["decode1" + sfx] = device_ms(f1, tp, st.cache, vt[:, :1], iters=su.iters,
+                                       per_call=su.inner)
+    res[f"compile_and_measure_target{sfx}_s"] = time.perf_counter() - t0
+  parts["block_width"] = w
+  rnd = parts["draft_full_vocab"] + parts["verify_block"] + parts["accept_commit"]
+  rnd_r = parts["draft_reduced_vocab"] + parts["verify_block"] + parts["accept_commit"]
+  parts.update(round_full_vocab=rnd, round_reduced_vocab=rnd_r,
+               verify_block_over_decode1=parts["verify_block"] / parts["decode1"],
+               draft_fraction_full_vocab=parts["draft_full_vocab"] / rnd,
+               draft_fraction_reduced_vocab=parts["draft_reduced_vocab"] / rnd_r,
+               decode1_floor_fraction=res["bytes"]["decode_step_floor_ms"] / parts["decode1"])
+  res["round_ms"] = parts
+
+
+def oracle_run(su, models, prompt, oracle, g0, base_tps, k, impl, kw) -> dict:
+  """Section 4 for one k: a warm-up run compiles (same shapes), then the timed run."""
+  dcfg = D.DecodeConfig(width=k + 1, impl=impl)
+  t0 = time.perf_counter()
+  D.generate(models, dcfg, [prompt], 4, oracle=oracle, rounds_per_call=su.sync_every, **kw)
+  warm = time.perf_counter() - t0
+  g = D.generate(models, dcfg, [prompt], su.max_new, oracle=oracle,
+                 rounds_per_call=su.sync_every, **kw)
+  tps = g.n_tokens / g.seconds
+  agree = sum(a == b for a, b in zip(g.tokens[0], g0.tokens[0]))
+  return dict(k=k, width=k + 1, tokens=g.n_tokens, rounds=int(g.rounds.sum()), tau=g.tau,
+              hist=g.hist.sum(0).tolist(), tokens_per_s=tps,
+              ms_per_round=g.seconds / g.rounds.sum() * 1e3,
+              ratio_vs_k_plus_1=tps / ((k + 1) * base_tps), ratio_vs_tau=tps / (g.tau * base_tps),
+              speedup=tps / base_tps, matches_target_only=f"{agree}/{g.n_tokens}",
+              warmup_compile_s=warm)
+
+
+def markdown(res: dict) -> str:
+  b, r, t = res["bytes"], res.get("round_ms", {}), res["target_only"]
+  lines = [f"- device: {res['device']}, jax {res['jax']}, drafter impl {res['drafter_impl']}; "
+           f"copy bandwidth {res['copy_bw_TBps']:.2f} TB/s; command `{res['command']}`",
+           f"- bytes: target {b['target_GB']:.2f} GB (embedding {b['target_embedding_GB']:.2f}), "
+           f"drafter body {b['drafter_body_GB']:.2f} GB + head {b['drafter_head_full_GB']:.2f} GB "
+           f"(reduced {b['drafter_head_reduced_GB']:.3f} GB), K/V cache {b['kv_cache_GB']:.3f} GB, "
+           f"ring {b['ring_GB']:.3f} GB; floors: decode step {b['decode_step_floor_ms']:.3f} ms, "
+           f"draft {b['draft_floor_full_ms']:.3f} / {b['draft_floor_reduced_ms']:.3f} ms "
+           f"(byte fraction {b['draft_byte_fraction_full']:.3f} / {b['draft_byte_fraction_reduced']:.3f})",
+           f"- target-only: {t['tokens_per_s']:.1f} tokens/s ({t['ms_per_token']:.3f} ms/token wall)"]
+  if r:
+    lines += ["", f"| piece (width {r['block_width']}) | device ms |", "|---|---|"]
+    for k in ("draft_full_vocab", "inject", "block_step_full_vocab", "draft_reduced_vocab",
+              "verify_block", "accept_commit", "decode1", "verify_block_skinny", "decode1_skinny",
+              "round_full_vocab", "round_reduced_vocab"):
+      if k in r:
+        lines.append(f"| {k} | {r[k]:.4f} |")
+    lines += ["", f"verify of {r['block_width']} rows / decode1 = "
+              f"{r['verify_block_over_decode1']:.3f}; draft fraction "
+              f"{r['draft_fraction_full_vocab']:.3f} (full vocab), "
+              f"{r['draft_fraction_reduced_vocab']:.3f} (reduced draft vocab); decode1 moves its bytes at "
+              f"{r['decode1_floor_fraction']:.2f} of the copy bandwidth"]
+  lines += ["", "| k | tau | tokens/s | ms/round (wall) | speedup | / ((k+1) x target-only) | / (tau x target-only) | matches target-only |",
+            "|---|---|---|---|---|---|---|---|"]
+  for o in res.get("oracle", []):
+    lines.append(f"| {o['k']} | {o['tau']:.2f} | {o['tokens_per_s']:.1f} | {o['ms_per_round']:.3f} | "
+                 f"{o['speedup']:.2f}x | {o['ratio_vs_k_plus_1']:.3f} | {o['ratio_vs_tau']:.3f} | "
+                 f"{o['matches_target_only']} |")
+  return "\n".join(lines)
+
+
+if __name__ == "__main__":
+  sys.exit(main())
