@@ -1,43 +1,20 @@
 """Argument helpers shared by the training and evaluation subcommands (not a command itself).
 
-Errors are one line `PROG: error: argument ARG: message` on stderr with exit status 2, for
-argparse's own parse errors too.
+Errors follow dflash_jax.cli: a CLIError naming the argument, printed as one line, exit 2.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import sys
 import tempfile
 
-
-def one_line_errors(parser: argparse.ArgumentParser, prog: str) -> None:
-  """Parse errors print one line (no usage block) and exit 2."""
-  def error(message):
-    print(f"{prog}: error: {' '.join(str(message).split())}", file=sys.stderr)
-    sys.exit(2)
-  parser.error = error
+from dflash_jax.cli import CLIError, int_in
 
 
-def arg_error(prog: str, argument: str, message) -> int:
-  """Print `prog: error: argument ARG: message` and return exit status 2."""
-  print(f"{prog}: error: argument {argument}: {' '.join(str(message).split())}", file=sys.stderr)
-  return 2
-
-
-def positive_int(text: str) -> int:
-  v = int(text)
-  if v <= 0:
-    raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-  return v
-
-
-def non_negative_int(text: str) -> int:
-  v = int(text)
-  if v < 0:
-    raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-  return v
+def arg_error(argument: str, message) -> CLIError:
+  """The one-line error for a bad argument (raise it; `python -m dflash_jax` prints it, exit 2)."""
+  return CLIError(f"argument {argument}: {' '.join(str(message).split())}")
 
 
 def positive_float(text: str) -> float:
@@ -60,28 +37,28 @@ def int_list(text: str) -> tuple[int, ...]:
 def add_corpus_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--corpus", default=None,
                  help="folder of .py files (default: this Python's standard library)")
-  p.add_argument("--max-files", type=positive_int, default=None,
+  p.add_argument("--max-files", type=int_in(1), default=None,
                  help="use only the first N files of the sorted listing (small runs)")
-  p.add_argument("--holdout-every", type=positive_int, default=20,
-                 help="hold out files whose path hash is 0 mod N for evaluation (default 20)")
+  p.add_argument("--holdout-every", type=int_in(1), default=20,
+                 help="hold out files whose path hash is 0 mod N for evaluation")
 
 
 def add_optim_args(p: argparse.ArgumentParser, *, steps: int, lr: float, warmup: int) -> None:
-  p.add_argument("--steps", type=positive_int, default=steps)
+  p.add_argument("--steps", type=int_in(1), default=steps)
   p.add_argument("--lr", type=positive_float, default=lr, help="peak learning rate")
-  p.add_argument("--warmup", type=non_negative_int, default=warmup, help="warmup steps")
+  p.add_argument("--warmup", type=int_in(0), default=warmup, help="warmup steps")
   p.add_argument("--final-lr-frac", type=float, default=0.1,
-                 help="cosine decay ends at lr times this (default 0.1)")
+                 help="cosine decay ends at lr times this")
   p.add_argument("--weight-decay", type=float, default=0.1)
   p.add_argument("--clip", type=positive_float, default=1.0, help="global gradient norm clip")
 
 
 def add_run_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--log-every", type=positive_int, default=50)
-  p.add_argument("--eval-every", type=non_negative_int, default=0,
+  p.add_argument("--log-every", type=int_in(1), default=50)
+  p.add_argument("--eval-every", type=int_in(0), default=0,
                  help="held-out evaluation every N steps (0: at the end only)")
-  p.add_argument("--checkpoint-every", type=non_negative_int, default=0,
+  p.add_argument("--checkpoint-every", type=int_in(0), default=0,
                  help="orbax checkpoint every N steps into OUT/checkpoints (resumed from when "
                       "present); 0: none")
   p.add_argument("--max-minutes", type=positive_float, default=None,

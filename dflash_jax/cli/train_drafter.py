@@ -6,49 +6,48 @@ greedy continuations, with the loss on the continuations (what decoding rewards)
 corpus: the training files themselves, loss everywhere. Target features are computed online in
 every step (--features online) or once into npy shards under DIR/features (--features cached,
 for targets too large to run beside the drafter). Writes DIR/drafter.gguf (or an HF folder with --format hf) and DIR/train_log.json.
-Errors are one line with exit status 2.
+Errors are one line naming the argument, exit status 2.
 """
 from __future__ import annotations
 
 import os
 import time
 
+from dflash_jax.cli import int_in
 from dflash_jax.cli import train_common as C
 
-PROG = "python -m dflash_jax train-drafter"
 GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0")
 
 
 def register(sub) -> None:
   p = sub.add_parser("train-drafter", help="train a DFlash drafter against a frozen target",
                      description=__doc__.split("\n\n")[0])
-  C.one_line_errors(p, PROG)
   p.add_argument("--target", required=True, help="target HF folder (train-target's output)")
   p.add_argument("--out", required=True, help="output folder")
   C.add_corpus_args(p)
   p.add_argument("--data", choices=("distill", "corpus"), default="distill")
-  p.add_argument("--prompts", type=C.positive_int, default=8192,
-                 help="distill: training prompts (default 8192)")
-  p.add_argument("--prompt-len", type=C.positive_int, default=128)
-  p.add_argument("--gen-len", type=C.positive_int, default=384,
+  p.add_argument("--prompts", type=int_in(1), default=8192,
+                 help="distill: training prompts")
+  p.add_argument("--prompt-len", type=int_in(1), default=128)
+  p.add_argument("--gen-len", type=int_in(1), default=384,
                  help="distill: greedy tokens generated per prompt")
-  p.add_argument("--gen-batch", type=C.positive_int, default=512)
-  p.add_argument("--seq-len", type=C.positive_int, default=512, help="corpus: sequence length")
-  p.add_argument("--layers", type=C.positive_int, default=3)
-  p.add_argument("--ffn", type=C.positive_int, default=None, help="default: the target's")
-  p.add_argument("--heads", type=C.positive_int, default=None, help="default: the target's")
-  p.add_argument("--kv-heads", type=C.positive_int, default=None, help="default: the target's")
-  p.add_argument("--head-dim", type=C.positive_int, default=None, help="default: the target's")
-  p.add_argument("--block", type=C.positive_int, default=16, help="block size B")
+  p.add_argument("--gen-batch", type=int_in(1), default=512)
+  p.add_argument("--seq-len", type=int_in(1), default=512, help="corpus: sequence length")
+  p.add_argument("--layers", type=int_in(1), default=3)
+  p.add_argument("--ffn", type=int_in(1), default=None, help="default: the target's")
+  p.add_argument("--heads", type=int_in(1), default=None, help="default: the target's")
+  p.add_argument("--kv-heads", type=int_in(1), default=None, help="default: the target's")
+  p.add_argument("--head-dim", type=int_in(1), default=None, help="default: the target's")
+  p.add_argument("--block", type=int_in(1), default=16, help="block size B")
   p.add_argument("--target-layers", type=C.int_list, default=None,
                  help="captured target layers, llama.cpp convention (HF hidden_states index; "
                       "default: 3 spread over the target ending at its last)")
-  p.add_argument("--window", type=C.positive_int, default=512,
-                 help="sliding window of the drafter's sliding layers (default 512)")
+  p.add_argument("--window", type=int_in(1), default=512,
+                 help="sliding window of the drafter's sliding layers")
   p.add_argument("--full-layers", type=C.int_list, default=(),
-                 help="drafter layers with full attention (default: none, every layer slides)")
-  p.add_argument("--anchors", type=C.positive_int, default=32, help="anchors per sequence")
-  p.add_argument("--batch", type=C.positive_int, default=32, help="sequences per step")
+                 help="drafter layers with full attention (none: every layer slides)")
+  p.add_argument("--anchors", type=int_in(1), default=32, help="anchors per sequence")
+  p.add_argument("--batch", type=int_in(1), default=32, help="sequences per step")
   p.add_argument("--gamma", type=C.positive_float, default=None,
                  help="loss decay (default: 7 for B=16, 5 for B=10, 4 for B=8)")
   C.add_optim_args(p, steps=2000, lr=1e-3, warmup=100)
@@ -60,6 +59,8 @@ def register(sub) -> None:
   p.add_argument("--save-type", default="BF16", help=f"GGUF matrix type {GGUF_TYPES} "
                  "(HF: f32|f16|bf16)")
   p.add_argument("--format", choices=("gguf", "hf"), default="gguf")
+  p.add_argument("--any-shape", action="store_true",
+                 help="train a shape the Pallas kernels cannot run (decode it with impl xla)")
   C.add_run_args(p)
   p.set_defaults(run=train_drafter)
 
@@ -82,12 +83,13 @@ def train_drafter(args) -> int:
   from dflash_jax.train.features import FeatureShards, write_feature_shards
   from dflash_jax.train.loss import resolve_gamma
   from dflash_jax.train.forward import cast_matrices
+  from pallas_kernels import limits
 
   tok = D.TOKENIZER
   try:
     tcfg, target = qwen3.load_target(args.target)
   except (ValueError, OSError) as e:
-    return C.arg_error(PROG, "--target", e)
+    raise C.arg_error("--target", e)
   # The frozen target computes (features, distilled continuations) in the compute dtype, as
   # `eval --dtype` decodes with it.
   target = cast_matrices(target, args.compute_dtype)
@@ -95,10 +97,10 @@ def train_drafter(args) -> int:
   try:
     qwen3.check_capture_layers(tcfg, layers)
   except ValueError as e:
-    return C.arg_error(PROG, "--target-layers", e)
+    raise C.arg_error("--target-layers", e)
   bad = [l for l in args.full_layers if not 0 <= l < args.layers]
   if bad:
-    return C.arg_error(PROG, "--full-layers", f"{bad} outside [0, {args.layers})")
+    raise C.arg_error("--full-layers", f"{bad} outside [0, {args.layers})")
   kinds = tuple(FULL if l in args.full_layers else SLIDING for l in range(args.layers))
   try:
     cfg = dfj.DFlashConfig(
@@ -109,33 +111,39 @@ def train_drafter(args) -> int:
         eps=tcfg.rms_norm_eps, target_layers=layers, mask_token_id=tok.mask_id,
         block_size=args.block, window=args.window, layer_types=kinds)
   except ValueError as e:
-    return C.arg_error(PROG, "--layers/--heads/--block", e)
+    raise C.arg_error("--layers/--heads/--block", e)
+  if not args.any_shape:
+    try:   # fail before any work, not at eval time
+      limits.check_drafter(n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, head_dim=cfg.head_dim,
+                           width=cfg.block_size)
+    except ValueError as e:
+      raise C.arg_error("--heads/--head-dim/--block", f"{e} (--any-shape trains it anyway)")
   if cfg.mask_token_id >= tcfg.vocab_size:
-    return C.arg_error(PROG, "--target", f"vocab {tcfg.vocab_size} has no mask token "
+    raise C.arg_error("--target", f"vocab {tcfg.vocab_size} has no mask token "
                        f"{cfg.mask_token_id} (not a byte-level train-target model)")
   try:
     gamma = resolve_gamma(cfg.block_size, args.gamma)
   except ValueError as e:
-    return C.arg_error(PROG, "--gamma", e)
+    raise C.arg_error("--gamma", e)
   fmt = args.format
   types = GGUF_TYPES if fmt == "gguf" else ("f32", "f16", "bf16")
   save_type = next((t for t in types if t.lower() == args.save_type.lower()), None)
   if save_type is None:
-    return C.arg_error(PROG, "--save-type", f"{args.save_type!r} is not a {fmt} type "
+    raise C.arg_error("--save-type", f"{args.save_type!r} is not a {fmt} type "
                        f"(choose from {', '.join(types)})")
   if args.warmup >= args.steps:
-    return C.arg_error(PROG, "--warmup", f"must be below --steps ({args.steps}), got {args.warmup}")
+    raise C.arg_error("--warmup", f"must be below --steps ({args.steps}), got {args.warmup}")
   try:
     oc = TR.OptimConfig(lr=args.lr, total_steps=args.steps, warmup_steps=args.warmup,
                         final_lr_frac=args.final_lr_frac, weight_decay=args.weight_decay,
                         clip_norm=args.clip)
   except ValueError as e:
-    return C.arg_error(PROG, "--lr/--final-lr-frac/--weight-decay", e)
+    raise C.arg_error("--lr/--final-lr-frac/--weight-decay", e)
   try:
     train_s, held_s, _, _ = recipes.corpus_streams(args.corpus, args.max_files,
                                                    args.holdout_every)
   except ValueError as e:
-    return C.arg_error(PROG, "--corpus", e)
+    raise C.arg_error("--corpus", e)
   os.makedirs(args.out, exist_ok=True)
   t0 = time.perf_counter()
   try:
@@ -146,7 +154,7 @@ def train_drafter(args) -> int:
       seqs = D.chunk(train_s, args.seq_len)
       held_seqs = recipes.seeded_rows(D.chunk(held_s, args.seq_len), 64, args.seed)
   except ValueError as e:
-    return C.arg_error(PROG, "--prompt-len/--seq-len", e)
+    raise C.arg_error("--prompt-len/--seq-len", e)
   if args.data == "distill":
     tokens, mask = recipes.distill_data(target, tcfg, prompts, args.gen_len, args.gen_batch)
     held_t, held_m = recipes.distill_data(target, tcfg, held_p, args.gen_len, args.gen_batch)
@@ -158,7 +166,7 @@ def train_drafter(args) -> int:
     held_t, held_m = held_seqs, np.ones(held_seqs.shape, bool)
     print(f"corpus: {tokens.shape[0]} sequences of {args.seq_len}")
   if tokens.shape[0] < args.batch:
-    return C.arg_error(PROG, "--batch", f"{args.batch} exceeds the {tokens.shape[0]} sequences")
+    raise C.arg_error("--batch", f"{args.batch} exceeds the {tokens.shape[0]} sequences")
   data = D.DrafterData(tokens, mask, batch_size=args.batch, n_anchors=args.anchors,
                        seed=args.seed)
   held = D.DrafterData(held_t, held_m, batch_size=min(args.batch, held_t.shape[0]),
@@ -176,7 +184,7 @@ def train_drafter(args) -> int:
       m = write_feature_shards(folder, target, tcfg, cfg.target_layers, tokens,
                                batch_size=args.batch, dtype=args.feature_dtype)
     except ValueError as e:
-      return C.arg_error(PROG, "--feature-dtype", e)
+      raise C.arg_error("--feature-dtype", e)
     shards = FeatureShards(folder, cfg.target_layers)
     print(f"features: {m['n_rows']} x {m['seq_len']} x {m['width']} {m['dtype']} in "
           f"{len(m['shards'])} shards under {folder} ({time.perf_counter() - t2:.1f} s)")

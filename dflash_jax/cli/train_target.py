@@ -3,34 +3,33 @@
 The corpus is the Python standard library's sources (or --corpus), byte-tokenized (256 bytes
 + EOS, MASK, PAD; vocab 272), files split train / held-out by a hash of their path. Writes
 the target to DIR as an HF folder (config.json + safetensors) and DIR/train_log.json (the
-arguments, corpus sizes and the logged losses). Errors are one line with exit status 2.
+arguments, corpus sizes and the logged losses). Errors are one line naming the argument,
+exit status 2.
 """
 from __future__ import annotations
 
 import os
 import time
 
+from dflash_jax.cli import int_in
 from dflash_jax.cli import train_common as C
-
-PROG = "python -m dflash_jax train-target"
 
 
 def register(sub) -> None:
   p = sub.add_parser("train-target", help="train a small target LM on the stdlib sources",
                      description=__doc__.split("\n\n")[0])
-  C.one_line_errors(p, PROG)
   p.add_argument("--out", required=True, help="output folder (HF layout)")
   C.add_corpus_args(p)
-  p.add_argument("--seq-len", type=C.positive_int, default=512)
-  p.add_argument("--batch", type=C.positive_int, default=64, help="sequences per step")
-  p.add_argument("--layers", type=C.positive_int, default=8)
-  p.add_argument("--hidden", type=C.positive_int, default=384)
-  p.add_argument("--heads", type=C.positive_int, default=6)
-  p.add_argument("--kv-heads", type=C.positive_int, default=3,
-                 help="default 3: heads / kv-heads must be a power of 2 for the drafter's "
-                      "Pallas kernels (the drafter takes the target's head layout)")
-  p.add_argument("--head-dim", type=C.positive_int, default=64)
-  p.add_argument("--ffn", type=C.positive_int, default=1024)
+  p.add_argument("--seq-len", type=int_in(1), default=512)
+  p.add_argument("--batch", type=int_in(1), default=64, help="sequences per step")
+  p.add_argument("--layers", type=int_in(1), default=8)
+  p.add_argument("--hidden", type=int_in(1), default=384)
+  p.add_argument("--heads", type=int_in(1), default=6)
+  p.add_argument("--kv-heads", type=int_in(1), default=3,
+                 help="6 / 3: a power-of-2 GQA group, which fills the drafter's kernel tiles "
+                      "(the drafter takes the target's head layout)")
+  p.add_argument("--head-dim", type=int_in(1), default=64)
+  p.add_argument("--ffn", type=int_in(1), default=1024)
   p.add_argument("--rope-theta", type=C.positive_float, default=1e4)
   C.add_optim_args(p, steps=2000, lr=2e-3, warmup=100)
   p.add_argument("--compute-dtype", choices=("bf16", "fp32"), default="bf16",
@@ -58,23 +57,23 @@ def train_target(args) -> int:
         num_key_value_heads=args.kv_heads, head_dim=args.head_dim, rope_theta=args.rope_theta,
         max_position_embeddings=max(4096, args.seq_len))
   except ValueError as e:
-    return C.arg_error(PROG, "--heads/--kv-heads/--head-dim", e)
+    raise C.arg_error("--heads/--kv-heads/--head-dim", e)
   if args.warmup >= args.steps:
-    return C.arg_error(PROG, "--warmup", f"must be below --steps ({args.steps}), got {args.warmup}")
+    raise C.arg_error("--warmup", f"must be below --steps ({args.steps}), got {args.warmup}")
   try:
     oc = TR.OptimConfig(lr=args.lr, total_steps=args.steps, warmup_steps=args.warmup,
                         final_lr_frac=args.final_lr_frac, weight_decay=args.weight_decay,
                         clip_norm=args.clip)
   except ValueError as e:
-    return C.arg_error(PROG, "--lr/--final-lr-frac/--weight-decay", e)
+    raise C.arg_error("--lr/--final-lr-frac/--weight-decay", e)
   try:
     train_s, held_s, train_f, held_f = recipes.corpus_streams(args.corpus, args.max_files,
                                                               args.holdout_every)
     train_seqs, held_seqs = D.chunk(train_s, args.seq_len), D.chunk(held_s, args.seq_len)
   except ValueError as e:
-    return C.arg_error(PROG, "--corpus", e)
+    raise C.arg_error("--corpus", e)
   if train_seqs.shape[0] < args.batch:
-    return C.arg_error(PROG, "--batch", f"{args.batch} exceeds the {train_seqs.shape[0]} "
+    raise C.arg_error("--batch", f"{args.batch} exceeds the {train_seqs.shape[0]} "
                        f"training sequences of {args.seq_len} tokens")
   os.makedirs(args.out, exist_ok=True)
   print(f"corpus: {len(train_f)} train files ({train_s.size / 1e6:.2f} M tokens, "

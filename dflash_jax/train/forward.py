@@ -70,7 +70,7 @@ def _norm_rope(x: jax.Array, w: jax.Array, pos: jax.Array, inv_freq: jax.Array,
   h = shape[-1] // 2
   rows = x.astype(jnp.float32).reshape(-1, shape[-1])
   p = jnp.broadcast_to(pos[..., None], shape[:-1]).reshape(-1).astype(jnp.int32)
-  y1, y2 = rms_rope_halves(rows[:, :h], rows[:, h:], w[:h], w[h:], p, inv_freq, eps)
+  y1, y2 = rms_rope_halves(rows[:, :h], rows[:, h:], w[:h], w[h:], p, inv_freq, eps, shape[-1])
   return jnp.concatenate([y1, y2], axis=-1).reshape(shape)
 
 
