@@ -6,9 +6,10 @@ import sys
 
 from dflash_jax.cli import CLIError, Parser
 
-# Each module dflash_jax.cli.<name> defines register(subparsers), which adds its parser and
-# sets `run` (args -> exit status) as the parser's default.
-COMMANDS = ("demo", "convert", "generate")
+# Each module dflash_jax.cli.<name> (dashes in a command's name are underscores in its module's)
+# defines register(subparsers), which adds its parser and sets `run` (args -> exit status) as
+# the parser's default.
+COMMANDS = ("demo", "convert", "generate", "train-target", "train-drafter", "eval")
 PROG = "python -m dflash_jax"
 
 
@@ -16,7 +17,7 @@ def _parser() -> Parser:
   p = Parser(prog=PROG, description="DFlash block-diffusion speculative decoding in JAX")
   sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
   for name in COMMANDS:
-    importlib.import_module(f"dflash_jax.cli.{name}").register(sub)
+    importlib.import_module(f"dflash_jax.cli.{name.replace('-', '_')}").register(sub)
   return p
 
 
