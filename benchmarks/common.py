@@ -1,6 +1,7 @@
 """Measurement helpers: CUPTI device time, wall time, copy bandwidth, random device weights."""
 from __future__ import annotations
 
+import contextlib
 import re
 import statistics
 import time
@@ -15,6 +16,25 @@ from dflash_jax.params import (DrafterParams, InjectParams, LayerParams, QuantWe
 from dflash_jax.step import KVCache, RingState
 
 ON_GPU = jax.default_backend() == "gpu"
+# What jax records for each XLA backend compilation (jax._src.dispatch.BACKEND_COMPILE_EVENT).
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+@contextlib.contextmanager
+def count_compiles():
+  """Collects the name of every function XLA compiles inside the block (a jax monitoring
+  listener): `with count_compiles() as names: ...`, then len(names) is the count."""
+  names: list[str] = []
+
+  def listener(event: str, duration_secs: float, **kwargs) -> None:
+    if event == BACKEND_COMPILE_EVENT:
+      names.append(str(kwargs.get("fun_name", "?")))
+
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    yield names
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def cupti_kernels(f, *args, iterations: int = 50):

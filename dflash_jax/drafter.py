@@ -115,7 +115,7 @@ class _Drafter:
     if not jnp.issubdtype(f.dtype, jnp.floating):
       raise ValueError(f"features must be floating point, got {f.dtype}")
 
-  def _check_features(self, features, n_rows: int | None = None) -> jax.Array:
+  def _check_features(self, features, n_rows: int | None = None, where: str = "") -> jax.Array:
     """features [T, n_target_layers n_embd], floating, rows < n_rows (default all) finite."""
     f = jnp.asarray(features)
     self._check_feature_shape(f, 2)
@@ -123,8 +123,8 @@ class _Drafter:
     if self.check_finite and f.shape[0]:
       row = int(_first_bad_row(f, n_rows))
       if row >= 0:
-        raise ValueError(f"features row {row} holds NaN or Inf: one poisoned row would poison "
-                         "the ring")
+        raise ValueError(f"{where}features row {row} holds NaN or Inf: one poisoned row would "
+                         "poison the ring")
     return f
 
   def _check_h(self, h) -> jax.Array:
@@ -260,11 +260,13 @@ class DFlashDrafter(_Drafter):
 
 
 def _host_ints(x, n: int, what: str, required: bool = True) -> np.ndarray | None:
-  """[n] integers from the host; device arrays give None (not synced) unless required."""
-  if isinstance(x, jax.Array) and not required:
-    if x.shape != (n,) or not jnp.issubdtype(x.dtype, jnp.integer):
-      raise ValueError(f"{what} must be [{n}] integers (one per slot), got {x.dtype}{list(x.shape)}")
-    return None
+  """[n] integers from the host; a device array gives None (not synced) where the values
+  are optional, and is an error where they are required."""
+  if isinstance(x, jax.Array):
+    if not required and x.shape == (n,) and jnp.issubdtype(x.dtype, jnp.integer):
+      return None
+    raise ValueError(f"{what} must be [{n}] host integers (one per slot), got a device array "
+                     f"{x.dtype}{list(x.shape)}")
   a = np.asarray(x)
   if a.shape != (n,) or not np.issubdtype(a.dtype, np.integer):
     raise ValueError(f"{what} must be [{n}] host integers (one per slot), got "
@@ -333,7 +335,7 @@ class BatchedDrafter(_Drafter):
       raise ValueError(f"slot {s} already holds a sequence (leave or reset it first)")
     h = pos = None
     if features is not None:
-      f = self._check_features(features)
+      f = self._check_features(features, where=f"slot {s}: ")
       pos = self._check_positions(np.arange(f.shape[0]) if positions is None else positions,
                                   f.shape[0], f"slot {s}: ")
       h = S.encode_jit(self.params, f, impl=self.impl)
