@@ -131,18 +131,21 @@ def random_params(cfg: DFlashConfig, n_vocab: int, dtype, seed: int = 0) -> Draf
 
 
 def filled_cache(n_layer: int, cfg: DFlashConfig, slots: int, ring_dtype, positions,
-                 kind: str = SLIDING, seed: int = 1) -> KVCache:
+                 kind: str = SLIDING, seed: int = 1, n_seqs: int | None = None) -> KVCache:
   """A cache of `slots` slots for n_layer layers holding random K/V at `positions` (slot
-  p % slots for a sliding ring, p for a full-attention cache; the rest empty)."""
+  p % slots for a sliding ring, p for a full-attention cache; the rest empty); n_seqs: that
+  many such caches (different K/V, the same positions) stacked on a leading slot axis, as in
+  a batched ring."""
   dt = resolve_dtype(ring_dtype)
   kk, kv = jax.random.split(jax.random.key(seed))
-  shape = (n_layer, cfg.n_head_kv, slots, cfg.head_dim)
+  lead = () if n_seqs is None else (n_seqs,)
+  shape = lead + (n_layer, cfg.n_head_kv, slots, cfg.head_dim)
   positions = np.asarray(positions, np.int64)
   pos = np.full((slots,), -1, np.int32)
   pos[positions % slots if kind == SLIDING else positions] = positions
   return KVCache(k=jax.random.normal(kk, shape, jnp.float32).astype(dt),
                  v=jax.random.normal(kv, shape, jnp.float32).astype(dt),
-                 pos=jnp.asarray(pos), kind=kind)
+                 pos=jnp.asarray(np.broadcast_to(pos, lead + pos.shape)), kind=kind)
 
 
 def full_ring(cfg: DFlashConfig, window: int, ring_dtype, seed: int = 1) -> KVCache:
@@ -152,20 +155,22 @@ def full_ring(cfg: DFlashConfig, window: int, ring_dtype, seed: int = 1) -> KVCa
 
 
 def filled_state(cfg: DFlashConfig, ring_dtype, n_past: int, window: int,
-                 capacity: int | None = None, seed: int = 1) -> RingState:
+                 capacity: int | None = None, seed: int = 1,
+                 n_seqs: int | None = None) -> RingState:
   """The drafter's ring after committing positions 0..n_past-1: the sliding ring holds the
-  last W of them, the full-attention cache (capacity >= n_past) all of them."""
+  last W of them, the full-attention cache (capacity >= n_past) all of them. n_seqs: a
+  batched ring of that many such sequences."""
   caches = {}
   for kind, layers in cfg.kind_groups:
     if kind == SLIDING:
       caches[kind] = filled_cache(len(layers), cfg, window, ring_dtype,
-                                  np.arange(max(0, n_past - window), n_past), kind, seed)
+                                  np.arange(max(0, n_past - window), n_past), kind, seed, n_seqs)
     else:
       if capacity is None or capacity < n_past:
         raise ValueError(f"a full-attention cache for n_past {n_past} needs capacity >= n_past, "
                          f"got {capacity}")
       caches[kind] = filled_cache(len(layers), cfg, capacity, ring_dtype, np.arange(n_past),
-                                  kind, seed + 1)
+                                  kind, seed + 1, n_seqs)
   return RingState(sliding=caches.get(SLIDING), full=caches.get(FULL))
 
 
@@ -178,6 +183,12 @@ def classify(name: str, pallas_names: dict[str, str]) -> str:
     if key in name:
       return label
   return "gemm" if GEMM_RE.search(name) else "other"
+
+
+def without_copies(per_iter):
+  """Drop the ring copies that a non-donating measurement jit adds before aliased kernels
+  (CUPTI calls the function repeatedly on the same arguments, so it cannot donate)."""
+  return [[k for k in it if "copy" not in k[0].lower()] for it in per_iter]
 
 
 def tree_bytes(tree) -> int:

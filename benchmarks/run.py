@@ -116,11 +116,6 @@ def decompose(kernels: list[tuple[str, float]], n_layer: int) -> dict[str, float
   return out
 
 
-def _without_copies(per_iter):
-  """Drop ring copies that a non-donating measurement jit adds before aliased kernels."""
-  return [[k for k in it if "copy" not in k[0].lower()] for it in per_iter]
-
-
 def bench_case(case: Case, bw: float, iters: int, torch_peer: bool) -> dict:
   cfg = case.cfg
   params = C.random_params(cfg, case.n_vocab, case.dtype)
@@ -155,12 +150,12 @@ def bench_case(case: Case, bw: float, iters: int, torch_peer: bool) -> dict:
   dr = jax.jit(functools.partial(S.draft_round, impl="pallas"))
   per = C.cupti_kernels(dr, params, ring, feats, jnp.int32(cfg.block_size), id_last,
                         n_past, iterations=max(3, iters // 2))
-  res["draft_round_device_ms"] = C.device_ms(_without_copies(per))
+  res["draft_round_device_ms"] = C.device_ms(C.without_copies(per))
   n_pre = res["prefill_rows"] = min(2048, case.n_past)   # rows a cache holds
   pre_feats = jax.random.normal(jax.random.key(4), (n_pre, cfg.n_embd_fc), jnp.float32)
   prefill = jax.jit(lambda p, r, f: S.inject(p, r, S.encode(p, f), jnp.arange(n_pre, dtype=jnp.int32)))
   per = C.cupti_kernels(prefill, params, ring, pre_feats, iterations=max(3, iters // 5))
-  res["prefill_device_ms"] = C.device_ms(_without_copies(per))
+  res["prefill_device_ms"] = C.device_ms(C.without_copies(per))
 
   t0 = time.perf_counter()
   xla = S.block_step_jit.lower(params, ring, scalar, scalar, impl="xla").compile()
@@ -258,7 +253,7 @@ def bench_kernels(bw: float, iters: int, smoke: bool) -> dict:
     per = C.cupti_kernels(f, ring.k, ring.v, ring.pos, kv, rnd((L, d)), jnp.arange(b, dtype=jnp.int32),
                           jnp.int32(b), inv, iterations=iters)
     out[f"inject16_{rdt}"] = dict(
-        device_us=C.device_ms(_without_copies(per)) * 1e3,
+        device_us=C.device_ms(C.without_copies(per)) * 1e3,
         kernels_us=[(n, t * 1e3) for n, t in C.kernel_medians(per)])
   f = jax.jit(functools.partial(N.qk_norm_rope, n_head=hq, n_head_kv=hkv, eps=cfg.eps))
   for s in (1, 4):   # 4: the split-K partials of the quantized qkv projection

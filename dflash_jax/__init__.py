@@ -9,6 +9,6 @@ from dflash_jax.safetensors_io import SafetensorsFormatError, read_tensors, writ
 from dflash_jax.step import (KVCache, RingState, accept, block_step, block_step_batched,
                              draft_round, draft_round_batched, encode, greedy_drafts,
                              init_batched_ring, init_ring, inject, inject_batched, inject_slot,
-                             reset_slot)
+                             reset_slot, ring_nbytes)
 from dflash_jax.synthetic import (QWEN3_8B_CONFIG, SEED_CONFIG, TINY_CONFIG, drafter_tensor_shapes,
                                   synthetic_drafter, synthetic_features)

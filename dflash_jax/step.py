@@ -107,6 +107,18 @@ def init_batched_ring(cfg: DFlashConfig, n_slots: int, window: int | None = None
   return _empty_ring(cfg, (int(n_slots),), window, ring_dtype, capacity)
 
 
+def ring_nbytes(cfg: DFlashConfig, window: int | None = None, ring_dtype: Any = "fp32",
+                capacity: int | None = None) -> int:
+  """Device bytes of one sequence's ring (`init_ring` with these arguments; one slot of a
+  batched ring): per attention kind, K and V [L_kind, Hkv, slots, D] plus pos [slots]."""
+  item = resolve_dtype(ring_dtype, "ring_dtype").itemsize
+  total = 0
+  for kind, layers in cfg.kind_groups:
+    n = cfg.resolve_window(window) if kind == SLIDING else cfg.resolve_capacity(capacity)
+    total += 2 * len(layers) * cfg.n_head_kv * n * cfg.head_dim * item + 4 * n
+  return total
+
+
 def _empty_ring(cfg: DFlashConfig, lead: tuple[int, ...], window, ring_dtype,
                 capacity) -> RingState:
   dt = resolve_dtype(ring_dtype, "ring_dtype")

@@ -1,6 +1,8 @@
 """The benchmark scripts stay alive: a CPU smoke run at tiny dims (its numbers are not results)."""
 import json
 
+import pytest
+
 from benchmarks import run
 
 
@@ -26,3 +28,22 @@ def test_benchmark_smoke_run(tmp_path):
     assert 0 < qa[fmt]["max_abs_err"] < 2.0 and qa[fmt]["agreement"] > 0.5, (fmt, qa[fmt])
   assert (tmp_path / "bench.md").read_text().startswith("- device:")
   assert (tmp_path / "phases.png").stat().st_size > 1000
+
+
+def test_batch_benchmark_smoke_run(tmp_path):
+  """benchmarks.batch at tiny dims: every section runs and records what the GPU run reports."""
+  from benchmarks import batch
+  assert batch.main(["--smoke", "--out", str(tmp_path)]) == 0
+  res = json.loads((tmp_path / "batch.json").read_text())
+  assert res["smoke"] and res["rates"]["copy_Bps"] > 0 and res["rates"]["gemm_flops"] > 0
+  [r] = res["rounds"]
+  assert (r["slots"], r["width"], r["rows"]) == (2, 4, 8)
+  assert r["round_ms"] > 0 and r["bytes"] > 0 and r["flops"] > 0 and r["roofline_fraction"] > 0
+  assert r["drafted_tokens_per_s"] == pytest.approx(2 * 3 / (r["round_ms"] * 1e-3))
+  c = res["compiles"]
+  assert c["join"] >= 1 and c["leave"] >= 1 and c["compiles"] == 0, c
+  m = res["memory"]
+  assert m["ring_bytes"] == m["slots"] * m["ring_bytes_per_slot"]["bf16"] > 0
+  x = res["crossover"]
+  assert set(x["totals"]) == {"128"} and set(x["per_rows"]["128"]) == {"qkv", "gate_up"}
+  assert (tmp_path / "batch.md").read_text().startswith("- device:")
