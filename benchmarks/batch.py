@@ -25,11 +25,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import functools
-import json
 import os
-import subprocess
 import sys
 import time
 
@@ -375,23 +372,12 @@ def main(argv=None) -> int:
   if unknown:
     p.error(f"unknown sections {unknown}; choose from {SECTIONS}")
   plan = GPU_PLAN if args.gpu else SMOKE_PLAN
-  stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
-  out_dir = args.out or os.path.join("results", f"batch-{stamp}")
+  res = C.run_header("python -m benchmarks.batch " + " ".join(argv or sys.argv[1:]), args.smoke)
+  out_dir = args.out or os.path.join("results", f"batch-{res['date']}")
   os.makedirs(out_dir, exist_ok=True)
-  commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                          text=True).stdout.strip() or "unknown"
-  res: dict = dict(date=stamp, device=jax.devices()[0].device_kind, jax=jax.__version__,
-                   commit=commit, smoke=bool(args.smoke),
-                   command="python -m benchmarks.batch " + " ".join(argv or sys.argv[1:]))
 
   def save() -> str:
-    # Written after every section and point, so a run cut short keeps what it measured.
-    md = markdown(res)
-    with open(os.path.join(out_dir, "batch.json"), "w") as f:
-      json.dump(res, f, indent=1)
-    with open(os.path.join(out_dir, "batch.md"), "w") as f:
-      f.write(md + "\n")
-    return md
+    return C.save_results(out_dir, "batch", res, markdown(res))
 
   t0 = time.perf_counter()
   rates = dict(copy_Bps=C.copy_bandwidth(1 << 30 if args.gpu else 1 << 22),

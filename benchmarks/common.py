@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
+import json
+import os
 import re
 import statistics
+import subprocess
 import time
 
 import jax
@@ -193,3 +197,29 @@ def without_copies(per_iter):
 
 def tree_bytes(tree) -> int:
   return int(sum(x.nbytes for x in jax.tree.leaves(tree)))
+
+
+def run_header(command: str, smoke: bool) -> dict:
+  """What every results file starts with: UTC stamp, device, jax, the commit (+modified when the
+  tree differs from HEAD, e.g. a copy whose git metadata lags) and the command line."""
+  try:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip() or "unknown"
+    if subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                      capture_output=True, text=True).stdout.strip():
+      commit += "+modified"
+  except OSError:
+    commit = "unknown"
+  return dict(date=datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ"),
+              device=jax.devices()[0].device_kind, jax=jax.__version__, commit=commit,
+              command=command, smoke=bool(smoke))
+
+
+def save_results(out_dir: str, stem: str, results: dict, md: str) -> str:
+  """out_dir/stem.json and out_dir/stem.md (called after every section, so a run cut short
+  keeps what it measured); returns md."""
+  with open(os.path.join(out_dir, f"{stem}.json"), "w") as f:
+    json.dump(results, f, indent=1)
+  with open(os.path.join(out_dir, f"{stem}.md"), "w") as f:
+    f.write(md + "\n")
+  return md

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import functools
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -383,32 +381,16 @@ def main(argv=None) -> int:
     p.error("--gpu needs a GPU backend")
   iters = args.iters or (50 if args.gpu else 3)
   only = set(args.only.split(","))
-  stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
-  out_dir = args.out or os.path.join("results", stamp)
+  results = C.run_header("python -m benchmarks.run " + " ".join(argv or sys.argv[1:]),
+                         args.smoke)
+  out_dir = args.out or os.path.join("results", results["date"])
   os.makedirs(out_dir, exist_ok=True)
-  try:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip() or "unknown"
-    # A tree that differs from HEAD (e.g. a copy whose git metadata lags) must say so.
-    if subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                      capture_output=True, text=True).stdout.strip():
-      commit += "+modified"
-  except OSError:
-    commit = "unknown"
-  results = dict(date=stamp, device=jax.devices()[0].device_kind, jax=jax.__version__,
-                 commit=commit, command="python -m benchmarks.run " + " ".join(argv or sys.argv[1:]),
-                 smoke=bool(args.smoke))
   bw = C.copy_bandwidth(1 << 30 if args.gpu else 1 << 22)
   results["copy_bw_TBps"] = bw / 1e12
   print(f"copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
+
   def save() -> str:
-    # Written after every section and case, so a run cut short keeps what it measured.
-    md = markdown(results)
-    with open(os.path.join(out_dir, "bench.json"), "w") as f:
-      json.dump(results, f, indent=1)
-    with open(os.path.join(out_dir, "bench.md"), "w") as f:
-      f.write(md + "\n")
-    return md
+    return C.save_results(out_dir, "bench", results, markdown(results))
 
   if "kernels" in only:
     results["kernels"] = bench_kernels(bw, iters, smoke=args.smoke)
