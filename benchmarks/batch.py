@@ -69,7 +69,8 @@ GPU_PLAN = Plan(
     points=tuple((d, w, s) for d in ("bf16", "fp8") for w in (16, 8)
                  for s in (1, 2, 4, 8, 16, 32)),
     memory_slots=64, memory_width=16, crossover_rows=(64, 128, 256, 512),
-    crossover_gemms=None, compile_slots=8, compile_width=16, compile_rounds=40, iters=20, gemm_n=8192)
+    crossover_gemms=None, compile_slots=8, compile_width=16, compile_rounds=40, iters=20,
+    gemm_n=8192)
 # Interpret-mode Pallas compiles take seconds on a CPU: few points, the same code paths.
 SMOKE_PLAN = Plan(
     cfg=dataclasses.replace(dfj.TINY_CONFIG, window=64), n_vocab=512,
@@ -166,7 +167,8 @@ def bench_rounds(plan: Plan, rates: dict, out: list, save) -> None:
              kernels=kernels, seconds=time.perf_counter() - t0)
     out.append(r)
     print(f"round {dtype} w{width} S{n_slots}: {ms:.3f} ms, {r['drafted_tokens_per_s']:.0f} "
-          f"drafted tok/s, roofline {roofline:.3f} ms ({'bytes' if floor_ms >= compute_ms else 'FLOPs'})"
+          f"drafted tok/s, roofline {roofline:.3f} ms "
+          f"({'bytes' if floor_ms >= compute_ms else 'FLOPs'})"
           f" frac {r['roofline_fraction']:.3f}"
           + ("" if base is None else f", x{r['vs_one_slot']:.2f} of S=1")
           + f" ({r['seconds']:.0f} s)", flush=True)
@@ -268,7 +270,8 @@ def step_matrices(cfg: dfj.DFlashConfig, n_vocab: int) -> list[tuple[str, int, i
             for kind, layers in cfg.kind_groups]
   return ([("fc", e, cfg.n_embd_fc, False, 1)] + inject +
           [("qkv", (hq + 2 * hkv) * d, e, False, cfg.n_layer), ("o", e, hq * d, False, cfg.n_layer),
-           ("gate_up", 2 * cfg.n_ff, e, True, cfg.n_layer), ("down", e, cfg.n_ff, False, cfg.n_layer),
+           ("gate_up", 2 * cfg.n_ff, e, True, cfg.n_layer),
+           ("down", e, cfg.n_ff, False, cfg.n_layer),
            ("lm_head", n_vocab, e, False, 1)])
 
 

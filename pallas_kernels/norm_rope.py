@@ -129,8 +129,9 @@ def qk_norm_rope(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array, n_past: j
   [S, T, (Hq + 2 Hkv) * D] of the projection, summed here (parts[0] + parts[1] + ...) so the
   step launches no separate reduction, or those partials with the heads split,
   [S, T, Hq + 2 Hkv, D] (the form to vmap over a slot axis of the rows: the split is a
-  reshape, which under vmap would first move the slot axis to the front, a copy). Returns float32 q [Hkv, T*G, D] (row r = token r // G,
-  query head kvh*G + r % G), k and v [Hkv, T, D]. Any G; T up to `limits.MAX_WIDTH`; D a
+  reshape, which under vmap would first move the slot axis to the front, a copy). Returns
+  float32 q [Hkv, T*G, D] (row r = token r // G, query head kvh*G + r % G), k and v
+  [Hkv, T, D]. Any G; T up to `limits.MAX_WIDTH`; D a
   multiple of 16 up to 256. One program per head (grid Hkv x (G + 2)): one per kv head
   measured 5.2 us on the H200, too few programs to hide the loads' latency.
   """
