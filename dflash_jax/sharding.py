@@ -3,11 +3,12 @@
 A `Plan` is a mesh with axes "dp" (data parallel: sequence slots) and "tp" (tensor parallel:
 query heads, kv heads, FFN columns, the fc input columns and the LM head's vocab rows), plus
 `Rules`: which mesh axis each logical axis is split over. The tables below give every leaf
-of the drafter params, the ring, the target params, the target cache and the decode state
-its logical axes; `shard_params` / `shard_ring` / `shard_target` / `shard_target_cache` /
-`shard_decode_state` / `shard_models` place every leaf with a `NamedSharding` and raise a
-ValueError before placing anything when a split does not divide (naming the leaf, the axis
-and the sizes).
+of the drafter params, the ring, the target params and the target cache its logical axes
+(every other array of a decode state has a leading slot axis); `shard_params` /
+`shard_ring` / `shard_target` / `shard_target_cache` / `shard_decode_state` / `shard_models`
+place every leaf with a `NamedSharding` and raise a ValueError before placing anything when
+a split does not divide (naming the leaf, the axis and the sizes). Embeddings stay whole on
+every device (a gather reads a few rows); so does a tied target head (lm_head None).
 
 Layout on the mesh. A plain axis is split in place (device i holds block i; the array keeps
 its shape). A fused matrix whose rows are segments split per head group (wqkv: q | k | v
@@ -31,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any, Callable
 
 import jax
@@ -268,17 +268,21 @@ def _leaf(plan: Plan, a, axes, path: str, counts: dict[str, int], problems: dict
   return _Leaf(P(*entries))
 
 
-def _layout(plan: Plan, tree, counts: dict[str, int] | None = None, stored: bool = True):
-  """tree with a _Leaf in place of every array; raises one ValueError listing every split
-  that does not divide."""
-  problems: dict = {}
-  out = _map_leaves(tree, lambda v, axes, path: _arrays(
-      v, axes, path, lambda a, ax, pth, blocks: _leaf(plan, a, ax, pth, counts or {}, problems,
-                                                      stored, blocks)))
+def _raise_problems(problems: dict) -> None:
+  """One ValueError naming every split that does not divide (the first leaf of each)."""
   if problems:
     lines = [f"{path} axis {dim}: {what} do not split over mesh axis {key[1]!r} of {n} devices"
              for key, (path, dim, what, n) in problems.items()]
     raise ValueError("shapes do not divide the mesh: " + "; ".join(lines))
+
+
+def _layout(plan: Plan, tree, counts: dict[str, int] | None = None, stored: bool = True):
+  """tree with a _Leaf in place of every array (raises before returning any)."""
+  problems: dict = {}
+  out = _map_leaves(tree, lambda v, axes, path: _arrays(
+      v, axes, path, lambda a, ax, pth, blocks: _leaf(plan, a, ax, pth, counts or {}, problems,
+                                                      stored, blocks)))
+  _raise_problems(problems)
   return out
 
 
@@ -350,10 +354,7 @@ def _slot_arrays(plan: Plan, values: dict[str, Any]) -> dict[str, Any]:
   layouts = {k: None if v is None else _leaf(plan, v, ("slots",) + (None,) * (v.ndim - 1), k,
                                               {}, problems, stored=False)
              for k, v in values.items()}
-  if problems:
-    (_, axis, count), (path, _, _, n) = next(iter(problems.items()))
-    raise ValueError(f"shapes do not divide the mesh: {path} axis 0: {count} slots do not "
-                     f"split over mesh axis {axis!r} of {n} devices")
+  _raise_problems(problems)
   return {k: None if v is None else jax.device_put(jnp.array(v, copy=True),
                                                     NamedSharding(plan.mesh, layouts[k].spec))
           for k, v in values.items()}
@@ -522,19 +523,14 @@ def _target_call(plan: Plan, params: qwen3.TargetParams, cfg: qwen3.TargetConfig
   return _smap(plan, body, (_specs(p_layout), *arg_specs), out_specs)(params, *args)
 
 
-def _check_batch(plan: Plan, b: int, what: str) -> None:
-  n = plan.size("slots")
-  if b % n:
-    raise ValueError(f"shapes do not divide the mesh: {what} axis 0: {b} slots do not split "
-                     f"over mesh axis {plan.rules.slots!r} of {n} devices")
-
-
 def forward(plan: Plan, params: qwen3.TargetParams, cfg: qwen3.TargetConfig, tokens, *,
             capture_layers=(), with_logits: bool = True):
   """`qwen3.forward` on the mesh (batch over slots, TP) -> (logits [B, T, V] or None,
   features [B, T, F])."""
   s = plan.rules.slots
-  _check_batch(plan, tokens.shape[0], "tokens")
+  problems: dict = {}
+  _leaf(plan, tokens, ("slots", None), "tokens", {}, problems, stored=False)
+  _raise_problems(problems)
 
   def fn(p, lc, t):
     return qwen3.forward(p, lc, t, capture_layers=capture_layers, with_logits=with_logits)
