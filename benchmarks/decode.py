@@ -111,7 +111,7 @@ def target_loop(tc: Q.TargetConfig, inner: int, capture, impl: str):
 def bytes_section(su: Setup, models: D.Models, reduced: D.Models, st: D.DecodeState, bw: float):
   dp = models.drafter
   target = C.tree_bytes(models.target)
-  drafter_body = C.tree_bytes((dp.layers, dp.fc, dp.w_inject, dp.enc_norm, dp.out_norm))
+  drafter_body = C.tree_bytes((dp.layers, dp.fc, [ip.w for ip in dp.inject], dp.enc_norm, dp.out_norm))
   head = C.tree_bytes(dp.lm_head)
   head_r = C.tree_bytes(reduced.drafter.lm_head)
   cache = C.tree_bytes((st.cache.k, st.cache.v))

@@ -6,9 +6,10 @@ import sys
 
 from dflash_jax.cli import CLIError, Parser
 
-# Each module dflash_jax.cli.<name> defines register(subparsers), which adds its parser and
-# sets `run` (args -> exit status) as the parser's default.
-COMMANDS = ("demo", "convert", "generate")
+# Each module dflash_jax.cli.<name> (dashes in a command's name are underscores in its module's)
+# defines register(subparsers), which adds its parser and sets `run` (args -> exit status) as
+# the parser's default.
+COMMANDS = ("demo", "convert", "generate", "train-target", "train-drafter", "eval")
 PROG = "python -m dflash_jax"
 
 
@@ -16,7 +17,7 @@ def _parser() -> Parser:
   p = Parser(prog=PROG, description="DFlash block-diffusion speculative decoding in JAX")
   sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
   for name in COMMANDS:
-    importlib.import_module(f"dflash_jax.cli.{name}").register(sub)
+    importlib.import_module(f"dflash_jax.cli.{name.replace('-', '_')}").register(sub)
   return p
 
 
@@ -28,7 +29,7 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     return args.run(args)
   except CLIError as e:   # one line, no traceback: the command line is wrong, not the library
-    print(f"{PROG} {argv[0]}: error: {e}", file=sys.stderr)
+    print(f"{PROG} {argv[0]}: error: {' '.join(str(e).split())}", file=sys.stderr)
     return 2
 
 

@@ -138,14 +138,13 @@ def d2t_from_offsets(offsets) -> np.ndarray:
 
 # --- the drafter, called in exactly these two places ---------------------------------------
 
-def _draft(models: Models, ring, pending, n_new, id_last, n_past, impl: str):
-  """step.draft_round per slot (vmapped over the slot axis). It runs the full block today:
-  when draft_round takes a static width, pass DecodeConfig.width here; a batched ring
-  replaces the vmap."""
+def _draft(models: Models, ring, pending, n_new, id_last, n_past, impl: str, width: int):
+  """step.draft_round per slot (vmapped over the slot axis) on a block of `width` rows (SPEC
+  section 6); a batched ring replaces the vmap."""
   if models.plan is not None:
     return sharding.draft_round_slots(models.plan, models.drafter, ring, pending, n_new, id_last,
-                                      n_past, impl=impl)
-  f = jax.vmap(functools.partial(step.draft_round, models.drafter, impl=impl))
+                                      n_past, width=width, impl=impl)
+  f = jax.vmap(functools.partial(step.draft_round, models.drafter, impl=impl, width=width))
   return f(ring, pending, n_new, id_last, n_past)
 
 
@@ -174,7 +173,7 @@ def _propose(models: Models, dcfg: DecodeConfig, st: DecodeState, key: jax.Array
   for one-hot ones (greedy drafts, the oracle)."""
   n, samp = dcfg.width - 1, dcfg.sampling
   ring, drafts, dlogits = _draft(models, st.ring, st.pending, st.n_new, st.id_last, st.n_past,
-                                 dcfg.impl)
+                                 dcfg.impl, dcfg.width)
   drafts, dlogits, q = drafts[:, :n], dlogits[:, 1:n + 1], None
   if st.oracle is not None:
     return ring, _slice_rows(st.oracle, st.n_past + 1, n), None

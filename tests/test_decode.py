@@ -133,8 +133,8 @@ def test_reduced_draft_vocab_equals_restricted_full_vocab(pair, prompts):
   # The two drafters differ only in the LM head, so one prefilled state serves both.
   st = D.start(reduced, D.DecodeConfig(width=6, impl="xla"), prompts, 8)
   _, _, logits = jax.jit(jax.vmap(lambda r, f, nn, i, p: S.draft_round(
-      full.drafter, r, f, nn, i, p, impl="xla")))(st.ring, st.pending, st.n_new, st.id_last,
-                                                   st.n_past)
+      full.drafter, r, f, nn, i, p, impl="xla", width=6)))(
+          st.ring, st.pending, st.n_new, st.id_last, st.n_past)
   restricted = logits[:, 1:6][..., d2t]
   keys = jax.random.split(jax.random.key(3), len(prompts))
   dcfg = D.DecodeConfig(width=6, impl="xla")
@@ -247,11 +247,11 @@ def test_generate_cli_errors(folders, capsys, argv, message):
 
 @pytest.mark.parametrize("argv", [["--top-p", "0"], ["--max-new", "0"], ["--prompt-ids", "a,b"],
                                   ["--temperature", "-1"]])
-def test_generate_cli_rejects_bad_values(argv):
+def test_generate_cli_rejects_bad_values(argv, capsys):
   from dflash_jax.__main__ import main
-  with pytest.raises(SystemExit) as e:   # argparse: usage + one error line, exit 2
-    main(["generate", "--target", "t", "--drafter", "d", "--prompt-ids", "1"] + argv)
-  assert e.value.code == 2
+  assert main(["generate", "--target", "t", "--drafter", "d", "--prompt-ids", "1"] + argv) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith("python -m dflash_jax generate: error: "), err
 
 
 def test_benchmark_decode_smoke(tmp_path):

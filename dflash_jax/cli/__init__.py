@@ -55,6 +55,23 @@ def int_in(lo: int, hi: int | None = None):
   return parse
 
 
+def float_in(lo: float, hi: float, lo_open: bool = False):
+  """An argparse type: a number in [lo, hi] ((lo, hi] when lo_open)."""
+  allowed = f"{'(' if lo_open else '['}{lo}, {hi}]"
+
+  def parse(text: str) -> float:
+    try:
+      v = float(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"must be a number in {allowed}, got {text!r}") from None
+    if not ((v > lo if lo_open else v >= lo) and v <= hi):
+      raise argparse.ArgumentTypeError(f"must lie in {allowed}, got {v}")
+    return v
+
+  parse.__name__ = f"number in {allowed}"
+  return parse
+
+
 def existing_file(text: str) -> str:
   """An argparse type: the path of an existing file."""
   if not os.path.isfile(text):

@@ -16,37 +16,7 @@ import time
 
 import numpy as np
 
-PROG = "python -m dflash_jax generate"
-
-
-class GenerateError(Exception):
-  """A bad command line or input file: printed as one line, exit status 2."""
-
-
-def _int_at_least(lo: int):
-  def parse(text: str) -> int:
-    try:
-      v = int(text)
-    except ValueError:
-      raise argparse.ArgumentTypeError(f"must be an integer >= {lo}, got {text!r}") from None
-    if v < lo:
-      raise argparse.ArgumentTypeError(f"must be an integer >= {lo}, got {v}")
-    return v
-  return parse
-
-
-def _float_in(lo: float, hi: float, lo_open: bool = False):
-  def parse(text: str) -> float:
-    try:
-      v = float(text)
-    except ValueError:
-      raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not ((v > lo if lo_open else v >= lo) and v <= hi):
-      raise argparse.ArgumentTypeError(
-          f"must lie in {'(' if lo_open else '['}{lo}, {hi}], got {v}")
-    return v
-  return parse
-
+from dflash_jax.cli import CLIError, float_in, int_in
 
 def _ids(text: str) -> list[int]:
   try:
@@ -66,15 +36,15 @@ def register(sub) -> None:
   src = g.add_mutually_exclusive_group(required=True)
   src.add_argument("--prompt", help="prompt text (needs TARGET/tokenizer.json)")
   src.add_argument("--prompt-ids", type=_ids, help="prompt token ids, comma-separated")
-  g.add_argument("--max-new", type=_int_at_least(1), default=128, help="tokens to generate")
-  g.add_argument("--temperature", type=_float_in(0, 100), default=0.0, help="0 = greedy")
-  g.add_argument("--top-k", type=_int_at_least(0), default=0, help="0 = off")
-  g.add_argument("--top-p", type=_float_in(0, 1, lo_open=True), default=1.0, help="1 = off")
+  g.add_argument("--max-new", type=int_in(1), default=128, help="tokens to generate")
+  g.add_argument("--temperature", type=float_in(0, 100), default=0.0, help="0 = greedy")
+  g.add_argument("--top-k", type=int_in(0), default=0, help="0 = off")
+  g.add_argument("--top-p", type=float_in(0, 1, lo_open=True), default=1.0, help="1 = off")
   g.add_argument("--proposals", choices=("greedy", "sampled"), default="greedy",
                  help="under sampling: drafts are the drafter's argmax, or samples of its "
                       "softmax(logits / T)")
   g.add_argument("--seed", type=int, default=0)
-  g.add_argument("--block", type=_int_at_least(2), default=None,
+  g.add_argument("--block", type=int_in(2), default=None,
                  help="rows verified per round (the drafter's block_size by default)")
   g.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
                  help="target weights (default: bf16 when stored bf16, else fp32)")
@@ -82,14 +52,14 @@ def register(sub) -> None:
                  help="drafter weights (default: the target's dtype)")
   g.add_argument("--cache-dtype", choices=("fp32", "bf16"), default=None,
                  help="target K/V cache and drafter ring (default: the target's dtype)")
-  g.add_argument("--window", type=_int_at_least(1), default=None,
+  g.add_argument("--window", type=int_in(1), default=None,
                  help="drafter ring size (default: the file's, else 2048)")
-  g.add_argument("--capacity", type=_int_at_least(1), default=None,
+  g.add_argument("--capacity", type=int_in(1), default=None,
                  help="target cache slots (default: prompt + max-new + block)")
   g.add_argument("--impl", choices=("pallas", "xla"), default="pallas", help="drafter kernels")
   g.add_argument("--eos", type=_ids, default=None,
                  help="end-of-sequence ids, comma-separated (default: the target config's)")
-  g.add_argument("--sync-every", type=_int_at_least(1), default=8,
+  g.add_argument("--sync-every", type=int_in(1), default=8,
                  help="rounds per device call between host syncs (streaming granularity)")
   g.add_argument("--compare", action="store_true",
                  help="also decode with the target alone and report the speedup")
@@ -97,11 +67,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-  try:
-    return _generate(args)
-  except GenerateError as e:
-    print(f"{PROG}: error: {' '.join(str(e).split())}", file=sys.stderr)
-    return 2
+  return _generate(args)
 
 
 def _load(args):
@@ -114,13 +80,13 @@ def _load(args):
   try:
     tcfg, tparams = qwen3.load_target(args.target, dtype=args.dtype)
   except (ValueError, OSError) as e:
-    raise GenerateError(f"argument --target: {e}") from None
+    raise CLIError(f"argument --target: {e}") from None
   try:
     dcfg, w = dfj.load_drafter(args.drafter)
   except (ValueError, OSError) as e:
-    raise GenerateError(f"argument --drafter: {e}") from None
+    raise CLIError(f"argument --drafter: {e}") from None
   if dcfg.n_embd != tcfg.hidden_size:
-    raise GenerateError(f"argument --drafter: its n_embd {dcfg.n_embd} != the target's "
+    raise CLIError(f"argument --drafter: its n_embd {dcfg.n_embd} != the target's "
                         f"hidden_size {tcfg.hidden_size}")
   # The drafter borrows the target's embedding and LM head (SPEC.md section 1).
   w["tok_embd"] = np.asarray(tparams.embed, np.float32)
@@ -129,7 +95,7 @@ def _load(args):
   try:
     dparams = prepare_weights(dcfg, w, args.drafter_dtype or wdtype)
   except ValueError as e:
-    raise GenerateError(f"argument --drafter: {e}") from None
+    raise CLIError(f"argument --drafter: {e}") from None
   del w
   if dparams.tok_embd.dtype == tparams.embed.dtype:   # one copy on the device, not two
     dparams = dparams.replace(tok_embd=tparams.embed)
@@ -185,34 +151,34 @@ def _generate(args) -> int:
     try:
       tokenizer = Tokenizer.from_file(tok_path)
     except Exception as e:   # tokenizers raises its own exception type
-      raise GenerateError(f"{tok_path}: cannot read it ({e})") from None
+      raise CLIError(f"{tok_path}: cannot read it ({e})") from None
   if args.prompt is not None:
     if tokenizer is None:
-      raise GenerateError(f"argument --prompt: text needs {tok_path}; pass --prompt-ids instead")
+      raise CLIError(f"argument --prompt: text needs {tok_path}; pass --prompt-ids instead")
     prompt = tokenizer.encode(args.prompt).ids
     if not prompt:
-      raise GenerateError("argument --prompt: the text encodes to no tokens")
+      raise CLIError("argument --prompt: the text encodes to no tokens")
   else:
     prompt = args.prompt_ids
 
   tcfg, tparams, dparams, wdtype = _load(args)
   if max(prompt) >= tcfg.vocab_size:
-    raise GenerateError(f"argument --prompt-ids: id {max(prompt)} is outside the target vocab "
+    raise CLIError(f"argument --prompt-ids: id {max(prompt)} is outside the target vocab "
                         f"[0, {tcfg.vocab_size})")
   block = args.block or dparams.cfg.block_size
   if block > dparams.cfg.block_size:
-    raise GenerateError(f"argument --block: must lie in [2, {dparams.cfg.block_size}] (the "
+    raise CLIError(f"argument --block: must lie in [2, {dparams.cfg.block_size}] (the "
                         f"drafter's block_size), got {block}")
   eos = tuple(args.eos if args.eos is not None else tcfg.eos_token_ids)
   if any(e >= tcfg.vocab_size for e in eos):
-    raise GenerateError(f"argument --eos: ids must lie in [0, {tcfg.vocab_size}), got {list(eos)}")
+    raise CLIError(f"argument --eos: ids must lie in [0, {tcfg.vocab_size}), got {list(eos)}")
   try:
     sampling = D.Sampling(args.temperature, args.top_k, args.top_p, args.proposals)
     dcfg = D.DecodeConfig(width=block, sampling=sampling, impl=args.impl)
     models = D.Models(target=tparams, drafter=dparams, d2t=None, target_cfg=tcfg)
     D.check_models(models, dcfg)
   except ValueError as e:
-    raise GenerateError(str(e)) from None
+    raise CLIError(str(e)) from None
   cache_dtype = args.cache_dtype or wdtype
   print(f"target:  {args.target} ({tcfg.num_hidden_layers} layers, hidden {tcfg.hidden_size}, "
         f"vocab {tcfg.vocab_size}, {wdtype}); drafter: {args.drafter} "
@@ -229,7 +195,7 @@ def _generate(args) -> int:
     g = D.generate(models, dcfg, [prompt], args.max_new, rounds_per_call=args.sync_every,
                    on_tokens=stream, window=args.window, ring_dtype=cache_dtype, **kw)
   except ValueError as e:
-    raise GenerateError(str(e)) from None
+    raise CLIError(str(e)) from None
   print()
   hist = g.hist.sum(0)
   print(f"tokens:  {g.n_tokens} in {int(g.rounds.sum())} rounds; tau {g.tau:.2f} (mean tokens "

@@ -1,0 +1,207 @@
+"""`python -m dflash_jax train-drafter --target DIR --out DIR`: train a DFlash drafter against a
+frozen target (SPEC.md section 10).
+
+--data distill (default): the sequences are training-file prompts followed by the target's own
+greedy continuations, with the loss on the continuations (what decoding rewards); --data
+corpus: the training files themselves, loss everywhere. Target features are computed online in
+every step (--features online) or once into npy shards under DIR/features (--features cached,
+for targets too large to run beside the drafter). Writes DIR/drafter.gguf (or an HF folder with --format hf) and DIR/train_log.json.
+Errors are one line naming the argument, exit status 2.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+from dflash_jax.cli import int_in
+from dflash_jax.cli import train_common as C
+
+GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0")
+
+
+def register(sub) -> None:
+  p = sub.add_parser("train-drafter", help="train a DFlash drafter against a frozen target",
+                     description=__doc__.split("\n\n")[0])
+  p.add_argument("--target", required=True, help="target HF folder (train-target's output)")
+  p.add_argument("--out", required=True, help="output folder")
+  C.add_corpus_args(p)
+  p.add_argument("--data", choices=("distill", "corpus"), default="distill")
+  p.add_argument("--prompts", type=int_in(1), default=8192,
+                 help="distill: training prompts")
+  p.add_argument("--prompt-len", type=int_in(1), default=128)
+  p.add_argument("--gen-len", type=int_in(1), default=384,
+                 help="distill: greedy tokens generated per prompt")
+  p.add_argument("--gen-batch", type=int_in(1), default=512)
+  p.add_argument("--seq-len", type=int_in(1), default=512, help="corpus: sequence length")
+  p.add_argument("--layers", type=int_in(1), default=3)
+  p.add_argument("--ffn", type=int_in(1), default=None, help="default: the target's")
+  p.add_argument("--heads", type=int_in(1), default=None, help="default: the target's")
+  p.add_argument("--kv-heads", type=int_in(1), default=None, help="default: the target's")
+  p.add_argument("--head-dim", type=int_in(1), default=None, help="default: the target's")
+  p.add_argument("--block", type=int_in(1), default=16, help="block size B")
+  p.add_argument("--target-layers", type=C.int_list, default=None,
+                 help="captured target layers, llama.cpp convention (HF hidden_states index; "
+                      "default: 3 spread over the target ending at its last)")
+  p.add_argument("--window", type=int_in(1), default=512,
+                 help="sliding window of the drafter's sliding layers")
+  p.add_argument("--full-layers", type=C.int_list, default=(),
+                 help="drafter layers with full attention (none: every layer slides)")
+  p.add_argument("--anchors", type=int_in(1), default=32, help="anchors per sequence")
+  p.add_argument("--batch", type=int_in(1), default=32, help="sequences per step")
+  p.add_argument("--gamma", type=C.positive_float, default=None,
+                 help="loss decay (default: 7 for B=16, 5 for B=10, 4 for B=8)")
+  C.add_optim_args(p, steps=2000, lr=1e-3, warmup=100)
+  p.add_argument("--compute-dtype", choices=("bf16", "fp32"), default="bf16")
+  p.add_argument("--features", choices=("online", "cached"), default="online",
+                 help="target features computed in every step, or once to DIR/features")
+  p.add_argument("--feature-dtype", choices=("float32", "float16"), default="float32",
+                 help="cached features' storage")
+  p.add_argument("--save-type", default="BF16", help=f"GGUF matrix type {GGUF_TYPES} "
+                 "(HF: f32|f16|bf16)")
+  p.add_argument("--format", choices=("gguf", "hf"), default="gguf")
+  p.add_argument("--any-shape", action="store_true",
+                 help="train a shape the Pallas kernels cannot run (decode it with impl xla)")
+  C.add_run_args(p)
+  p.set_defaults(run=train_drafter)
+
+
+def default_target_layers(n_layers: int, n: int = 3) -> tuple[int, ...]:
+  """n capture indices spread evenly over 1..n_layers, the last being n_layers (the target's
+  final hidden state)."""
+  return tuple(sorted({max(1, round(n_layers * (i + 1) / n)) for i in range(n)}))
+
+
+def train_drafter(args) -> int:
+  import numpy as np
+
+  import dflash_jax as dfj
+  from dflash_jax.config import FULL, SLIDING
+  from dflash_jax.models import qwen3
+  from dflash_jax.train import data as D
+  from dflash_jax.train import recipes
+  from dflash_jax.train import trainer as TR
+  from dflash_jax.train.features import FeatureShards, write_feature_shards
+  from dflash_jax.train.loss import resolve_gamma
+  from dflash_jax.train.forward import cast_matrices
+  from pallas_kernels import limits
+
+  tok = D.TOKENIZER
+  try:
+    tcfg, target = qwen3.load_target(args.target)
+  except (ValueError, OSError) as e:
+    raise C.arg_error("--target", e)
+  # The frozen target computes (features, distilled continuations) in the compute dtype, as
+  # `eval --dtype` decodes with it.
+  target = cast_matrices(target, args.compute_dtype)
+  layers = args.target_layers or default_target_layers(tcfg.num_hidden_layers)
+  try:
+    qwen3.check_capture_layers(tcfg, layers)
+  except ValueError as e:
+    raise C.arg_error("--target-layers", e)
+  bad = [l for l in args.full_layers if not 0 <= l < args.layers]
+  if bad:
+    raise C.arg_error("--full-layers", f"{bad} outside [0, {args.layers})")
+  kinds = tuple(FULL if l in args.full_layers else SLIDING for l in range(args.layers))
+  try:
+    cfg = dfj.DFlashConfig(
+        n_layer=args.layers, n_embd=tcfg.hidden_size, n_ff=args.ffn or tcfg.intermediate_size,
+        n_head=args.heads or tcfg.num_attention_heads,
+        n_head_kv=args.kv_heads or tcfg.num_key_value_heads,
+        head_dim=args.head_dim or tcfg.head_dim, rope_theta=tcfg.rope_theta,
+        eps=tcfg.rms_norm_eps, target_layers=layers, mask_token_id=tok.mask_id,
+        block_size=args.block, window=args.window, layer_types=kinds)
+  except ValueError as e:
+    raise C.arg_error("--layers/--heads/--block", e)
+  if not args.any_shape:
+    try:   # fail before any work, not at eval time
+      limits.check_drafter(n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, head_dim=cfg.head_dim,
+                           width=cfg.block_size)
+    except ValueError as e:
+      raise C.arg_error("--heads/--head-dim/--block", f"{e} (--any-shape trains it anyway)")
+  if cfg.mask_token_id >= tcfg.vocab_size:
+    raise C.arg_error("--target", f"vocab {tcfg.vocab_size} has no mask token "
+                       f"{cfg.mask_token_id} (not a byte-level train-target model)")
+  try:
+    gamma = resolve_gamma(cfg.block_size, args.gamma)
+  except ValueError as e:
+    raise C.arg_error("--gamma", e)
+  fmt = args.format
+  types = GGUF_TYPES if fmt == "gguf" else ("f32", "f16", "bf16")
+  save_type = next((t for t in types if t.lower() == args.save_type.lower()), None)
+  if save_type is None:
+    raise C.arg_error("--save-type", f"{args.save_type!r} is not a {fmt} type "
+                       f"(choose from {', '.join(types)})")
+  if args.warmup >= args.steps:
+    raise C.arg_error("--warmup", f"must be below --steps ({args.steps}), got {args.warmup}")
+  try:
+    oc = TR.OptimConfig(lr=args.lr, total_steps=args.steps, warmup_steps=args.warmup,
+                        final_lr_frac=args.final_lr_frac, weight_decay=args.weight_decay,
+                        clip_norm=args.clip)
+  except ValueError as e:
+    raise C.arg_error("--lr/--final-lr-frac/--weight-decay", e)
+  try:
+    train_s, held_s, _, _ = recipes.corpus_streams(args.corpus, args.max_files,
+                                                   args.holdout_every)
+  except ValueError as e:
+    raise C.arg_error("--corpus", e)
+  os.makedirs(args.out, exist_ok=True)
+  t0 = time.perf_counter()
+  try:
+    if args.data == "distill":
+      prompts = recipes.seeded_rows(D.chunk(train_s, args.prompt_len), args.prompts, args.seed)
+      held_p = recipes.seeded_rows(D.chunk(held_s, args.prompt_len), 64, args.seed)
+    else:
+      seqs = D.chunk(train_s, args.seq_len)
+      held_seqs = recipes.seeded_rows(D.chunk(held_s, args.seq_len), 64, args.seed)
+  except ValueError as e:
+    raise C.arg_error("--prompt-len/--seq-len", e)
+  if args.data == "distill":
+    tokens, mask = recipes.distill_data(target, tcfg, prompts, args.gen_len, args.gen_batch)
+    held_t, held_m = recipes.distill_data(target, tcfg, held_p, args.gen_len, args.gen_batch)
+    print(f"distill: {tokens.shape[0]} prompts of {args.prompt_len} + {args.gen_len} greedy "
+          f"target tokens ({mask.sum() / 1e6:.2f} M loss tokens) in "
+          f"{time.perf_counter() - t0:.1f} s")
+  else:
+    tokens, mask = seqs, np.ones(seqs.shape, bool)
+    held_t, held_m = held_seqs, np.ones(held_seqs.shape, bool)
+    print(f"corpus: {tokens.shape[0]} sequences of {args.seq_len}")
+  if tokens.shape[0] < args.batch:
+    raise C.arg_error("--batch", f"{args.batch} exceeds the {tokens.shape[0]} sequences")
+  data = D.DrafterData(tokens, mask, batch_size=args.batch, n_anchors=args.anchors,
+                       seed=args.seed)
+  held = D.DrafterData(held_t, held_m, batch_size=min(args.batch, held_t.shape[0]),
+                       n_anchors=args.anchors, seed=args.seed + 1)
+  tc = TR.DrafterTrainConfig(optim=oc, gamma=gamma, window=cfg.window,
+                             compute_dtype=args.compute_dtype)
+  print(f"drafter: {cfg.n_layer} layers x {cfg.n_embd}, block {cfg.block_size}, target layers "
+        f"{cfg.target_layers}, window {cfg.window}, {args.anchors} anchors x {args.batch} "
+        f"sequences per step, gamma {gamma}")
+  shards = None
+  if args.features == "cached":
+    folder = os.path.join(args.out, "features")
+    t2 = time.perf_counter()
+    try:
+      m = write_feature_shards(folder, target, tcfg, cfg.target_layers, tokens,
+                               batch_size=args.batch, dtype=args.feature_dtype)
+    except ValueError as e:
+      raise C.arg_error("--feature-dtype", e)
+    shards = FeatureShards(folder, cfg.target_layers)
+    print(f"features: {m['n_rows']} x {m['seq_len']} x {m['width']} {m['dtype']} in "
+          f"{len(m['shards'])} shards under {folder} ({time.perf_counter() - t2:.1f} s)")
+  ckpt = os.path.join(args.out, "checkpoints") if args.checkpoint_every else None
+  t1 = time.perf_counter()
+  w, log = recipes.train_drafter(
+      cfg, target, tcfg, data, tc, seed=args.seed, eval_data=held, log_every=args.log_every,
+      eval_every=args.eval_every, checkpoint_dir=ckpt, checkpoint_every=args.checkpoint_every,
+      max_seconds=None if args.max_minutes is None else 60 * args.max_minutes, features=shards)
+  seconds = time.perf_counter() - t1
+  path = os.path.join(args.out, "drafter.gguf" if fmt == "gguf" else "drafter-hf")
+  dfj.save_drafter(path, cfg, recipes.host_weights(w), tensor_type=save_type, format=fmt)
+  final = log[-1]
+  C.write_json(os.path.join(args.out, "train_log.json"), dict(
+      kind="drafter", args=vars(args) | {"run": None}, config=str(cfg), seconds=seconds,
+      sequences=int(tokens.shape[0]), loss_tokens=int(mask.sum()), log=log))
+  print(f"done: {final['step']} steps in {seconds:.1f} s; held-out loss "
+        f"{final.get('eval_loss', float('nan')):.4f}, accepted drafts per block "
+        f"{final.get('eval_accept', float('nan')):.2f}; drafter saved to {path}")
+  return 0
