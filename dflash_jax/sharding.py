@@ -16,8 +16,8 @@ heads; wgu: gate | up columns; each inject GEMM: wk | wv of every layer of the k
 stored as [n, rows / n, K] with n the size of its mesh axis (1 when unsplit): block i holds
 segment part i of every segment, in segment order, so device i's block is exactly the fused
 matrix of a model with n_head / n query heads, n_head_kv / n kv heads and n_ff / n FFN
-columns. Those arrays are meant for this module's entry points only (the unsharded step
-rejects their shape).
+columns. Those arrays are meant for this module's entry points only (the unsharded
+functions would misread them; the entry points reject unsharded trees).
 
 Inside each entry point `jax.shard_map` (check_vma=False: the Pallas kernels carry no
 varying-axes rules) runs the unsharded function on every device's block with that local
@@ -243,7 +243,9 @@ def _leaf(plan: Plan, a, axes, path: str, counts: dict[str, int], problems: dict
                        f"this module's shard_* functions)")
     shape = (shape[0] * shape[1],) + shape[2:]
   if len(axes) != len(shape):
-    raise ValueError(f"{path}: expected {len(axes)} axes, got shape {tuple(a.shape)}")
+    hint = (" (already sharded? place the unsharded tree)"
+            if not stored and fused_axis and a.ndim == len(axes) + 1 else "")
+    raise ValueError(f"{path}: expected {len(axes)} axes, got shape {tuple(a.shape)}{hint}")
   entries = []
   fused = None
   for dim, entry in enumerate(axes):
