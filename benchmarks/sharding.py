@@ -14,7 +14,7 @@ weights (benchmarks.common.random_params, then sharding.shard_params), a full bf
    CUPTI device time per device (every device's kernels summed, over N), wall time per call
    (back to back, dispatch included), the all-reduce kernels (names holding nccl /
    all-reduce; two a layer: after the o and down projections) per device per layer, and
-   TP = N / TP = 1 for both times; the TP = N logits against TP = 1's (rounding: the psums
+   TP = N / TP = 1 for both times ("tpn": the TP = N step, N = "tp"); the TP = N logits against TP = 1's (rounding: the psums
    add per-device partial sums) and their greedy drafts.
 2. round: the draft round (encode + inject 16 rows + block step), ring donated and threaded
    through back-to-back calls: wall time per round at TP = 1 and TP = N.
@@ -149,7 +149,7 @@ def run(args, nvls: str) -> int:
   clear = (gap[:, -1] - gap[:, -2]) > 0.1
   d1, dtp = logits1[1:].argmax(-1), logits_tp[1:].argmax(-1)
   res["step"] = dict(
-      compile_s=compile_s, tp1=tp1, mesh_of_one=mesh1, **{f"tp{args.tp}": tp},
+      compile_s=compile_s, tp1=tp1, mesh_of_one=mesh1, tpn=tp,
       device_ratio=tp["device_ms"] / tp1["device_ms"], wall_ratio=tp["wall_ms"] / tp1["wall_ms"],
       mesh_of_one_bitwise=bool(np.array_equal(logits_one, logits1)),
       max_abs_logit_diff=float(np.abs(logits_tp - logits1).max()),
@@ -172,7 +172,7 @@ def run(args, nvls: str) -> int:
   w1 = round_wall(lambda p, r: S.draft_round_jit(p, r, *args_round, impl=impl), params, ring)
   wn = round_wall(lambda p, r: SH.draft_round_jit(tpn, p, r, *args_round, impl=impl), p_tp,
                   r_tp)
-  res["round"] = dict(tp1_wall_ms=w1, **{f"tp{args.tp}_wall_ms": wn}, wall_ratio=wn / w1)
+  res["round"] = dict(tp1_wall_ms=w1, tpn_wall_ms=wn, wall_ratio=wn / w1)
   save("round")
   print(f"TP={args.tp} step {tp['device_ms']:.3f} ms device / {tp['wall_ms']:.3f} ms wall vs "
         f"TP=1 {tp1['device_ms']:.3f} / {tp1['wall_ms']:.3f} "
