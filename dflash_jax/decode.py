@@ -35,7 +35,7 @@ import numpy as np
 from jax import lax
 
 from dflash_jax import sampling as SP
-from dflash_jax import step
+from dflash_jax import sharding, step
 from dflash_jax.models import qwen3
 from dflash_jax.params import DrafterParams
 from dflash_jax.sampling import Sampling
@@ -45,11 +45,13 @@ from dflash_jax.sampling import Sampling
 class Models:
   """target + drafter weights. drafter None: target-only. d2t [V_draft] int32: the target id
   of each draft id when the drafter's LM head covers a reduced draft vocab (None: the
-  drafter's head covers the target vocab)."""
+  drafter's head covers the target vocab). plan: None, or the `sharding.Plan` the models were
+  placed with (`sharding.shard_models`): the drafter and target calls then run sharded."""
   target: qwen3.TargetParams
   drafter: DrafterParams | None
   d2t: jax.Array | None
   target_cfg: qwen3.TargetConfig = flax.struct.field(pytree_node=False)
+  plan: sharding.Plan | None = flax.struct.field(pytree_node=False, default=None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,20 +139,28 @@ def d2t_from_offsets(offsets) -> np.ndarray:
 # --- the drafter, called in exactly these two places ---------------------------------------
 
 def _draft(models: Models, ring, pending, n_new, id_last, n_past, impl: str, width: int):
-  """step.draft_round per slot (vmapped over the slot axis) on a block of `width` rows (SPEC
-  section 6); a batched ring replaces the vmap."""
-  f = jax.vmap(functools.partial(step.draft_round, models.drafter, impl=impl, width=width))
-  return f(ring, pending, n_new, id_last, n_past)
+  """Every slot's draft round in one call on a block of `width` rows (SPEC section 6): all
+  S x width rows through each GEMM in one launch."""
+  active = jnp.ones(n_past.shape, jnp.bool_)
+  if models.plan is not None:
+    return sharding.draft_round_slots(models.plan, models.drafter, ring, pending, n_new, id_last,
+                                      n_past, active, width=width, impl=impl)
+  return step.draft_round_batched(models.drafter, ring, pending, n_new, id_last, n_past, active,
+                                  width=width, impl=impl)
 
 
 def _inject_prompt(models: Models, ring, feats, n_valid, impl: str):
   """Encode + inject rows 0..n_valid-1 of the prompt's features [S, T, F] at positions 0..."""
   p = models.drafter
+  pos = jnp.broadcast_to(jnp.arange(feats.shape[1], dtype=jnp.int32), feats.shape[:2])
+  if models.plan is not None:
+    return sharding.inject_slots(models.plan, p, ring, feats, pos, n_valid, impl=impl)
+  return step.inject_batched(p, ring, _encode_rows(p, feats, impl), pos, n_valid, impl=impl)
 
-  def one(r, f, n):
-    pos = jnp.arange(f.shape[0], dtype=jnp.int32)
-    return step.inject(p, r, step.encode(p, f, impl=impl), pos, n, impl=impl)
-  return jax.vmap(one)(ring, feats, n_valid)
+
+def _encode_rows(p, feats, impl: str):
+  s, t, f = feats.shape
+  return step.encode(p, feats.reshape(s * t, f), impl=impl).reshape(s, t, -1)
 
 
 # --- one round --------------------------------------------------------------------------------
@@ -185,6 +195,9 @@ def _verify(models: Models, dcfg: DecodeConfig, st: DecodeState, drafts: jax.Arr
   """The target on [id_last, drafts] -> (cache, logits [S, w, V], features [S, w, F])."""
   capture = models.drafter.cfg.target_layers if dcfg.width > 1 else ()
   vtok = jnp.concatenate([st.id_last[:, None], drafts], axis=1)
+  if models.plan is not None:
+    return sharding.verify(models.plan, models.target, models.target_cfg, st.cache, vtok,
+                           capture_layers=capture, impl=dcfg.target_impl)
   return qwen3.verify(models.target, models.target_cfg, st.cache, vtok, capture_layers=capture,
                       impl=dcfg.target_impl)
 
@@ -255,8 +268,12 @@ run_rounds = jax.jit(_rounds, static_argnames=("dcfg",), donate_argnames=("state
                    donate_argnames=("cache", "ring"))
 def _prefill(models: Models, cache, ring, tokens, n_valid, *, impl: str, target_impl: str):
   capture = models.drafter.cfg.target_layers if models.drafter is not None else ()
-  cache, feats = qwen3.prefill(models.target, models.target_cfg, cache, tokens, n_valid,
-                               capture_layers=capture, impl=target_impl)
+  if models.plan is not None:
+    cache, feats = sharding.prefill(models.plan, models.target, models.target_cfg, cache, tokens,
+                                    n_valid, capture_layers=capture, impl=target_impl)
+  else:
+    cache, feats = qwen3.prefill(models.target, models.target_cfg, cache, tokens, n_valid,
+                                 capture_layers=capture, impl=target_impl)
   if models.drafter is not None:
     ring = _inject_prompt(models, ring, feats, n_valid, impl)
   return cache, ring
@@ -324,9 +341,11 @@ def start(models: Models, dcfg: DecodeConfig, prompts: Sequence[Sequence[int]], 
   cache = qwen3.init_cache(tc, s, capacity, cache_dtype)
   ring = pending = None
   if models.drafter is not None:
-    r = step.init_ring(models.drafter.cfg, window, ring_dtype)
-    ring = jax.tree.map(lambda a: jnp.broadcast_to(a, (s, *a.shape)), r)
+    ring = step.init_batched_ring(models.drafter.cfg, s, window, ring_dtype)
     pending = jnp.zeros((s, w, models.drafter.cfg.n_embd_fc), jnp.float32)
+  if models.plan is not None:
+    cache = sharding.shard_target_cache(cache, models.plan)
+    ring = None if ring is None else sharding.shard_ring(ring, models.plan)
   cache, ring = _prefill(models, cache, ring, jnp.asarray(pre), jnp.asarray(n_prompt - 1),
                          impl=dcfg.impl, target_impl=dcfg.target_impl)
   orc = None
@@ -337,7 +356,7 @@ def start(models: Models, dcfg: DecodeConfig, prompts: Sequence[Sequence[int]], 
     for i, o in enumerate(_check_prompts(oracle, tc.vocab_size)):
       orc[i, :min(len(o), buf_len)] = o[:buf_len]
     orc = jnp.asarray(orc)
-  return DecodeState(
+  state = DecodeState(
       cache=cache, ring=ring, tokens=jnp.asarray(tokens), n_past=jnp.asarray(n_prompt - 1),
       id_last=jnp.asarray(tokens[np.arange(s), n_prompt - 1]), pending=pending,
       n_new=jnp.zeros((s,), jnp.int32), n_prompt=jnp.asarray(n_prompt),
@@ -345,6 +364,7 @@ def start(models: Models, dcfg: DecodeConfig, prompts: Sequence[Sequence[int]], 
       rounds=jnp.zeros((s,), jnp.int32), hist=jnp.zeros((s, w), jnp.int32),
       eos=jnp.asarray(np.tile(np.array(eos_ids or (-1,), np.int32), (s, 1))),
       key=jax.random.split(jax.random.key(seed), s), oracle=orc)
+  return state if models.plan is None else sharding.shard_decode_state(state, models.plan)
 
 
 @dataclasses.dataclass

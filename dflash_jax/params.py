@@ -66,6 +66,15 @@ class QuantWeight:
 
 
 @flax.struct.dataclass
+class Reduced:
+  """A weight whose in (K) axis is split over the mesh axis `axis`, as `dflash_jax.sharding`
+  hands it to the code inside `jax.shard_map`: each device holds a block of its columns, so
+  its product is a partial sum, and `linear` adds the devices' partials (one float32 psum)."""
+  w: Any
+  axis: str = flax.struct.field(pytree_node=False)
+
+
+@flax.struct.dataclass
 class LayerParams:
   attn_norm: jax.Array   # [n_embd] f32
   wqkv: jax.Array        # [(Hq + 2 Hkv) D, n_embd]: q, k, v projections fused (one GEMM)
@@ -109,9 +118,10 @@ class DrafterParams:
 
   @property
   def weight_format(self) -> str:
-    if isinstance(self.fc, QuantWeight):
-      return self.fc.fmt
-    return "bf16" if self.fc.dtype == jnp.bfloat16 else "fp32"
+    fc = self.fc.w if isinstance(self.fc, Reduced) else self.fc
+    if isinstance(fc, QuantWeight):
+      return fc.fmt
+    return "bf16" if fc.dtype == jnp.bfloat16 else "fp32"
 
 
 def validate_weights(cfg: DFlashConfig, w: dict[str, np.ndarray]) -> int:
@@ -249,10 +259,16 @@ def linear(x: jax.Array, w, *, impl: str = "pallas", gate_up: bool = False,
   which dequantizes in XLA). gate_up: w holds gate rows then up rows and the
   result is silu(gate) * up (fused into the skinny GEMM's epilogue). The result is out_dtype,
   or with partials=True the float32 split-K partial sums [S, M, N] (S = 1 unless the skinny
-  GEMM split K), left for the consuming kernel to add up (qk_norm_rope).
+  GEMM split K), left for the consuming kernel to add up (qk_norm_rope). A `Reduced` weight
+  (inside a sharded call) is the product over this device's columns, psummed over its axis.
   """
   if partials and gate_up:
     raise ValueError("linear: partials=True is for plain projections, not gate_up")
+  if isinstance(w, Reduced):
+    if partials or gate_up:
+      raise ValueError("linear: a Reduced (column-split) weight takes neither partials nor "
+                       "gate_up (its partial sums must be added before any epilogue)")
+    return jax.lax.psum(linear(x, w.w, impl=impl), w.axis).astype(out_dtype)
   if impl != "xla" and (isinstance(w, QuantWeight) or _bf16_skinny(x, w)):
     data, scale, fmt = (w.data, w.scale, w.fmt) if isinstance(w, QuantWeight) else (w, None, "bf16")
     n, k = data.shape
