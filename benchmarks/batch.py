@@ -68,7 +68,7 @@ GPU_PLAN = Plan(
     cfg=dfj.SEED_CONFIG, n_vocab=8192,
     points=tuple((d, w, s) for d in ("bf16", "fp8") for w in (16, 8)
                  for s in (1, 2, 4, 8, 16, 32)),
-    memory_slots=64, memory_width=16, crossover_rows=(64, 128, 256, 512),
+    memory_slots=64, memory_width=16, crossover_rows=(16, 32, 48, 64, 128, 256, 512),
     crossover_gemms=None, compile_slots=8, compile_width=16, compile_rounds=40, iters=20,
     gemm_n=8192)
 # Interpret-mode Pallas compiles take seconds on a CPU: few points, the same code paths.

@@ -222,14 +222,13 @@ def prepare_weights(cfg: DFlashConfig, w: dict[str, np.ndarray], dtype: Any = "f
 
 
 # Rows up to which dense bf16 GEMMs run on the skinny kernel, larger row counts on XLA's
-# tensor-core GEMM. Up to 64 rows (one M tile, the kernel's largest default block_m) the
-# skinny kernel streams the weights exactly once: the measured choice for the one-sequence
-# step and for prefill. A batched step has S x w rows, which the skinny kernel runs in
-# ceil(rows / 64) M tiles sharing each weight tile through L2; where that stops beating XLA is
-# the lead's to set from the H200 crossover probe (`python -m benchmarks.batch --gpu --only
-# crossover` prints the row count for this constant); until then batches of more than 64
-# rows run on XLA's GEMM.
-SKINNY_MAX_M = 64
+# tensor-core GEMM. For one block of rows the skinny kernel streams the weights exactly once:
+# the measured choice for the one-sequence step. A batched step has S x w rows; the H200 crossover probe
+# (`python -m benchmarks.batch --gpu --only crossover`, RESULTS.md run 11) has the skinny
+# kernel ahead at 16 rows (1.369 vs 1.417 ms for a seed round's GEMMs), behind at 32 (1.591 vs
+# 1.479), even at 48 and 64 and far behind from 128, so more than one block of rows runs on
+# XLA's GEMM.
+SKINNY_MAX_M = 16
 
 
 def _bf16_skinny(x: jax.Array, w: jax.Array) -> bool:

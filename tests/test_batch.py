@@ -429,8 +429,8 @@ def seed_case():
 @pytest.mark.gpu
 @pytest.mark.parametrize("n_slots,width", [(1, 16), (4, 16), (8, 16), (8, 8)])
 def test_gpu_batched_round_equals_unbatched(seed_case, n_slots, width):
-  """Real dims: 4 x 16 = 64 rows stay on the skinny GEMM, 8 x 16 = 128 rows take XLA's GEMM
-  (SKINNY_MAX_M 64); every slot equals its unbatched round (S = 1: the same launches, so to
+  """Real dims: S = 1's 16 rows run on the skinny GEMM, 4 x 16, 8 x 16 and 8 x 8 rows on XLA's
+  (past SKINNY_MAX_M); every slot equals its unbatched round (S = 1: the same launches, so to
   float32 rounding at most), drafts on clear margins."""
   new, n_new, id_last, n_past = seed_case["inputs"]
   inputs = tuple(a[:n_slots] for a in (new, n_new, id_last, n_past)) + (
@@ -446,9 +446,15 @@ def test_gpu_batched_round_equals_unbatched(seed_case, n_slots, width):
     want.append(logits_1)
     for c, c1 in zip(_slot(ring, s).caches(), ring_1.caches(), strict=True):
       np.testing.assert_array_equal(c.pos, c1.pos)
+      # Another GEMM row count sums in another order (skinny tiles or XLA's), and K of a
+      # near-zero entry can land a few bf16 steps of its own magnitude away: an absolute bound
+      # on K's O(1) scale (measured on the H200: at most 2^-10 off).
+      k_tol = dict(rtol=2.0 ** -7, atol=1e-6 if n_slots == 1 else 2.0 ** -8)
       np.testing.assert_allclose(np.asarray(c.k, np.float32), np.asarray(c1.k, np.float32),
-                                 rtol=2.0 ** -7, atol=1e-6)
-  _assert_drafts_match(got, want, tol)
+                                 **k_tol)
+  # Random seed-dim weights leave few rows with a top-2 gap over 2 x BF16_TOL (10-22 of 56-120
+  # on the H200): at least one clear row per slot.
+  _assert_drafts_match(got, want, tol, min_clear=n_slots)
 
 
 @pytest.mark.gpu
