@@ -496,15 +496,15 @@ def test_linear_partials_and_out_dtype(fmt):
     linear(x, wq, gate_up=True, partials=True)
 
 
-def test_linear_bf16_runs_skinny_up_to_64_rows():
+def test_linear_bf16_runs_skinny_up_to_skinny_max_m_rows():
   """Dense bf16 weights: the Pallas skinny GEMM for block-sized row counts whatever the shape
   (a vocab of 100 rows, K = 200), XLA's GEMM for prefill-sized row counts; every case agrees
   with the jnp path to float32 summation order."""
   from dflash_jax.params import SKINNY_MAX_M, linear
   rng = np.random.default_rng(4)
-  for (n, k), m, kernel in (((96, 256), 16, True), ((96, 256), SKINNY_MAX_M, True),
+  for (n, k), m, kernel in (((96, 256), 7, True), ((96, 256), SKINNY_MAX_M, True),
                             ((96, 256), SKINNY_MAX_M + 1, False), ((100, 256), 16, True),
-                            ((96, 200), 16, True)):
+                            ((96, 200), 16, True), ((96, 256), 2048, False)):
     w = jnp.asarray(rng.standard_normal((n, k)) / 16, jnp.bfloat16)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
     jaxpr = str(jax.make_jaxpr(lambda x, w: linear(x, w))(x, w))
