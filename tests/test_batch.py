@@ -188,14 +188,18 @@ def test_one_launch_per_kernel_for_all_slots(dtype):
   unbatched = _launches(lambda p, r: S.draft_round(p, r, feats, 3, 1, 20, width=WIDTH), params,
                         one)
   assert unbatched.count("inject") == 2 and unbatched.count("ring_attn_partial") == 2
-  for n in (1, 3, SKINNY_MAX_M // WIDTH + 1):
+  # S slots within SKINNY_MAX_M rows both for the step (S w) and for encode + inject (S R),
+  # and S slots past it for both.
+  all_skinny, none_skinny = SKINNY_MAX_M // max(WIDTH, R), SKINNY_MAX_M // min(WIDTH, R) + 1
+  assert all_skinny >= 2
+  for n in (1, all_skinny, none_skinny):
     ring = S.init_batched_ring(mixed, n, capacity=64)
     v = jnp.ones((n,), jnp.int32)
     batched = _launches(lambda p, r: S.draft_round_batched(
         p, r, jnp.zeros((n, R, mixed.n_embd_fc)), v, v, 20 * v, v > 0, width=WIDTH), params, ring)
-    if dtype == "fp8" or n * WIDTH <= SKINNY_MAX_M:
+    if dtype == "fp8" or n <= all_skinny:
       assert batched == unbatched, (n, batched)
-    else:   # the step's and the round's bf16 GEMMs: XLA's (n R rows of features > 64 too)
+    else:   # every bf16 GEMM of the step and of encode + inject on XLA's
       assert batched == [c for c in unbatched if not c.startswith("skinny_matmul")], batched
 
 
