@@ -197,12 +197,28 @@ class Target:
   describe: str
 
 
+def _host_ring(cfg: dfj.DFlashConfig, window: int, ring_dtype: str) -> S.RingState:
+  """A sliding ring of every layer, all `window` slots live (positions 0..window-1), drawn
+  on the host: at tiny dims quicker than compiling device RNGs (common.filled_state)."""
+  rng = np.random.default_rng(1)
+  shape = (cfg.n_layer, cfg.n_head_kv, window, cfg.head_dim)
+  dt = jnp.float32 if ring_dtype == "fp32" else jnp.bfloat16
+  return S.RingState(sliding=S.KVCache(
+      k=jnp.asarray(rng.standard_normal(shape, np.float32), dt),
+      v=jnp.asarray(rng.standard_normal(shape, np.float32), dt),
+      pos=jnp.arange(window, dtype=jnp.int32), kind=dfj.config.SLIDING))
+
+
 def step_target(smoke: bool, dtype: str, impl: str, options: dict) -> Target:
   cfg = dataclasses.replace(dfj.TINY_CONFIG, window=64) if smoke else dfj.SEED_CONFIG
   n_vocab, window = (512, 64) if smoke else (8192, 2048)
   ring_dtype = "fp32" if dtype == "fp32" else "bf16"
-  params = C.random_params(cfg, n_vocab, dtype)
-  ring = C.filled_state(cfg, ring_dtype, window, window)
+  if smoke:
+    params = dfj.prepare_weights(cfg, dfj.synthetic_drafter(cfg, seed=0, n_vocab=n_vocab), dtype)
+    ring = _host_ring(cfg, window, ring_dtype)
+  else:
+    params = C.random_params(cfg, n_vocab, dtype)
+    ring = C.filled_state(cfg, ring_dtype, window, window)
   scalar = jax.ShapeDtypeStruct((), jnp.int32)
   compiled = S.block_step_jit.lower(params, ring, scalar, scalar, impl=impl).compile(compiler_options=options)
   return Target(compiled, (params, ring, jnp.int32(1), jnp.int32(window)),
