@@ -9,6 +9,7 @@ import re
 
 import jax
 import numpy as np
+import pytest
 
 import dflash_jax as dfj
 from benchmarks import profile as P
@@ -67,6 +68,24 @@ def test_pallas_round_launches_every_kernel_in_its_phase():
              (f"layer{l}/ffn/down", "skinny_matmul")}
   assert calls == want
   assert 'loc("jit(draft_round)/drafts' in text
+
+
+@pytest.mark.parametrize("name", ["ring_attention_bfloat16", "gemm_bf16_qkv"])
+def test_scopes_leave_a_kernel_lowering_unchanged(name):
+  """test_kernels_lowering's text of a seed-shape launch (Triton IR, then the XLA module
+  without locations) is the same inside the step's scopes as outside: scopes are metadata."""
+  import test_kernels_lowering as TKL
+  f, args = TKL._cases()[name]
+
+  def launch(scoped):
+    def run(*a):
+      if not scoped:
+        return f(*a)
+      with jax.named_scope("layer3"), jax.named_scope("attention"):
+        return f(*a)
+    return run
+
+  assert TKL.lowered_text(launch(True), args) == TKL.lowered_text(launch(False), args)
 
 
 def test_hlo_op_phases():
