@@ -136,6 +136,18 @@ def trace_files(out_dir: str) -> tuple[str, str]:
   return xplane[0], trace[0]
 
 
+def _hlo_op(args: dict) -> str | None:
+  """The HLO instruction an event ran: its `hlo_op` argument, or the `hlo_op=` field of an
+  XLA annotation string ("Thunk:#name=...,hlo_op=fusion.3,...#") among its arguments."""
+  if "hlo_op" in args:
+    return str(args["hlo_op"])
+  for v in args.values():
+    m = re.search(r"hlo_op=([\w.\-]+)", v) if isinstance(v, str) else None
+    if m:
+      return m.group(1)
+  return None
+
+
 def phase_times(trace_path: str, op_phases: dict[str, str], module: str, calls: int,
                 annotation: str) -> dict:
   """Device time per phase (ms per call) from a trace: the events of `module` that name an
@@ -163,9 +175,9 @@ def phase_times(trace_path: str, op_phases: dict[str, str], module: str, calls: 
       continue
     if gpu:
       kernels[e["name"]] += e["dur"] / 1e3   # trace durations are microseconds
-    args = e.get("args", {})
-    if "hlo_op" in args and args.get("hlo_module", module) == module:
-      ops[(e["pid"], e.get("tid"))].append(e)
+    op = _hlo_op(e.get("args", {}))
+    if op is not None and e["args"].get("hlo_module", module) == module:
+      ops[(e["pid"], e.get("tid"))].append(dict(e, hlo_op=op))
   for thread_ops in ops.values():
     thread_ops.sort(key=lambda e: (e["ts"], -e["dur"]))
     for i, e in enumerate(thread_ops):
@@ -175,7 +187,7 @@ def phase_times(trace_path: str, op_phases: dict[str, str], module: str, calls: 
       nxt = thread_ops[i + 1] if i + 1 < len(thread_ops) else None
       if nxt is not None and nxt["ts"] + nxt["dur"] <= e["ts"] + e["dur"]:
         continue
-      phase = op_phases.get(e["args"]["hlo_op"], NO_PHASE)
+      phase = op_phases.get(e["hlo_op"], NO_PHASE)
       ms[phase] += e["dur"] / 1e3
       count[phase] += 1
   return dict(source="GPU stream kernels" if gpu else "host op events", calls=calls,
@@ -220,7 +232,8 @@ def step_target(smoke: bool, dtype: str, impl: str, options: dict) -> Target:
     params = C.random_params(cfg, n_vocab, dtype)
     ring = C.filled_state(cfg, ring_dtype, window, window)
   scalar = jax.ShapeDtypeStruct((), jnp.int32)
-  compiled = S.block_step_jit.lower(params, ring, scalar, scalar, impl=impl).compile(compiler_options=options)
+  compiled = S.block_step_jit.lower(params, ring, scalar, scalar, impl=impl).compile(
+      compiler_options=options)
   return Target(compiled, (params, ring, jnp.int32(1), jnp.int32(window)),
                 lambda args, out: args, "step",
                 f"block step: {cfg.n_layer} x n_embd {cfg.n_embd}, vocab {n_vocab}, "
@@ -311,7 +324,7 @@ def main(argv=None) -> int:
       print(f"  {k[:60]:60s} {v:9.4f}")
   print(f"\ntrace:    {xplane}\nperfetto: {res['perfetto']}\nHLO:      {hlo_path}\n"
         f"phases:   {os.path.join(out_dir, 'phases.json')}\n"
-        f"open:     tensorboard --logdir {out_dir}   (Profile tab; needs tensorboard-plugin-profile)\n"
+        f"open:     tensorboard --logdir {out_dir}   (Profile tab: tensorboard-plugin-profile)\n"
         f"          or load the perfetto file at https://ui.perfetto.dev")
   return 0
 
