@@ -65,6 +65,12 @@ def device_ms(per_iter) -> float:
   return float(statistics.median(sum(t for _, t in it) for it in per_iter))
 
 
+def launches(per_iter) -> int:
+  """Kernels one call launches: the length of CUPTI's kernel list per iteration (the same in
+  every iteration; `profiler.measure` checks the names). On CPU the stand-in's one entry."""
+  return len(per_iter[0])
+
+
 def kernel_medians(per_iter) -> list[tuple[str, float]]:
   """(kernel, median ms) in launch order."""
   return [(per_iter[0][i][0], float(statistics.median(it[i][1] for it in per_iter)))

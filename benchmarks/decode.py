@@ -85,6 +85,20 @@ def setup(smoke: bool) -> Setup:
                inner=8, sync_every=64)
 
 
+def random_models(su: Setup, on_device: bool) -> D.Models:
+  """Random bf16 target + drafter of su's shapes; the drafter borrows the target's embedding
+  and LM head (the same device arrays). on_device: weights drawn on the device (the real
+  sizes); else host weights, quicker at tiny dims than compiling a device RNG per shape."""
+  tc, dc = su.target, su.drafter
+  tp = Q.init_params(tc, jax.random.key(0), jnp.bfloat16)
+  dp = (C.random_params(dc, 16, "bf16") if on_device else dfj.prepare_weights(
+      dc, {**dfj.synthetic_drafter(dc, with_target=False),
+           "tok_embd": np.zeros((tc.vocab_size, dc.n_embd)),
+           "lm_head": np.zeros((tc.vocab_size, dc.n_embd))}, "bf16"))
+  dp = dp.replace(tok_embd=tp.embed, lm_head=tp.head)
+  return D.Models(target=tp, drafter=dp, d2t=None, target_cfg=tc)
+
+
 def device_ms(f, *args, iters: int, per_call: int = 1) -> float:
   """Median CUPTI kernel time of one call of f (copies excluded), divided by per_call."""
   per = C.cupti_kernels(f, *args, iterations=iters)
@@ -171,15 +185,8 @@ def main(argv=None) -> int:
   bw = C.copy_bandwidth(1 << 30 if args.gpu else 1 << 22)
   res["copy_bw_TBps"] = bw / 1e12
   tc, dc = su.target, su.drafter
-  tp = Q.init_params(tc, jax.random.key(0), jnp.bfloat16)
-  # The drafter borrows the target's embedding and LM head (the same device arrays). At the
-  # tiny smoke dims host weights are quicker than compiling a device RNG per tensor shape.
-  dp = (C.random_params(dc, 16, "bf16") if args.gpu else dfj.prepare_weights(
-      dc, {**dfj.synthetic_drafter(dc, with_target=False),
-           "tok_embd": np.zeros((tc.vocab_size, dc.n_embd)),
-           "lm_head": np.zeros((tc.vocab_size, dc.n_embd))}, "bf16"))
-  dp = dp.replace(tok_embd=tp.embed, lm_head=tp.head)
-  models = D.Models(target=tp, drafter=dp, d2t=None, target_cfg=tc)
+  models = random_models(su, on_device=args.gpu)
+  tp, dp = models.target, models.drafter
   d2t = jnp.arange(su.draft_vocab, dtype=jnp.int32)
   reduced = models.replace(drafter=dp.replace(lm_head=tp.head[:su.draft_vocab]), d2t=d2t)
   prompt = np.random.default_rng(0).integers(0, tc.vocab_size, su.prompt_len).tolist()

@@ -4,7 +4,10 @@
   python -m benchmarks.run --smoke          # CPU, tiny dims, seconds: keeps the scripts alive
 
 Device times are CUPTI kernel sums (median of many iterations after warm-up); wall times
-include dispatch. Every byte floor uses the copy bandwidth measured in the same run.
+include dispatch; launches are the kernels in CUPTI's list for one call. Every byte floor uses
+the copy bandwidth measured in the same run. Peers of the step: `xla` (`impl="xla"`: our step
+with the kernels' jnp twins, the column's history since run 1), `xla_peer`
+(benchmarks/xla_peer.py: the plain-XLA step as strong as XLA allows) and PyTorch.
 """
 from __future__ import annotations
 
@@ -130,6 +133,7 @@ def bench_case(case: Case, bw: float, iters: int, torch_peer: bool) -> dict:
   per = C.cupti_kernels(step, params, ring, id_last, n_past, iterations=iters)
   kernels = C.kernel_medians(per)
   res["step_device_ms"] = C.device_ms(per)
+  res["launches"] = C.launches(per)
   # Smoke runs (interpret-mode kernels) call the step a few times, not 600.
   wall = functools.partial(C.wall_ms, iterations=200 if C.ON_GPU else 2,
                            trials=3 if C.ON_GPU else 1)
@@ -149,6 +153,7 @@ def bench_case(case: Case, bw: float, iters: int, torch_peer: bool) -> dict:
   per = C.cupti_kernels(dr, params, ring, feats, jnp.int32(cfg.block_size), id_last,
                         n_past, iterations=max(3, iters // 2))
   res["draft_round_device_ms"] = C.device_ms(C.without_copies(per))
+  res["draft_round_launches"] = C.launches(C.without_copies(per))
   n_pre = res["prefill_rows"] = min(2048, case.n_past)   # rows a cache holds
   pre_feats = jax.random.normal(jax.random.key(4), (n_pre, cfg.n_embd_fc), jnp.float32)
   prefill = jax.jit(lambda p, r, f: S.inject(p, r, S.encode(p, f), jnp.arange(n_pre, dtype=jnp.int32)))
@@ -160,15 +165,39 @@ def bench_case(case: Case, bw: float, iters: int, torch_peer: bool) -> dict:
   res["xla_compile_s"] = time.perf_counter() - t0
   per = C.cupti_kernels(xla, params, ring, id_last, n_past, iterations=iters)
   res["xla_step_device_ms"] = C.device_ms(per)
+  res["xla_launches"] = C.launches(per)
   res["xla_step_wall_ms"] = wall(xla, params, ring, id_last, n_past)
   res["xla_phases_ms"] = decompose(C.kernel_medians(per), cfg.n_layer)
   a = np.asarray(step(params, ring, id_last, n_past))
   b = np.asarray(xla(params, ring, id_last, n_past))
   res["pallas_vs_xla_max_abs_logit_diff"] = float(np.abs(a - b).max())
+  del xla
+  res.update(bench_xla_peer(params, ring, id_last, n_past, a, iters, wall))
   if torch_peer and case.peer and case.dtype in ("fp32", "bf16"):
     res.update(bench_torch(case, params, ring, a, check_logits=case.n_vocab == 8192
                            and case.dtype == case.ring_dtype == "bf16"))
   return res
+
+
+def bench_xla_peer(params: dfj.DrafterParams, ring: S.RingState, id_last, n_past, our_logits,
+                   iters: int, wall) -> dict:
+  """benchmarks.xla_peer's step (plain XLA as strong as it allows) on the same weights and
+  ring; its per-layer copy of the ring is made before timing, as a plain-XLA drafter would
+  store it."""
+  from benchmarks import xla_peer as XP
+  pring = XP.peer_ring(params, ring)
+  scalar = jax.ShapeDtypeStruct((), jnp.int32)
+  t0 = time.perf_counter()
+  f = XP.block_step_jit.lower(params, pring, scalar, scalar).compile()
+  out = {"xla_peer_compile_s": time.perf_counter() - t0}
+  per = C.cupti_kernels(f, params, pring, id_last, n_past, iterations=iters)
+  kernels = C.kernel_medians(per)
+  out.update(xla_peer_step_device_ms=C.device_ms(per), xla_peer_launches=C.launches(per),
+             xla_peer_step_wall_ms=wall(f, params, pring, id_last, n_past),
+             xla_peer_kernels=kernels, xla_peer_phases_ms=decompose(kernels, params.cfg.n_layer))
+  peer = np.asarray(f(params, pring, id_last, n_past))
+  out["pallas_vs_xla_peer_max_abs_logit_diff"] = float(np.abs(peer - our_logits).max())
+  return out
 
 
 def bench_torch(case: Case, params, ring, our_logits, check_logits: bool) -> dict:
@@ -304,9 +333,11 @@ def markdown(results: dict) -> str:
            f"- command: `{results['command']}`",
            f"- copy bandwidth (read+write): {results['copy_bw_TBps']:.2f} TB/s", ""]
   if results.get("steps"):
+    # Columns past "compile s" came later (issue 19); the earlier ones keep their history.
     lines += ["| case | step device ms | wall ms | floor ms | floor frac | fused frac | xla step ms | "
-              "ours/xla | torch eager ms | torch graph ms | graph/ours | draft_round ms | prefill ms (rows) | compile s |",
-              "|" + "---|" * 14]
+              "ours/xla | torch eager ms | torch graph ms | graph/ours | draft_round ms | prefill ms (rows) | compile s | "
+              "launches | xla launches | xla peer ms | ours/xla peer | xla peer launches |",
+              "|" + "---|" * 19]
     for r in results["steps"]:
       tg = r.get("torch_graph", {}).get("median_ms")
       te = r.get("torch_eager", {}).get("median_ms")
@@ -316,7 +347,9 @@ def markdown(results: dict) -> str:
           f"{r['floor_fraction']:.3f} | {r['fused_fraction']:.3f} | {r['xla_step_device_ms']:.3f} | "
           f"{r['xla_step_device_ms'] / r['step_device_ms']:.2f}x | {fmt(te)} | {fmt(tg)} | "
           f"{'-' if tg is None else f'{tg / r['step_device_ms']:.2f}x'} | {r['draft_round_device_ms']:.3f} | "
-          f"{r['prefill_device_ms']:.3f} ({r['prefill_rows']}) | {r['compile_s']:.1f} |")
+          f"{r['prefill_device_ms']:.3f} ({r['prefill_rows']}) | {r['compile_s']:.1f} | "
+          f"{r['launches']} | {r['xla_launches']} | {r['xla_peer_step_device_ms']:.3f} | "
+          f"{r['xla_peer_step_device_ms'] / r['step_device_ms']:.2f}x | {r['xla_peer_launches']} |")
     lines += ["", "Phases (ms per step, all layers; per layer = /n_layer for the layer phases):", ""]
     for r in results["steps"]:
       ph = ", ".join(f"{k} {v:.4f}" for k, v in sorted(r["phases_ms"].items(), key=lambda kv: -kv[1]))
@@ -409,8 +442,10 @@ def main(argv=None) -> int:
       t0 = time.perf_counter()
       r = bench_case(case, bw, iters, torch_peer=args.gpu)
       results["steps"].append(r)
-      print(f"{case.name}: step {r['step_device_ms']:.3f} ms, floor frac {r['floor_fraction']:.3f}, "
-            f"xla {r['xla_step_device_ms']:.3f} ms ({time.perf_counter() - t0:.0f} s)", flush=True)
+      print(f"{case.name}: step {r['step_device_ms']:.3f} ms ({r['launches']} launches), floor "
+            f"frac {r['floor_fraction']:.3f}, xla {r['xla_step_device_ms']:.3f} ms "
+            f"({r['xla_launches']}), xla peer {r['xla_peer_step_device_ms']:.3f} ms "
+            f"({r['xla_peer_launches']}) ({time.perf_counter() - t0:.0f} s)", flush=True)
       save()
   md = save()
   chart(results, os.path.join(out_dir, "phases.png"))

@@ -9,6 +9,8 @@ One round, on device, for every slot (sequence) of the state at once:
      back to the committed length (no copy)
   -> the committed rows' features (verify rows 0..n_ok) wait in the state; the next round's
      draft_round injects them at positions n_past .. n_past + n_ok.
+Each phase runs under a `jax.named_scope` of that name (draft, verify, accept, commit), so a
+`jax.profiler` trace of the loop (`python -m benchmarks.profile --what round`) reads by phase.
 `run_rounds` runs up to R rounds inside one `lax.while_loop` in one jitted call with the whole
 state donated; the loop ends early once every slot is done (EOS or max length, checked on
 device each round). `generate` calls it every R rounds to stream the new tokens.
@@ -210,32 +212,35 @@ def _accept_commit(dcfg: DecodeConfig, st: DecodeState, drafts, q, logits, feats
   w, n, samp = dcfg.width, dcfg.width - 1, dcfg.sampling
   s = st.n_past.shape[0]
   active = ~st.done
-  if samp.greedy:
-    target_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    n_ok = (step.accept(drafts, target_tokens[:, :n], impl=dcfg.impl) if n
-            else jnp.zeros((s,), jnp.int32))
-    t = jnp.take_along_axis(target_tokens, n_ok[:, None], axis=1)[:, 0]
-  else:
-    n_ok, t = SP.verify_sampled(key, drafts, SP.probs(logits, samp), q)
-  rows = jnp.arange(w, dtype=jnp.int32)[None]
-  # Row i of the commit: drafts[i] for i < n_ok, then t; rows past n_ok are scratch.
-  committed = jnp.where(rows < n_ok[:, None], jnp.concatenate([drafts, t[:, None]], axis=1),
-                        t[:, None])
-  tokens = jax.vmap(lambda b, c, p: lax.dynamic_update_slice(b, c, (p,)))(
-      st.tokens, committed, st.n_past + 1)
-  n_past = st.n_past + n_ok + 1
-  is_eos = (committed[:, :, None] == st.eos[:, None, :]).any(-1) & (rows <= n_ok[:, None])
-  stop = (n_past + 1 >= st.max_len) | is_eos.any(-1)
+  with jax.named_scope("accept"):
+    if samp.greedy:
+      target_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+      n_ok = (step.accept(drafts, target_tokens[:, :n], impl=dcfg.impl) if n
+              else jnp.zeros((s,), jnp.int32))
+      t = jnp.take_along_axis(target_tokens, n_ok[:, None], axis=1)[:, 0]
+    else:
+      n_ok, t = SP.verify_sampled(key, drafts, SP.probs(logits, samp), q)
+  with jax.named_scope("commit"):
+    rows = jnp.arange(w, dtype=jnp.int32)[None]
+    # Row i of the commit: drafts[i] for i < n_ok, then t; rows past n_ok are scratch.
+    committed = jnp.where(rows < n_ok[:, None], jnp.concatenate([drafts, t[:, None]], axis=1),
+                          t[:, None])
+    tokens = jax.vmap(lambda b, c, p: lax.dynamic_update_slice(b, c, (p,)))(
+        st.tokens, committed, st.n_past + 1)
+    n_past = st.n_past + n_ok + 1
+    is_eos = (committed[:, :, None] == st.eos[:, None, :]).any(-1) & (rows <= n_ok[:, None])
+    stop = (n_past + 1 >= st.max_len) | is_eos.any(-1)
 
-  def keep(new, old):   # finished slots keep their state
-    return jnp.where(active.reshape(-1, *([1] * (new.ndim - 1))), new, old)
+    def keep(new, old):   # finished slots keep their state
+      return jnp.where(active.reshape(-1, *([1] * (new.ndim - 1))), new, old)
 
-  return st.replace(
-      cache=st.cache.replace(length=keep(n_past, st.cache.length)),
-      tokens=keep(tokens, st.tokens), n_past=keep(n_past, st.n_past),
-      id_last=keep(t, st.id_last), pending=keep(feats, st.pending) if n else None,
-      n_new=keep(n_ok + 1, st.n_new), done=st.done | (active & stop),
-      rounds=st.rounds + active, hist=st.hist.at[jnp.arange(s), n_ok].add(active.astype(jnp.int32)))
+    return st.replace(
+        cache=st.cache.replace(length=keep(n_past, st.cache.length)),
+        tokens=keep(tokens, st.tokens), n_past=keep(n_past, st.n_past),
+        id_last=keep(t, st.id_last), pending=keep(feats, st.pending) if n else None,
+        n_new=keep(n_ok + 1, st.n_new), done=st.done | (active & stop),
+        rounds=st.rounds + active,
+        hist=st.hist.at[jnp.arange(s), n_ok].add(active.astype(jnp.int32)))
 
 
 def _round(models: Models, dcfg: DecodeConfig, st: DecodeState) -> DecodeState:
@@ -244,8 +249,10 @@ def _round(models: Models, dcfg: DecodeConfig, st: DecodeState) -> DecodeState:
   keys = jax.vmap(lambda k: jax.random.split(k, 3))(st.key)
   ring, drafts, q = st.ring, jnp.zeros((s, 0), jnp.int32), None
   if dcfg.width > 1:
-    ring, drafts, q = _propose(models, dcfg, st, keys[:, 1])
-  cache, logits, feats = _verify(models, dcfg, st, drafts)
+    with jax.named_scope("draft"):
+      ring, drafts, q = _propose(models, dcfg, st, keys[:, 1])
+  with jax.named_scope("verify"):
+    cache, logits, feats = _verify(models, dcfg, st, drafts)
   st = _accept_commit(dcfg, st.replace(cache=cache.replace(length=st.cache.length)), drafts, q,
                       logits, feats, keys[:, 2])
   return st.replace(ring=ring, key=keys[:, 0])

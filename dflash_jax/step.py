@@ -10,6 +10,10 @@ RingState leaf with a leading slot axis). Rows are slot-major (slot s, row j at 
 GEMM takes all S x w rows in one launch, and the per-sequence kernels (inject, qk norm + rope,
 ring attention) are vmapped over the slot axis, which the pallas_call batching rule turns into
 one more grid axis (one launch for all slots; with S = 1 it lowers to the unbatched kernel).
+
+Every phase runs under a `jax.named_scope` (ARCHITECTURE.md, "Profiling scopes"): the names
+land in the ops' metadata (op_name), so an XLA / Perfetto trace reads like the phase table of
+`benchmarks.run`. Scopes change metadata only, never the program.
 """
 from __future__ import annotations
 
@@ -161,7 +165,8 @@ def attention_knobs(cache: KVCache, impl: str = "pallas") -> dict:
 def encode(params: DrafterParams, features: jax.Array, *,
            impl: str = "pallas") -> jax.Array:
   """features [T, n_target_layers n_embd] -> h [T, n_embd] float32 (fc, then RMS norm)."""
-  return rms_norm(linear(features, params.fc, impl=impl), params.enc_norm, params.cfg.eps)
+  with jax.named_scope("encode"):
+    return rms_norm(linear(features, params.fc, impl=impl), params.enc_norm, params.cfg.eps)
 
 
 def _inject(params: DrafterParams, ring: RingState, h: jax.Array, positions: jax.Array,
@@ -177,13 +182,15 @@ def _inject(params: DrafterParams, ring: RingState, h: jax.Array, positions: jax
   caches = {}
   for ip in params.inject:
     cache = ring.cache(ip.kind)
-    kv = linear(h, ip.w, impl=impl).reshape(lead + (t, ip.k_norm.shape[0], 2, cfg.n_head_kv,
-                                                    cfg.head_dim))
+    with jax.named_scope(f"inject/{ip.kind}/kv"):
+      kv = linear(h, ip.w, impl=impl).reshape(lead + (t, ip.k_norm.shape[0], 2, cfg.n_head_kv,
+                                                      cfg.head_dim))
     write = functools.partial(ops.inject, eps=cfg.eps, wrap=ip.kind == SLIDING)
     if n_slots is not None:
       write = jax.vmap(write, in_axes=(0, 0, 0, 0, None, 0, 0, None))
-    k, v, pos = write(cache.k, cache.v, cache.pos, kv, ip.k_norm, positions, n_valid,
-                      params.inv_freq)
+    with jax.named_scope(f"inject/{ip.kind}/write"):
+      k, v, pos = write(cache.k, cache.v, cache.pos, kv, ip.k_norm, positions, n_valid,
+                        params.inv_freq)
     caches[ip.kind] = KVCache(k=k, v=v, pos=pos, kind=ip.kind)
   return RingState(sliding=caches.get(SLIDING), full=caches.get(FULL))
 
@@ -211,12 +218,13 @@ def _block(params: DrafterParams, ring: RingState, id_last: jax.Array, n_past: j
   over the slot axis."""
   cfg = params.cfg
   ops = kernels(impl)
-  if n_slots is None:
-    tokens = jnp.full((w,), cfg.mask_token_id, jnp.int32).at[0].set(id_last)
-  else:
-    tokens = jnp.full((n_slots, w), cfg.mask_token_id, jnp.int32).at[:, 0].set(id_last)
-    tokens = tokens.reshape(n_slots * w)
-  x = params.tok_embd[tokens].astype(jnp.float32)
+  with jax.named_scope("embed"):
+    if n_slots is None:
+      tokens = jnp.full((w,), cfg.mask_token_id, jnp.int32).at[0].set(id_last)
+    else:
+      tokens = jnp.full((n_slots, w), cfg.mask_token_id, jnp.int32).at[:, 0].set(id_last)
+      tokens = tokens.reshape(n_slots * w)
+    x = params.tok_embd[tokens].astype(jnp.float32)
   knobs = {kind: attention_knobs(ring.cache(kind), impl) for kind, _ in cfg.kind_groups}
   # GEMM inputs are rounded to bf16 unless the weights are fp32; the attention and the gate+up
   # epilogue round when they store (one launch fewer than rounding in the next GEMM's prologue).
@@ -227,29 +235,44 @@ def _block(params: DrafterParams, ring: RingState, id_last: jax.Array, n_past: j
                             n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, eps=cfg.eps)
 
   for l, lp in enumerate(params.layers):
-    # The qkv projection's split-K partials are summed inside qk_norm_rope (no extra launch).
-    qkv = linear(rms_norm(x, lp.attn_norm, cfg.eps), lp.wqkv, impl=impl, partials=True)
     kind = cfg.kinds[l]
     cache = ring.cache(kind)
     attend = functools.partial(ops.ring_attention, layer=cfg.index_in_kind(l),
                                out_dtype=act_dtype, **knobs[kind])
-    if n_slots is None:
-      q, k, v = norm_rope(qkv, n_past, lp)
-      o = attend(q, k, v, cache.k, cache.v, cache.pos, n_past)
-    else:
-      # Splitting the partials [P, n_slots w, N] into [P, n_slots, w, heads, D] is free, and
-      # vmapping over that axis 1 hands each slot's programs their rows: no transpose (a
-      # reshape under vmap would move the slot axis to the front first, copying them).
-      heads = qkv.reshape(qkv.shape[0], n_slots, w, cfg.n_head + 2 * cfg.n_head_kv,
-                          cfg.head_dim)
-      q, k, v = jax.vmap(functools.partial(norm_rope, lp=lp), in_axes=(1, 0))(heads, n_past)
-      o = jax.vmap(attend)(q, k, v, cache.k, cache.v, cache.pos, n_past)
-      o = o.reshape(n_slots * w, o.shape[-1])
-    x = x + linear(o, lp.wo, impl=impl)
-    hidden = linear(rms_norm(x, lp.ffn_norm, cfg.eps), lp.wgu, impl=impl, gate_up=True,
-                    out_dtype=act_dtype)
-    x = x + linear(hidden, lp.wd, impl=impl)
-  return linear(rms_norm(x, params.out_norm, cfg.eps), params.lm_head, impl=impl)
+    with jax.named_scope(f"layer{l}"):
+      with jax.named_scope("attn_norm"):
+        xn = rms_norm(x, lp.attn_norm, cfg.eps)
+      with jax.named_scope("qkv"):
+        # The split-K partials are summed inside qk_norm_rope (no extra launch).
+        qkv = linear(xn, lp.wqkv, impl=impl, partials=True)
+      if n_slots is None:
+        with jax.named_scope("norm_rope"):
+          q, k, v = norm_rope(qkv, n_past, lp)
+        with jax.named_scope("attention"):
+          o = attend(q, k, v, cache.k, cache.v, cache.pos, n_past)
+      else:
+        # Splitting the partials [P, n_slots w, N] into [P, n_slots, w, heads, D] is free, and
+        # vmapping over that axis 1 hands each slot's programs their rows: no transpose (a
+        # reshape under vmap would move the slot axis to the front first, copying them).
+        with jax.named_scope("norm_rope"):
+          heads = qkv.reshape(qkv.shape[0], n_slots, w, cfg.n_head + 2 * cfg.n_head_kv,
+                              cfg.head_dim)
+          q, k, v = jax.vmap(functools.partial(norm_rope, lp=lp), in_axes=(1, 0))(heads, n_past)
+        with jax.named_scope("attention"):
+          o = jax.vmap(attend)(q, k, v, cache.k, cache.v, cache.pos, n_past)
+          o = o.reshape(n_slots * w, o.shape[-1])
+      with jax.named_scope("o"):
+        x = x + linear(o, lp.wo, impl=impl)
+      with jax.named_scope("ffn/norm"):
+        xn = rms_norm(x, lp.ffn_norm, cfg.eps)
+      with jax.named_scope("ffn/gate_up"):
+        hidden = linear(xn, lp.wgu, impl=impl, gate_up=True, out_dtype=act_dtype)
+      with jax.named_scope("ffn/down"):
+        x = x + linear(hidden, lp.wd, impl=impl)
+  with jax.named_scope("out_norm"):
+    xn = rms_norm(x, params.out_norm, cfg.eps)
+  with jax.named_scope("lm_head"):
+    return linear(xn, params.lm_head, impl=impl)
 
 
 def block_step(params: DrafterParams, ring: RingState, id_last: jax.Array, n_past: jax.Array,
@@ -269,12 +292,15 @@ def block_step(params: DrafterParams, ring: RingState, id_last: jax.Array, n_pas
 def greedy_drafts(logits: jax.Array) -> jax.Array:
   """Block positions 1..w-1 of logits [..., w, V] -> [..., w-1]; argmax breaks ties to the
   lowest token id."""
-  return jnp.argmax(logits[..., 1:, :], axis=-1).astype(jnp.int32)
+  with jax.named_scope("drafts"):
+    return jnp.argmax(logits[..., 1:, :], axis=-1).astype(jnp.int32)
 
 
 def accept(drafts: jax.Array, target_tokens: jax.Array, *, impl: str = "pallas") -> jax.Array:
   """Length of the agreeing prefix (first mismatch), int32 on device; [n] or batched [B, n]."""
-  return kernels(impl).accept(jnp.asarray(drafts, jnp.int32), jnp.asarray(target_tokens, jnp.int32))
+  with jax.named_scope("accept"):
+    return kernels(impl).accept(jnp.asarray(drafts, jnp.int32),
+                                jnp.asarray(target_tokens, jnp.int32))
 
 
 def draft_round(params: DrafterParams, ring: RingState, new_features: jax.Array, n_new: jax.Array,

@@ -20,13 +20,18 @@ def test_benchmark_smoke_run(tmp_path):
       "tiny-b10", "tiny-b7", "tiny-g3", "tiny-w48", "tiny-4s1f-c128"}
   for r in res["steps"]:
     assert r["step_device_ms"] > 0 and r["bytes"] > 0 and r["floor_fraction"] > 0
-    # The Pallas step and the plain-XLA peer compute the same logits.
+    # The Pallas step and both plain-XLA peers compute the same logits.
     assert r["pallas_vs_xla_max_abs_logit_diff"] < 2e-2, r["case"]
+    assert r["pallas_vs_xla_peer_max_abs_logit_diff"] < 2e-2, r["case"]
+    assert r["xla_peer_step_device_ms"] > 0 and r["xla_peer_kernels"], r["case"]
+    assert min(r["launches"], r["xla_launches"], r["xla_peer_launches"],
+               r["draft_round_launches"]) >= 1, r["case"]
   assert {"ring_attention_bf16", "inject16_fp32", "qk_norm_rope_parts4", "accept"} <= set(res["kernels"])
   qa = res["quant_accuracy"]
   for fmt in ("bf16", "fp8", "q8_0"):
     assert 0 < qa[fmt]["max_abs_err"] < 2.0 and qa[fmt]["agreement"] > 0.5, (fmt, qa[fmt])
-  assert (tmp_path / "bench.md").read_text().startswith("- device:")
+  md = (tmp_path / "bench.md").read_text()
+  assert md.startswith("- device:") and "| xla peer ms | ours/xla peer | xla peer launches |" in md
   assert (tmp_path / "phases.png").stat().st_size > 1000
 
 
