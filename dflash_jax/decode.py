@@ -356,7 +356,8 @@ def start(models: Models, dcfg: DecodeConfig, prompts: Sequence[Sequence[int]], 
   """Prefill every prompt (one slot each; SPEC.md section 4 step 1) and return the state.
 
   capacity: target cache slots (default: the longest prompt + max_new + width, the least
-  that the loop can need, rounded up to a multiple of 16). Its cost per verify grows with it
+  that the loop can need, rounded up to a multiple of 16), and the slots of the drafter's
+  full-attention cache (which holds the same positions). Its cost per verify grows with it
   (the attention reads every slot). The prompt is prefilled in one call padded to a power
   of two (at most the capacity). oracle (tests, benchmarks): per slot, the tokens to
   propose as drafts at each position (the prompt then a continuation), instead of the
@@ -396,7 +397,7 @@ def start(models: Models, dcfg: DecodeConfig, prompts: Sequence[Sequence[int]], 
   cache = qwen3.init_cache(tc, s, capacity, cache_dtype)
   ring = pending = None
   if models.drafter is not None:
-    ring = step.init_batched_ring(models.drafter.cfg, s, window, ring_dtype)
+    ring = step.init_batched_ring(models.drafter.cfg, s, window, ring_dtype, capacity)
     pending = jnp.zeros((s, w, models.drafter.cfg.n_embd_fc), jnp.float32)
   if models.plan is not None:
     cache = sharding.shard_target_cache(cache, models.plan)

@@ -201,6 +201,27 @@ def test_ring_holds_the_committed_features(pair, prompts, reference):
                                rtol=1e-4, atol=1e-4)
 
 
+def test_full_attention_cache_has_the_loops_capacity(pair, prompts):
+  """A drafter with a full-attention layer: `start` sizes its cache to the loop's capacity
+  (the positions the target cache holds), not the config's context length, and the prefill
+  injects each prompt's positions 0 .. n_past - 1 there."""
+  import dflash_jax as dfj
+  from dflash_jax.config import FULL, SLIDING
+  tcfg, tp, _ = pair
+  cfg, _ = TM.drafter_weights(tcfg)
+  cfg = dataclasses.replace(cfg, n_layer=2, layer_types=(SLIDING, FULL), context_length=4096)
+  w = dfj.synthetic_drafter(cfg, seed=1, with_target=False)
+  w["tok_embd"], w["lm_head"] = np.asarray(tp.embed), np.asarray(tp.head)
+  m = TM.models(tcfg, tp, dfj.prepare_weights(cfg, w))
+  st = D.start(m, D.DecodeConfig(width=4, impl="xla"), prompts, 8)
+  cap = st.cache.capacity
+  assert cap == 32 and st.ring.full.k.shape[-2] == cap and st.ring.full.pos.shape == (6, cap)
+  for s, p in enumerate(prompts):
+    want = np.full(cap, -1)
+    want[:len(p) - 1] = np.arange(len(p) - 1)
+    np.testing.assert_array_equal(st.ring.full.pos[s], want)
+
+
 def test_reduced_draft_vocab_equals_restricted_full_vocab(pair, prompts):
   """A drafter whose head keeps only the d2t rows proposes what the full-vocab drafter
   proposes when its logits are restricted to those rows, in target ids."""
