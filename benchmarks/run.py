@@ -281,8 +281,12 @@ def bench_quant_accuracy(smoke: bool) -> dict:
   rng = np.random.default_rng(2)
   steps = [(int(rng.integers(n_vocab)), n_rows + int(rng.integers(0, 4))) for _ in range(4 if smoke else 32)]
 
+  # On CPU the kernels would run in interpret mode: minutes, and no information here (they
+  # equal their jnp twins exactly, tests/test_kernels_*.py).
+  impl = "pallas" if C.ON_GPU else "xla"
+
   def logits(fmt):
-    m = dfj.DFlashDrafter(cfg, w, dtype=fmt, ring_dtype="fp32")
+    m = dfj.DFlashDrafter(cfg, w, dtype=fmt, ring_dtype="fp32", impl=impl)
     m.inject(m.encode(feats), np.arange(n_rows))
     step = m.capture_step()
     return np.stack([np.asarray(step(i, n)) for i, n in steps])[:, 1:]   # draft rows only
