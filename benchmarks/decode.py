@@ -24,7 +24,9 @@ Sections, in order (results are saved after each, so a run cut short keeps what 
    committed token (over tau x target-only).
 
 The target's K/V cache holds `capacity` slots (2048) and its masked attention reads all of
-them in every pass (cost independent of the visible length: keep the capacity modest).
+them in every pass (cost independent of the visible length: keep the capacity modest). The
+drafter's layers are all full attention (as z-lab's Qwen3-8B-DFlash-b16), so its cache has
+the same `capacity` slots (`decode.start`).
 The target's GEMMs are XLA's (`target_impl="xla"`); `--skinny` also times verify / decode with
 the Pallas skinny GEMM (`target_impl="pallas"`, two more compiles of the target).
 """

@@ -16,7 +16,9 @@ state donated; the loop ends early once every slot is done (EOS or max length, c
 device each round). `generate` calls it every R rounds to stream the new tokens.
 
 Target-only decoding (`generate_target_only`) is the same loop at width 1 with no drafter, so
-speculative and target-only outputs come from the same target code.
+speculative and target-only outputs come from the same target code. Prompt lookup (n-gram
+drafting, `DecodeConfig(proposer="lookup")`, `ngram_drafts`) is the same loop with no drafter
+too: only the proposer differs.
 
 Every array of `DecodeState` has a leading slot axis S (batch 1 is S = 1); slots are
 independent sequences. A finished slot keeps its tokens, lengths and counts; it still runs
@@ -56,21 +58,41 @@ class Models:
   plan: sharding.Plan | None = flax.struct.field(pytree_node=False, default=None)
 
 
+PROPOSERS = ("drafter", "lookup")
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
   """Static knobs of the loop. width: rows verified per round (id_last + width - 1 drafts;
-  2 .. block_size with a drafter, 1 = target-only). impl: the drafter's kernels ("pallas" or
-  "xla"); target_impl: the target's GEMMs ("xla", or "pallas" for the skinny GEMM)."""
+  2 .. block_size with a drafter, >= 2 with lookup, 1 = target-only). proposer: who drafts,
+  "drafter" (the DFlash drafter of `Models`) or "lookup" (prompt lookup, `ngram_drafts`, on
+  matches of up to max_ngram tokens; Models without a drafter; one-hot proposals). impl: the
+  drafter's kernels and the acceptance scan ("pallas" or "xla"); target_impl: the target's
+  GEMMs ("xla", or "pallas" for the skinny GEMM)."""
   width: int
   sampling: Sampling = Sampling()
   impl: str = "pallas"
   target_impl: str = "xla"
+  proposer: str = "drafter"
+  max_ngram: int = 3
 
   def __post_init__(self):
     if isinstance(self.width, bool) or not isinstance(self.width, int) or self.width < 1:
       raise ValueError(f"width must be an int >= 1, got {self.width!r}")
     step.kernels(self.impl)
     step.kernels(self.target_impl)
+    if self.proposer not in PROPOSERS:
+      raise ValueError(f"proposer must be one of {PROPOSERS}, got {self.proposer!r}")
+    if (isinstance(self.max_ngram, bool) or not isinstance(self.max_ngram, int)
+        or self.max_ngram < 1):
+      raise ValueError(f"max_ngram must be an int >= 1, got {self.max_ngram!r}")
+    if self.proposer == "lookup":
+      if self.width < 2:
+        raise ValueError(f"proposer 'lookup' needs width >= 2 (width 1 is target-only "
+                         f"decoding), got {self.width}")
+      if not self.sampling.greedy and self.sampling.proposals == "sampled":
+        raise ValueError("proposer 'lookup' proposes one-hot drafts: sampled proposals "
+                         "(Sampling.proposals='sampled') need the drafter")
 
 
 @flax.struct.dataclass
@@ -101,6 +123,11 @@ def check_models(models: Models, dcfg: DecodeConfig) -> None:
   """Host checks that the drafter fits the target and the loop (raises ValueError)."""
   tc = models.target_cfg
   d = models.drafter
+  if dcfg.proposer == "lookup":
+    if d is not None or models.d2t is not None:
+      raise ValueError("proposer 'lookup' drafts from the committed tokens: Models.drafter "
+                       "and Models.d2t must be None")
+    return
   if d is None:
     if dcfg.width != 1:
       raise ValueError(f"width {dcfg.width} needs a drafter (width 1 is target-only decoding)")
@@ -167,6 +194,27 @@ def _encode_rows(p, feats, impl: str):
 
 # --- one round --------------------------------------------------------------------------------
 
+def ngram_drafts(tokens: jax.Array, n_past: jax.Array, n_draft: int, max_ngram: int
+                 ) -> jax.Array:
+  """Prompt-lookup drafts [n_draft] int32 for one sequence whose committed tokens are
+  tokens[:n_past + 1] (tokens[n_past] = id_last; later entries do not matter): the tokens
+  that followed the most recent earlier occurrence of the longest suffix (up to max_ngram
+  tokens, ending at id_last) of the committed text, read periodically when that occurrence
+  is closer than n_draft; with no match, id_last repeated."""
+  size = tokens.shape[0]
+  e = jnp.arange(size, dtype=jnp.int32)
+  cand = e < n_past          # a match must end before the suffix itself
+  chosen = jnp.int32(-1)
+  for k in range(max_ngram):  # n-gram length k + 1; a longer match overrides a shorter one
+    src = tokens[jnp.clip(e - k, 0, size - 1)]
+    cand = cand & (e - k >= 0) & (n_past - k >= 0) & (src == tokens[jnp.maximum(n_past - k, 0)])
+    last = jnp.max(jnp.where(cand, e, -1))
+    chosen = jnp.where(last >= 0, last, chosen)
+  period = jnp.maximum(n_past - chosen, 1)
+  idx = chosen + 1 + jnp.arange(n_draft, dtype=jnp.int32) % period
+  return jnp.where(chosen >= 0, tokens[jnp.clip(idx, 0, size - 1)], tokens[n_past])
+
+
 def _slice_rows(buf: jax.Array, start: jax.Array, n: int) -> jax.Array:
   return jax.vmap(lambda b, s: lax.dynamic_slice(b, (s,), (n,)))(buf, start)
 
@@ -174,8 +222,12 @@ def _slice_rows(buf: jax.Array, start: jax.Array, n: int) -> jax.Array:
 def _propose(models: Models, dcfg: DecodeConfig, st: DecodeState, key: jax.Array):
   """Inject last round's rows and draft -> (ring, drafts [S, width-1] in target ids, q): q
   [S, width-1, V] is the proposal distribution over target ids for sampled proposals, None
-  for one-hot ones (greedy drafts, the oracle)."""
+  for one-hot ones (greedy drafts, the oracle, prompt lookup)."""
   n, samp = dcfg.width - 1, dcfg.sampling
+  if dcfg.proposer == "lookup":   # no drafter: the ring stays None
+    drafts = jax.vmap(ngram_drafts, in_axes=(0, 0, None, None))(st.tokens, st.n_past, n,
+                                                                 dcfg.max_ngram)
+    return st.ring, drafts, None
   ring, drafts, dlogits = _draft(models, st.ring, st.pending, st.n_new, st.id_last, st.n_past,
                                  dcfg.impl, dcfg.width)
   drafts, dlogits, q = drafts[:, :n], dlogits[:, 1:n + 1], None
@@ -195,7 +247,7 @@ def _propose(models: Models, dcfg: DecodeConfig, st: DecodeState, key: jax.Array
 
 def _verify(models: Models, dcfg: DecodeConfig, st: DecodeState, drafts: jax.Array):
   """The target on [id_last, drafts] -> (cache, logits [S, w, V], features [S, w, F])."""
-  capture = models.drafter.cfg.target_layers if dcfg.width > 1 else ()
+  capture = models.drafter.cfg.target_layers if models.drafter is not None else ()
   vtok = jnp.concatenate([st.id_last[:, None], drafts], axis=1)
   if models.plan is not None:
     return sharding.verify(models.plan, models.target, models.target_cfg, st.cache, vtok,
@@ -237,7 +289,8 @@ def _accept_commit(dcfg: DecodeConfig, st: DecodeState, drafts, q, logits, feats
     return st.replace(
         cache=st.cache.replace(length=keep(n_past, st.cache.length)),
         tokens=keep(tokens, st.tokens), n_past=keep(n_past, st.n_past),
-        id_last=keep(t, st.id_last), pending=keep(feats, st.pending) if n else None,
+        id_last=keep(t, st.id_last),
+        pending=None if st.pending is None else keep(feats, st.pending),
         n_new=keep(n_ok + 1, st.n_new), done=st.done | (active & stop),
         rounds=st.rounds + active,
         hist=st.hist.at[jnp.arange(s), n_ok].add(active.astype(jnp.int32)))
@@ -311,13 +364,17 @@ def start(models: Models, dcfg: DecodeConfig, prompts: Sequence[Sequence[int]], 
   """Prefill every prompt (one slot each; SPEC.md section 4 step 1) and return the state.
 
   capacity: target cache slots (default: the longest prompt + max_new + width, the least
-  that the loop can need, rounded up to a multiple of 16). Its cost per verify grows with it
+  that the loop can need, rounded up to a multiple of 16), and the slots of the drafter's
+  full-attention cache (which holds the same positions). Its cost per verify grows with it
   (the attention reads every slot). The prompt is prefilled in one call padded to a power
   of two (at most the capacity). oracle (tests, benchmarks): per slot, the tokens to
   propose as drafts at each position (the prompt then a continuation), instead of the
   drafter's; they are treated as one-hot proposals.
   """
   check_models(models, dcfg)
+  if oracle is not None and dcfg.proposer != "drafter":
+    raise ValueError(f"an oracle replaces the drafter's drafts; proposer {dcfg.proposer!r} "
+                     "takes none")
   tc = models.target_cfg
   ps = _check_prompts(prompts, tc.vocab_size)
   if isinstance(max_new, bool) or not isinstance(max_new, (int, np.integer)) or max_new < 1:
@@ -348,7 +405,7 @@ def start(models: Models, dcfg: DecodeConfig, prompts: Sequence[Sequence[int]], 
   cache = qwen3.init_cache(tc, s, capacity, cache_dtype)
   ring = pending = None
   if models.drafter is not None:
-    ring = step.init_batched_ring(models.drafter.cfg, s, window, ring_dtype)
+    ring = step.init_batched_ring(models.drafter.cfg, s, window, ring_dtype, capacity)
     pending = jnp.zeros((s, w, models.drafter.cfg.n_embd_fc), jnp.float32)
   if models.plan is not None:
     cache = sharding.shard_target_cache(cache, models.plan)

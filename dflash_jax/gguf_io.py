@@ -7,12 +7,12 @@ instead of as a silent acceptance collapse later.
 from __future__ import annotations
 
 import os
-import uuid
 from typing import Any, Mapping
 
 import gguf
 import numpy as np
 
+from dflash_jax import atomic
 from dflash_jax.config import FULL, SLIDING, DFlashConfig
 from dflash_jax.gguf_guard import GGUFFormatError, open_gguf
 from dflash_jax.synthetic import drafter_tensor_shapes
@@ -362,18 +362,12 @@ def _fill_writer(writer: gguf.GGUFWriter, cfg: DFlashConfig,
 
 def _write_atomically(path: str, fill: Any) -> None:
   """Builds the file beside `path` under a temporary name, then renames it into place."""
-  directory, base = os.path.split(os.path.abspath(path))
-  tmp = os.path.join(directory, f".{base}.{uuid.uuid4().hex}.tmp")
-  writer = gguf.GGUFWriter(tmp, ARCH)
-  try:
-    fill(writer)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    os.replace(tmp, path)
-  except BaseException:
-    writer.close()
-    if os.path.exists(tmp):
-      os.unlink(tmp)
-    raise
+  with atomic.replacing(path) as tmp:
+    writer = gguf.GGUFWriter(tmp, ARCH)
+    try:
+      fill(writer)
+      writer.write_header_to_file()
+      writer.write_kv_data_to_file()
+      writer.write_tensors_to_file()
+    finally:
+      writer.close()

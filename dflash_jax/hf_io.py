@@ -8,15 +8,13 @@ error naming the file and the tensor or key.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
-import uuid
 from typing import Any, Mapping
 
 import numpy as np
 
-from dflash_jax import safetensors_io
+from dflash_jax import atomic, safetensors_io
 from dflash_jax.config import FULL, LAYER_TYPES, SLIDING, DFlashConfig
 from dflash_jax.gguf_io import DEFAULT_BLOCK_SIZE, DrafterFormatError, _checked_weights
 from dflash_jax.synthetic import drafter_tensor_shapes
@@ -393,13 +391,5 @@ def save_hf_drafter(folder: str | os.PathLike, cfg: DFlashConfig, w: Mapping[str
     except ValueError as e:
       raise _fail(where, str(e)) from e
   safetensors_io.write_tensors(folder, tensors, dtype=None, max_shard_bytes=max_shard_bytes)
-  tmp = os.path.join(folder, f".{CONFIG_FILE}.{uuid.uuid4().hex}.tmp")
-  try:
-    with open(tmp, "w", encoding="utf-8") as f:
-      json.dump(config, f, indent=2)
-      f.write("\n")
-    os.replace(tmp, os.path.join(folder, CONFIG_FILE))
-  finally:
-    if os.path.exists(tmp):
-      os.unlink(tmp)
+  atomic.write_json(os.path.join(folder, CONFIG_FILE), config)
   return folder

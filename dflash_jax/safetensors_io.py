@@ -13,13 +13,14 @@ import json
 import os
 import re
 import struct
-import uuid
 from typing import Any, Iterable, Mapping, NamedTuple
 
 import ml_dtypes
 import numpy as np
 import safetensors
 from safetensors import numpy as st_numpy
+
+from dflash_jax import atomic
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -326,12 +327,12 @@ def write_tensors(folder: str | os.PathLike, tensors: Mapping[str, np.ndarray], 
   temps: dict[str, str] = {}
   try:
     for file, names in files.items():
-      temps[file] = _temp(folder, file)
+      temps[file] = atomic.temp_beside(os.path.join(folder, file))
       st_numpy.save_file({n: arrays[n] for n in names}, temps[file], metadata={"format": "pt"})
     if len(files) > 1:
       index = {"metadata": {"total_size": sum(a.nbytes for a in arrays.values())},
                "weight_map": {n: file for file, names in files.items() for n in names}}
-      temps[INDEX_FILE] = _temp(folder, INDEX_FILE)
+      temps[INDEX_FILE] = atomic.temp_beside(os.path.join(folder, INDEX_FILE))
       with open(temps[INDEX_FILE], "w", encoding="utf-8") as f:
         json.dump(index, f, indent=2, sort_keys=True)
     if len(files) == 1:  # an index beside the new single file would make the folder ambiguous
@@ -358,10 +359,6 @@ def _plan_shards(arrays: Mapping[str, np.ndarray], limit: int | None) -> list[li
     shards[-1].append(name)
     used += a.nbytes
   return shards
-
-
-def _temp(folder: str, file: str) -> str:
-  return os.path.join(folder, f".{file}.{uuid.uuid4().hex}.tmp")
 
 
 def _remove_if_present(path: str) -> None:

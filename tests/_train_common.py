@@ -1,20 +1,9 @@
-"""Shared by the tests/test_train*.py files: tiny configs and a fast-compiling jit.
-
-XLA's CPU backend spends most of a small train step's compile in LLVM optimisation; level 0
-compiles the same HLO several times faster (the steps then run slower, which tiny dims do not
-notice). The functions under test are the library's own; only the jit wrapper differs.
-"""
+"""Shared by the tests/test_train*.py files: tiny configs and the jitted train step (compiled
+with conftest.py's XLA flags, like every test)."""
 import jax
 
 import dflash_jax as dfj
 from dflash_jax.models import qwen3
-
-FAST_COMPILE = {"xla_backend_optimization_level": 0}
-
-
-def fast_jit(fn, **kw):
-  return jax.jit(fn, compiler_options=FAST_COMPILE, **kw)
-
 
 TCFG = qwen3.TargetConfig(vocab_size=80, hidden_size=32, intermediate_size=64,
                           num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
@@ -28,5 +17,5 @@ from dflash_jax.train import trainer as TR  # noqa: E402
 TC = TR.DrafterTrainConfig(optim=TR.OptimConfig(lr=1e-2, total_steps=40, warmup_steps=2),
                            compute_dtype="bf16")
 TRAIN_STATIC = ("cfg", "target_cfg", "tc")
-drafter_step = fast_jit(TR.drafter_train_step, static_argnames=TRAIN_STATIC,
-                        donate_argnames=("state",))
+drafter_step = jax.jit(TR.drafter_train_step, static_argnames=TRAIN_STATIC,
+                       donate_argnames=("state",))

@@ -81,6 +81,84 @@ def test_greedy_speculative_is_lossless(pair, prompts, reference, width, oracle)
   assert ge.tokens == ref_eos
 
 
+def test_prompt_lookup_is_lossless(pair, prompts, reference):
+  """Prompt lookup (n-gram drafts, no drafter) through the same loop: the target-only output,
+  with some drafts accepted (the random target's greedy text repeats itself)."""
+  tcfg, tp, _ = pair
+  ref, eos, ref_eos = reference
+  m = D.Models(target=tp, drafter=None, d2t=None, target_cfg=tcfg)
+  dcfg = D.DecodeConfig(width=5, impl="xla", proposer="lookup", max_ngram=2)
+  g = D.generate(m, dcfg, prompts, MAX_NEW, rounds_per_call=3)
+  assert g.tokens == ref
+  assert (g.hist.sum(1) == g.rounds).all() and g.hist[:, 1:].sum() > 0, g.hist
+  assert D.generate(m, dcfg, prompts, MAX_NEW, eos_ids=(eos,)).tokens == ref_eos
+  with pytest.raises(ValueError, match="Models.drafter and Models.d2t must be None"):
+    D.check_models(TM.models(tcfg, tp, pair[2]), dcfg)
+  with pytest.raises(ValueError, match="an oracle replaces the drafter's drafts"):
+    D.start(m, dcfg, prompts, 4, oracle=prompts)
+  with pytest.raises(ValueError, match="proposer 'lookup' needs width >= 2"):
+    D.DecodeConfig(width=1, proposer="lookup")
+  with pytest.raises(ValueError, match="sampled proposals"):
+    D.DecodeConfig(width=4, proposer="lookup",
+                   sampling=D.Sampling(temperature=1.0, proposals="sampled"))
+  with pytest.raises(ValueError, match="proposer must be one of"):
+    D.DecodeConfig(width=4, proposer="ngram")
+  with pytest.raises(ValueError, match="max_ngram must be an int >= 1"):
+    D.DecodeConfig(width=4, proposer="lookup", max_ngram=0)
+
+
+def _python_drafts(seq, n_draft, max_ngram):
+  """Longest suffix (<= max_ngram tokens, ending at seq[-1]) that occurred before; its most
+  recent earlier occurrence's continuation, read periodically; else seq[-1] repeated."""
+  n_past = len(seq) - 1
+  for n in range(min(max_ngram, len(seq)), 0, -1):
+    suffix = seq[-n:]
+    ends = [e for e in range(n - 1, n_past) if seq[e - n + 1:e + 1] == suffix]
+    if ends:
+      e = max(ends)
+      period = n_past - e
+      return [seq[e + 1 + i % period] for i in range(n_draft)]
+  return [seq[-1]] * n_draft
+
+
+# (committed tokens, max_ngram, the 4 drafts, worked out by hand)
+HAND_MADE = [
+    ([1, 2, 3, 4, 1, 2, 3], 3, [4, 1, 2, 3]),              # [1 2 3] at 0..2: its continuation
+    ([5, 6, 7], 3, [7, 7, 7, 7]),                          # no match: id_last repeated
+    ([5], 2, [5, 5, 5, 5]),                                # n_past 0
+    ([1, 2, 9, 5, 2, 8, 1, 2], 3, [9, 5, 2, 8]),           # the longer [1 2] beats a later [2]
+    ([1, 2, 9, 5, 2, 8, 1, 2], 1, [8, 1, 2, 8]),           # [2] alone: the latest, periodic
+    ([4, 7, 4, 7, 4], 3, [7, 4, 7, 4]),                    # a match 2 back: period 2
+    ([1, 2, 3, 7, 9, 3, 8, 1, 2, 3], 3, [7, 9, 3, 8]),
+    ([1, 2, 3, 7, 9, 3, 8, 1, 2, 3], 1, [8, 1, 2, 3]),
+]
+
+
+def test_ngram_drafts_hand_made_and_plain_statement():
+  """decode.ngram_drafts on hand-made sequences (drafts worked out by hand, and the plain
+  Python statement agrees), then on random ones against the plain statement; tokens past
+  n_past are scratch (99) the drafts must not depend on."""
+  fn = jax.jit(jax.vmap(D.ngram_drafts, in_axes=(0, 0, None, None)), static_argnums=(2, 3))
+  size = 40
+
+  def run(seqs, n_draft, max_ngram):
+    bufs = np.full((len(seqs), size), 99, np.int32)
+    for i, q in enumerate(seqs):
+      bufs[i, :len(q)] = q
+    n_past = jnp.asarray([len(q) - 1 for q in seqs], jnp.int32)
+    return np.asarray(fn(jnp.asarray(bufs), n_past, n_draft, max_ngram))
+
+  for seq, max_ngram, want in HAND_MADE:
+    assert _python_drafts(seq, 4, max_ngram) == want, seq
+    np.testing.assert_array_equal(run([seq], 4, max_ngram)[0], want, err_msg=str(seq))
+  rng = np.random.default_rng(0)
+  seqs = [rng.integers(0, int(rng.integers(2, 6)), int(rng.integers(1, size))).tolist()
+          for _ in range(64)]   # small vocabularies: matches of every length occur
+  got = run(seqs, 6, 3)
+  np.testing.assert_array_equal(got, [_python_drafts(q, 6, 3) for q in seqs])
+  assert (got != 99).all()
+
+
 def test_greedy_pallas_interpret(pair, prompts, reference):
   """The drafter's Pallas kernels (interpret mode) in the loop: still lossless."""
   tcfg, tp, dp = pair
@@ -121,6 +199,27 @@ def test_ring_holds_the_committed_features(pair, prompts, reference):
   for s in range(len(prompts)):
     np.testing.assert_allclose(st.pending[s, :n_new[s]], feats[s, n_in[s]:n_past[s]],
                                rtol=1e-4, atol=1e-4)
+
+
+def test_full_attention_cache_has_the_loops_capacity(pair, prompts):
+  """A drafter with a full-attention layer: `start` sizes its cache to the loop's capacity
+  (the positions the target cache holds), not the config's context length, and the prefill
+  injects each prompt's positions 0 .. n_past - 1 there."""
+  import dflash_jax as dfj
+  from dflash_jax.config import FULL, SLIDING
+  tcfg, tp, _ = pair
+  cfg, _ = TM.drafter_weights(tcfg)
+  cfg = dataclasses.replace(cfg, n_layer=2, layer_types=(SLIDING, FULL), context_length=4096)
+  w = dfj.synthetic_drafter(cfg, seed=1, with_target=False)
+  w["tok_embd"], w["lm_head"] = np.asarray(tp.embed), np.asarray(tp.head)
+  m = TM.models(tcfg, tp, dfj.prepare_weights(cfg, w))
+  st = D.start(m, D.DecodeConfig(width=4, impl="xla"), prompts, 8)
+  cap = st.cache.capacity
+  assert cap == 32 and st.ring.full.k.shape[-2] == cap and st.ring.full.pos.shape == (6, cap)
+  for s, p in enumerate(prompts):
+    want = np.full(cap, -1)
+    want[:len(p) - 1] = np.arange(len(p) - 1)
+    np.testing.assert_array_equal(st.ring.full.pos[s], want)
 
 
 def test_reduced_draft_vocab_equals_restricted_full_vocab(pair, prompts):

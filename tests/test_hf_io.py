@@ -18,7 +18,7 @@ from dflash_jax.config import FULL, SLIDING, DFlashConfig
 from dflash_jax.gguf_io import DrafterFormatError, load_drafter, save_drafter
 from dflash_jax.hf_io import config_from_hf, config_to_hf, load_hf_drafter, save_hf_drafter
 from dflash_jax.safetensors_io import SafetensorsFormatError, read_tensors, write_tensors
-from dflash_jax.synthetic import TINY_CONFIG, synthetic_drafter
+from dflash_jax.synthetic import QWEN3_8B_CONFIG, TINY_CONFIG, synthetic_drafter
 
 QT = gguf.GGMLQuantizationType
 MIXED = dataclasses.replace(TINY_CONFIG, layer_types=(SLIDING, FULL), context_length=4096)
@@ -308,7 +308,7 @@ def test_zlab_qwen3_8b_config(tmp_path):
                         head_dim=128, rope_theta=1e6, eps=1e-6, target_layers=(2, 10, 18, 26, 34),
                         mask_token_id=151669, block_size=16, window=None,
                         layer_types=(FULL,) * 5, context_length=40960)
-  assert config_from_hf(_zlab_qwen3_8b()) == expect
+  assert config_from_hf(_zlab_qwen3_8b()) == expect == QWEN3_8B_CONFIG   # the library's preset
   path = tmp_path / "config.json"
   path.write_text(json.dumps(_zlab_qwen3_8b()))
   assert config_from_hf(str(path)) == expect

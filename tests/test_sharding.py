@@ -3,9 +3,8 @@
 The multi-device cases (tests/sharding_cases.py) need 8 devices, which XLA's CPU backend
 only makes before jax initializes: they run in a subprocess with
 --xla_force_host_platform_device_count=8, so the rest of the suite keeps seeing one device.
-That subprocess (and the benchmark's smoke run) also lowers XLA's LLVM optimization level:
-compile time dominates these tiny cases, and both sides of every comparison run with the same
-flags. On the GPU: the sharded code on a mesh of one (the one H200) is the unsharded code.
+That subprocess (and the benchmark's smoke run) inherits conftest.py's XLA flags (LLVM
+optimization level 0 on CPU). On the GPU: the sharded code on a mesh of one (the one H200) is the unsharded code.
 """
 import dataclasses
 import json
@@ -25,18 +24,13 @@ from dflash_jax import step as S
 from dflash_jax.config import FULL, SLIDING
 from dflash_jax.models import qwen3 as Q
 
-FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-
-
 def _cpu_env(**extra):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", **extra)
-  env["XLA_FLAGS"] = " ".join(f for f in (env.get("XLA_FLAGS"), FAST_COMPILE) if f)
-  return env
+  return dict(os.environ, JAX_PLATFORMS="cpu", **extra)
 
 
 def test_sharded_cases_on_8_host_devices():
   env = _cpu_env()
-  env["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+  env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
   r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                       "tests/sharding_cases.py"], env=env, cwd=os.getcwd(), capture_output=True,
                      text=True, timeout=900)

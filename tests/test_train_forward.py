@@ -2,6 +2,7 @@
 equal the reference step at n_past = a after injecting the context features of positions < a."""
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -11,7 +12,6 @@ from dflash_jax.config import FULL, SLIDING
 from dflash_jax.train import forward as F
 from reference import DFlashRef
 
-from _train_common import fast_jit
 
 CFG = dataclasses.replace(dfj.TINY_CONFIG, window=None)   # block 8, 2 layers, GQA 4/2
 VOCAB = 96
@@ -20,7 +20,7 @@ T = 24
 # (blocks running past the sequence end).
 ANCHORS = np.array([[1, 5, 13, 22], [0, 9, 17, 23]], np.int32)
 TOL = dict(atol=1e-4, rtol=1e-4)
-_block_logits = fast_jit(F.block_logits, static_argnames=("cfg", "window", "compute_dtype"))
+_block_logits = jax.jit(F.block_logits, static_argnames=("cfg", "window", "compute_dtype"))
 
 
 def _case(seed):

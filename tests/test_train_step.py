@@ -15,7 +15,7 @@ from dflash_jax.train import forward as F
 from dflash_jax.train import recipes
 from dflash_jax.train import trainer as TR
 
-from _train_common import CFG, TC, TCFG, drafter_step, fast_jit
+from _train_common import CFG, TC, TCFG, drafter_step
 
 
 def _setup(seed=0, n_seq=16, t=32):
@@ -43,7 +43,7 @@ def test_online_features_equal_cached_feature_shards(tmp_path):
             TR.drafter_loss(w, target, b, cached, cfg=CFG, target_cfg=TCFG, tc=TC)[0])
 
   cached = shards.rows(data.rows(0))
-  online, loss_online, loss_cached = fast_jit(both)(w, target, b, cached)
+  online, loss_online, loss_cached = jax.jit(both)(w, target, b, cached)
   np.testing.assert_allclose(cached, np.asarray(online), rtol=1e-5, atol=1e-5)
   assert np.isfinite(float(loss_online))
   np.testing.assert_allclose(float(loss_online), float(loss_cached), rtol=1e-5)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from dflash_jax import atomic
 from dflash_jax.cli import int_in
 from dflash_jax.cli import train_common as C
 
@@ -48,15 +49,13 @@ def evaluate(args) -> int:
   from dflash_jax.train import data as D
   from dflash_jax.train import evaluate as E
   from dflash_jax.train import recipes
-  from dflash_jax.train.forward import cast_matrices
 
   if any(w < 2 for w in args.widths):
     raise C.arg_error("--widths", f"block widths must be >= 2, got {args.widths}")
   try:
-    tcfg, target = qwen3.load_target(args.target)
+    tcfg, target = qwen3.load_target(args.target, dtype=args.dtype)
   except (ValueError, OSError) as e:
     raise C.arg_error("--target", e)
-  target = cast_matrices(target, args.dtype)
   drafters = []
   for path in args.drafter:
     try:
@@ -87,9 +86,8 @@ def evaluate(args) -> int:
   print(table)
   if args.out:
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "eval.md"), "w") as f:
-      f.write(table + "\n")
-    C.write_json(os.path.join(args.out, "eval.json"), dict(
+    atomic.write_text(os.path.join(args.out, "eval.md"), table + "\n")
+    atomic.write_json(os.path.join(args.out, "eval.json"), dict(
         args=vars(args) | {"run": None}, device=jax.devices()[0].device_kind,
         rows=[dataclasses.asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in rows]))
   return 0

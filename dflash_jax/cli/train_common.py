@@ -5,9 +5,6 @@ Errors follow dflash_jax.cli: a CLIError naming the argument, printed as one lin
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import tempfile
 
 from dflash_jax.cli import CLIError, int_in
 
@@ -53,6 +50,19 @@ def add_optim_args(p: argparse.ArgumentParser, *, steps: int, lr: float, warmup:
   p.add_argument("--clip", type=positive_float, default=1.0, help="global gradient norm clip")
 
 
+def optim_config(args: argparse.Namespace):
+  """The `trainer.OptimConfig` of `add_optim_args`' arguments (a CLIError naming a bad one)."""
+  from dflash_jax.train import trainer as TR
+  if args.warmup >= args.steps:
+    raise arg_error("--warmup", f"must be below --steps ({args.steps}), got {args.warmup}")
+  try:
+    return TR.OptimConfig(lr=args.lr, total_steps=args.steps, warmup_steps=args.warmup,
+                          final_lr_frac=args.final_lr_frac, weight_decay=args.weight_decay,
+                          clip_norm=args.clip)
+  except ValueError as e:
+    raise arg_error("--lr/--final-lr-frac/--weight-decay", e)
+
+
 def add_run_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--log-every", type=int_in(1), default=50)
@@ -63,17 +73,3 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
                       "present); 0: none")
   p.add_argument("--max-minutes", type=positive_float, default=None,
                  help="stop early (checkpointed and exported) once this much wall time passed")
-
-
-def write_json(path: str, obj) -> None:
-  """Atomically (temp file + rename)."""
-  d = os.path.dirname(os.path.abspath(path))
-  fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=".json")
-  try:
-    with os.fdopen(fd, "w") as f:
-      json.dump(obj, f, indent=1)
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.unlink(tmp)
-    raise

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import time
 
+from dflash_jax import atomic
 from dflash_jax.cli import int_in
 from dflash_jax.cli import train_common as C
 
@@ -82,17 +83,15 @@ def train_drafter(args) -> int:
   from dflash_jax.train import trainer as TR
   from dflash_jax.train.features import FeatureShards, write_feature_shards
   from dflash_jax.train.loss import resolve_gamma
-  from dflash_jax.train.forward import cast_matrices
   from pallas_kernels import limits
 
   tok = D.TOKENIZER
-  try:
-    tcfg, target = qwen3.load_target(args.target)
-  except (ValueError, OSError) as e:
-    raise C.arg_error("--target", e)
   # The frozen target computes (features, distilled continuations) in the compute dtype, as
   # `eval --dtype` decodes with it.
-  target = cast_matrices(target, args.compute_dtype)
+  try:
+    tcfg, target = qwen3.load_target(args.target, dtype=args.compute_dtype)
+  except (ValueError, OSError) as e:
+    raise C.arg_error("--target", e)
   layers = args.target_layers or default_target_layers(tcfg.num_hidden_layers)
   try:
     qwen3.check_capture_layers(tcfg, layers)
@@ -131,14 +130,7 @@ def train_drafter(args) -> int:
   if save_type is None:
     raise C.arg_error("--save-type", f"{args.save_type!r} is not a {fmt} type "
                        f"(choose from {', '.join(types)})")
-  if args.warmup >= args.steps:
-    raise C.arg_error("--warmup", f"must be below --steps ({args.steps}), got {args.warmup}")
-  try:
-    oc = TR.OptimConfig(lr=args.lr, total_steps=args.steps, warmup_steps=args.warmup,
-                        final_lr_frac=args.final_lr_frac, weight_decay=args.weight_decay,
-                        clip_norm=args.clip)
-  except ValueError as e:
-    raise C.arg_error("--lr/--final-lr-frac/--weight-decay", e)
+  oc = C.optim_config(args)
   try:
     train_s, held_s, _, _ = recipes.corpus_streams(args.corpus, args.max_files,
                                                    args.holdout_every)
@@ -198,7 +190,7 @@ def train_drafter(args) -> int:
   path = os.path.join(args.out, "drafter.gguf" if fmt == "gguf" else "drafter-hf")
   dfj.save_drafter(path, cfg, recipes.host_weights(w), tensor_type=save_type, format=fmt)
   final = log[-1]
-  C.write_json(os.path.join(args.out, "train_log.json"), dict(
+  atomic.write_json(os.path.join(args.out, "train_log.json"), dict(
       kind="drafter", args=vars(args) | {"run": None}, config=str(cfg), seconds=seconds,
       sequences=int(tokens.shape[0]), loss_tokens=int(mask.sum()), log=log))
   print(f"done: {final['step']} steps in {seconds:.1f} s; held-out loss "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import time
 
+from dflash_jax import atomic
 from dflash_jax.cli import int_in
 from dflash_jax.cli import train_common as C
 
@@ -47,7 +48,6 @@ def train_target(args) -> int:
   from dflash_jax.models import qwen3
   from dflash_jax.train import data as D
   from dflash_jax.train import recipes
-  from dflash_jax.train import trainer as TR
 
   tok = D.TOKENIZER
   try:
@@ -58,14 +58,7 @@ def train_target(args) -> int:
         max_position_embeddings=max(4096, args.seq_len))
   except ValueError as e:
     raise C.arg_error("--heads/--kv-heads/--head-dim", e)
-  if args.warmup >= args.steps:
-    raise C.arg_error("--warmup", f"must be below --steps ({args.steps}), got {args.warmup}")
-  try:
-    oc = TR.OptimConfig(lr=args.lr, total_steps=args.steps, warmup_steps=args.warmup,
-                        final_lr_frac=args.final_lr_frac, weight_decay=args.weight_decay,
-                        clip_norm=args.clip)
-  except ValueError as e:
-    raise C.arg_error("--lr/--final-lr-frac/--weight-decay", e)
+  oc = C.optim_config(args)
   try:
     train_s, held_s, train_f, held_f = recipes.corpus_streams(args.corpus, args.max_files,
                                                               args.holdout_every)
@@ -95,7 +88,7 @@ def train_target(args) -> int:
                     max_shard_bytes=None if args.max_shard_mb is None
                     else int(args.max_shard_mb * 2**20))
   final = log[-1]
-  C.write_json(os.path.join(args.out, "train_log.json"), dict(
+  atomic.write_json(os.path.join(args.out, "train_log.json"), dict(
       kind="target", args=vars(args) | {"run": None}, tokenizer="bytes", corpus=dict(
           train_files=len(train_f), held_out_files=len(held_f), train_tokens=int(train_s.size),
           held_out_tokens=int(held_s.size)), n_params=int(n_params), seconds=seconds, log=log))

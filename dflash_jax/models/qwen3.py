@@ -32,7 +32,6 @@ import functools
 import json
 import math
 import os
-import uuid
 from typing import Any, Mapping
 
 import flax.struct
@@ -41,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from dflash_jax import safetensors_io
+from dflash_jax import atomic, safetensors_io
 from dflash_jax.config import rope_inv_freq
 from dflash_jax.params import linear, resolve_dtype, rms_norm
 
@@ -655,13 +654,5 @@ def save_target(folder: str | os.PathLike, cfg: TargetConfig, params: TargetPara
   tensors = params_to_hf(cfg, params)
   safetensors_io.write_tensors(folder, tensors, dtype=dtype, max_shard_bytes=max_shard_bytes)
   config = {**cfg.to_hf(), "torch_dtype": _SAVE_DTYPES[dtype]}
-  tmp = os.path.join(folder, f".{CONFIG_FILE}.{uuid.uuid4().hex}.tmp")
-  try:
-    with open(tmp, "w", encoding="utf-8") as f:
-      json.dump(config, f, indent=2)
-      f.write("\n")
-    os.replace(tmp, os.path.join(folder, CONFIG_FILE))
-  finally:
-    if os.path.exists(tmp):
-      os.unlink(tmp)
+  atomic.write_json(os.path.join(folder, CONFIG_FILE), config)
   return folder

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import uuid
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax import atomic
 from dflash_jax.models import qwen3
 from dflash_jax.train.data import map_batches
 from dflash_jax.train.trainer import target_features
@@ -28,14 +28,8 @@ _features = jax.jit(target_features, static_argnames=("target_cfg", "capture_lay
 
 
 def _save_npy(path: str, a: np.ndarray) -> None:
-  tmp = f"{path}.{uuid.uuid4().hex}.tmp"
-  try:
-    with open(tmp, "wb") as f:
-      np.save(f, a)
-    os.replace(tmp, path)
-  finally:
-    if os.path.exists(tmp):
-      os.unlink(tmp)
+  with atomic.replacing(path) as tmp, open(tmp, "wb") as f:
+    np.save(f, a)
 
 
 def write_feature_shards(folder: str, target: qwen3.TargetParams, tcfg: qwen3.TargetConfig,
@@ -67,14 +61,7 @@ def write_feature_shards(folder: str, target: qwen3.TargetParams, tcfg: qwen3.Ta
   manifest = dict(n_rows=n, seq_len=t, width=len(capture_layers) * tcfg.hidden_size,
                   dtype=dtype, shard_rows=shard_rows, capture_layers=list(capture_layers),
                   shards=shards)
-  tmp = os.path.join(folder, f".{MANIFEST}.{uuid.uuid4().hex}.tmp")
-  try:
-    with open(tmp, "w") as fh:
-      json.dump(manifest, fh, indent=1)
-    os.replace(tmp, os.path.join(folder, MANIFEST))
-  finally:
-    if os.path.exists(tmp):
-      os.unlink(tmp)
+  atomic.write_json(os.path.join(folder, MANIFEST), manifest)
   return manifest
 
 

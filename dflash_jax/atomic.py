@@ -1,0 +1,43 @@
+"""Atomic file writes: a reader of `path` sees the old file or the whole new one, never a part.
+
+A file is written under a temporary name beside its destination (the same folder, so the
+rename stays on one file system) and renamed over it once complete; on any error the
+temporary file is removed and the destination is untouched.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import uuid
+from typing import Any, Iterator
+
+
+def temp_beside(path: str | os.PathLike) -> str:
+  """A fresh hidden temporary name in path's folder: `.NAME.<hex>.tmp`."""
+  directory, base = os.path.split(os.path.abspath(os.fspath(path)))
+  return os.path.join(directory, f".{base}.{uuid.uuid4().hex}.tmp")
+
+
+@contextlib.contextmanager
+def replacing(path: str | os.PathLike) -> Iterator[str]:
+  """Yields a temporary path to write (and close) inside the block; a clean exit renames it
+  over `path`, an exception removes it and propagates."""
+  tmp = temp_beside(path)
+  try:
+    yield tmp
+    os.replace(tmp, path)
+  finally:
+    if os.path.exists(tmp):
+      os.unlink(tmp)
+
+
+def write_text(path: str | os.PathLike, text: str) -> None:
+  """text (UTF-8), atomically."""
+  with replacing(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+    f.write(text)
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> None:
+  """obj as indented JSON (UTF-8, a final newline), atomically."""
+  write_text(path, json.dumps(obj, indent=2) + "\n")
