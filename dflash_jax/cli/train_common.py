@@ -5,8 +5,12 @@ Errors follow dflash_jax.cli: a CLIError naming the argument, printed as one lin
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from dflash_jax.cli import CLIError, int_in
+
+if TYPE_CHECKING:   # the training modules load jax and optax: the subcommands import them late
+  from dflash_jax.train.trainer import OptimConfig
 
 
 def arg_error(argument: str, message) -> CLIError:
@@ -50,7 +54,7 @@ def add_optim_args(p: argparse.ArgumentParser, *, steps: int, lr: float, warmup:
   p.add_argument("--clip", type=positive_float, default=1.0, help="global gradient norm clip")
 
 
-def optim_config(args: argparse.Namespace):
+def optim_config(args: argparse.Namespace) -> OptimConfig:
   """The `trainer.OptimConfig` of `add_optim_args`' arguments (a CLIError naming a bad one)."""
   from dflash_jax.train import trainer as TR
   if args.warmup >= args.steps:
