@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax import atomic
 from dflash_jax.config import FULL, SLIDING, DFlashConfig, rope_inv_freq
 from dflash_jax.params import (DrafterParams, InjectParams, LayerParams, QuantWeight,
                                resolve_dtype, resolve_weight_format)
@@ -221,11 +222,12 @@ def run_header(command: str, smoke: bool) -> dict:
               command=command, smoke=bool(smoke))
 
 
-def save_results(out_dir: str, stem: str, results: dict, md: str) -> str:
-  """out_dir/stem.json and out_dir/stem.md (called after every section, so a run cut short
-  keeps what it measured); returns md."""
-  with open(os.path.join(out_dir, f"{stem}.json"), "w") as f:
-    json.dump(results, f, indent=1)
-  with open(os.path.join(out_dir, f"{stem}.md"), "w") as f:
-    f.write(md + "\n")
+def save_results(out_dir: str, stem: str, results: dict, md: str | None = None) -> str | None:
+  """out_dir/stem.json and, given md, out_dir/stem.md, each written atomically (called after
+  every section, so a run cut short keeps what it measured and no file is half-written);
+  returns md."""
+  atomic.write_text(os.path.join(out_dir, f"{stem}.json"),
+                    json.dumps(results, indent=1, default=str) + "\n")
+  if md is not None:
+    atomic.write_text(os.path.join(out_dir, f"{stem}.md"), md + "\n")
   return md

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import functools
 import json
 import os
@@ -167,20 +166,17 @@ def main(argv=None) -> int:
   if args.ks:
     su = dataclasses.replace(su, ks=tuple(int(k) for k in args.ks.split(",")))
   impl = "pallas" if C.ON_GPU else "xla"   # the drafter's kernels (interpret mode is slow)
-  stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
-  out_dir = args.out or os.path.join("results", f"decode-{stamp}")
+  res: dict = C.run_header("python -m benchmarks.decode " +
+                           " ".join(argv if argv is not None else sys.argv[1:]), args.smoke)
+  out_dir = args.out or os.path.join("results", f"decode-{res['date']}")
   os.makedirs(out_dir, exist_ok=True)
-  res: dict = dict(date=stamp, device=jax.devices()[0].device_kind, jax=jax.__version__,
-                   smoke=bool(args.smoke), command="python -m benchmarks.decode " +
-                   " ".join(argv if argv is not None else sys.argv[1:]),
-                   setup=dict(dataclasses.asdict(su), target=dataclasses.asdict(su.target),
-                              drafter=dataclasses.asdict(su.drafter)), drafter_impl=impl)
+  res.update(setup=dict(dataclasses.asdict(su), target=dataclasses.asdict(su.target),
+                        drafter=dataclasses.asdict(su.drafter)), drafter_impl=impl)
   t_start = time.perf_counter()
 
   def save(section: str) -> None:
     res.setdefault("elapsed_s", {})[section] = time.perf_counter() - t_start
-    with open(os.path.join(out_dir, "decode.json"), "w") as f:
-      json.dump(res, f, indent=1, default=str)
+    C.save_results(out_dir, "decode", res)
     print(f"[{section} done at {time.perf_counter() - t_start:.0f} s] "
           f"{json.dumps(res.get(section), default=str)}", flush=True)
 
@@ -218,10 +214,7 @@ def main(argv=None) -> int:
     for k in su.ks:
       res["oracle"].append(oracle_run(su, models, prompt, oracle, g0, base_tps, k, impl, kw))
       save("oracle")
-  md = markdown(res)
-  print(md)
-  with open(os.path.join(out_dir, "decode.md"), "w") as f:
-    f.write(md + "\n")
+  print(C.save_results(out_dir, "decode", res, markdown(res)))
   return 0
 
 

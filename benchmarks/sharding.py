@@ -104,8 +104,7 @@ def run(args, nvls: str) -> int:
       window=window, n_past=n_past)
 
   def save(section):
-    with open(os.path.join(out_dir, "sharding.json"), "w") as f:
-      json.dump(res, f, indent=1, default=str)
+    C.save_results(out_dir, "sharding", res)
     print(f"{section}: {json.dumps(res.get(section), default=str)}", flush=True)
 
   # At tiny dims host weights are quicker than compiling a device RNG per tensor shape.
