@@ -184,12 +184,7 @@ def _inject_prompt(models: Models, ring, feats, n_valid, impl: str):
   pos = jnp.broadcast_to(jnp.arange(feats.shape[1], dtype=jnp.int32), feats.shape[:2])
   if models.plan is not None:
     return sharding.inject_slots(models.plan, p, ring, feats, pos, n_valid, impl=impl)
-  return step.inject_batched(p, ring, _encode_rows(p, feats, impl), pos, n_valid, impl=impl)
-
-
-def _encode_rows(p, feats, impl: str):
-  s, t, f = feats.shape
-  return step.encode(p, feats.reshape(s * t, f), impl=impl).reshape(s, t, -1)
+  return step.inject_batched(p, ring, step.encode(p, feats, impl=impl), pos, n_valid, impl=impl)
 
 
 # --- one round --------------------------------------------------------------------------------

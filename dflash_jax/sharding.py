@@ -420,8 +420,7 @@ def _head_axis(plan: Plan, head) -> str | None:
 
 
 def _check_slots(plan: Plan, ring: step.RingState, batched: bool) -> None:
-  has = ring.caches()[0].pos.ndim == 2
-  if has != batched:
+  if (ring.batch_slots is not None) != batched:
     raise ValueError("this entry point takes a ring with a leading slot axis (init_ring's "
                      "leaves stacked per slot)" if batched else
                      "this entry point takes one ring (no slot axis); use draft_round_slots "
@@ -506,8 +505,7 @@ def inject_slots(plan: Plan, params: DrafterParams, ring: step.RingState, featur
   s = plan.rules.slots
 
   def fn(p, r, f, pos, n):
-    h = step.encode(p, f.reshape(-1, f.shape[-1]), impl=impl).reshape(*f.shape[:2], -1)
-    return (step.inject_batched(p, r, h, pos, n, impl=impl),)
+    return (step.inject_batched(p, r, step.encode(p, f, impl=impl), pos, n, impl=impl),)
   (ring,) = _drafter_call(plan, params, ring, fn, (features, positions, n_valid),
                           (_features_spec(plan, (s,)), P(s), P(s)), ())
   return ring

@@ -164,9 +164,12 @@ def attention_knobs(cache: KVCache, impl: str = "pallas") -> dict:
 
 def encode(params: DrafterParams, features: jax.Array, *,
            impl: str = "pallas") -> jax.Array:
-  """features [T, n_target_layers n_embd] -> h [T, n_embd] float32 (fc, then RMS norm)."""
+  """features [..., n_target_layers n_embd] -> h [..., n_embd] float32 (fc, then RMS norm):
+  rows [T] or slots x rows [S, T], every row through one GEMM."""
+  x = features.reshape(-1, features.shape[-1])   # no-op for [T, F]
   with jax.named_scope("encode"):
-    return rms_norm(linear(features, params.fc, impl=impl), params.enc_norm, params.cfg.eps)
+    h = rms_norm(linear(x, params.fc, impl=impl), params.enc_norm, params.cfg.eps)
+  return h.reshape(*features.shape[:-1], h.shape[-1])
 
 
 def _inject(params: DrafterParams, ring: RingState, h: jax.Array, positions: jax.Array,
