@@ -1,6 +1,6 @@
 """Tuning sweeps on the GPU: ring attention knobs and skinny-GEMM tiles, CUPTI timed.
 
-  python -m benchmarks.sweep [attention] [gemm] [gate_up] [shapes] [--out FILE.json]
+  python -m benchmarks.sweep [attention] [gemm] [gate_up] [shapes] [rows] [mixed] [mgpu] [--out FILE.json]
 
 Prints one line per configuration (device us, achieved TB/s) and writes all of them as JSON;
 the defaults in the kernels and step come from these numbers (see RESULTS.md). `shapes`
@@ -240,6 +240,122 @@ def sweep_shapes(bw: float) -> list[dict]:
   return out
 
 
+def sweep_rows(bw: float, fmts: tuple[str, ...], rows: tuple[int, ...]) -> list[dict]:
+  """Skinny-GEMM tiles at batched row counts (S x w rows): one M tile of all rows (the weights
+  streamed once) against 64-row tiles (4 warps; 8 for larger tiles), for the seed's qkv, down and fused
+  gate+up, next to XLA's bf16 GEMM at the same M (issue 14's crossover)."""
+  out = []
+
+  def emit(row):
+    print(json.dumps(row), flush=True)
+    out.append(row)
+
+  key = iter(jax.random.split(jax.random.key(4), 32))
+  shapes = [("qkv", 6144, 6656, False), ("down", 6656, 19968, False),
+            ("gate_up", 19968, 6656, True)]
+  for name, n, k, gate_up in shapes:
+    n_w = 2 * n if gate_up else n
+    w32 = np.asarray(jax.random.normal(next(key), (n_w, k), jnp.float32)) / np.sqrt(k)
+    weights = {"bf16": (jnp.asarray(w32, jnp.bfloat16), None)}
+    if "fp8" in fmts:
+      weights["fp8"] = tuple(jnp.asarray(a) for a in quantize_fp8(w32))
+    del w32
+    for m in rows:
+      x = jax.random.normal(next(key), (m, k), jnp.float32)
+      xla = lambda a, wb: jax.lax.dot_general(a.astype(jnp.bfloat16), wb, (((1,), (1,)), ((), ())),
+                                              preferred_element_type=jnp.float32)
+      us, err = _time(xla, x, weights["bf16"][0])
+      emit(dict(kernel="xla_dot_bf16", shape=name, m=m, us=us, err=err,
+                TBps=None if us is None else n_w * k * 2 / us / 1e6))
+      for fmt in fmts:
+        wq, sc = weights[fmt]
+        nbytes = wq.nbytes + (0 if sc is None else sc.nbytes)
+        base = G.default_knobs(fmt, n, k, gate_up)
+        grid = [(bm, bn, False) for bm in sorted({min(64, m), m}) for bn in (32, 64, 128)]
+        grid += [(bm, bn, True) for bm in sorted({min(64, m), min(128, m)}) for bn in (64, 128)]
+        for bm, bn, swap in grid:
+          kn = dict(base, block_m=bm, num_warps=4 if bm <= 64 else 8, block_n=bn,
+                    swap_ab=swap)
+          fn = G.skinny_matmul_gate_up if gate_up else G.skinny_matmul
+          f = functools.partial(fn, fmt=fmt, **kn)
+          us, err = _time(f, x, wq, sc)
+          emit(dict(kernel="skinny", fmt=fmt, shape=name, m=m, us=us, err=err,
+                    TBps=None if us is None else nbytes / us / 1e6, **kn))
+    del weights
+  return out
+
+
+def sweep_mixed(rows: tuple[int, ...]) -> list[dict]:
+  """XLA's own GEMM on 1-byte weights widened inside the dot's operand (fp8: convert to bf16,
+  the row scale after the dot; q8_0: int8 times its 32-block scales rounded to bf16), next to
+  its bf16 GEMM, at batched row counts: can XLA's GEMM fusion stream 1-byte weights?"""
+  out = []
+  dims = (((1,), (1,)), ((), ()))
+  fp8 = lambda x, w, s: jax.lax.dot_general(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), dims,
+                                            preferred_element_type=jnp.float32) * s[None, :]
+  q8 = lambda x, w, d: jax.lax.dot_general(
+      x.astype(jnp.bfloat16),
+      (w.astype(jnp.float32) * jnp.repeat(d, 32, axis=1)).astype(jnp.bfloat16), dims,
+      preferred_element_type=jnp.float32)
+  bf16 = lambda x, w: jax.lax.dot_general(x.astype(jnp.bfloat16), w, dims,
+                                          preferred_element_type=jnp.float32)
+  key = iter(jax.random.split(jax.random.key(5), 32))
+  for name, n, k in (("qkv", 6144, 6656), ("down", 6656, 19968), ("gate_up", 39936, 6656)):
+    w32 = np.asarray(jax.random.normal(next(key), (n, k), jnp.float32)) / np.sqrt(k)
+    wb = jnp.asarray(w32, jnp.bfloat16)
+    w8, s8 = (jnp.asarray(a) for a in quantize_fp8(w32))
+    qs, dq = (jnp.asarray(a) for a in quantize_q8_0(w32))
+    del w32
+    for m in rows:
+      x = jax.random.normal(next(key), (m, k), jnp.float32)
+      for kernel, f, args, nbytes in (("xla_bf16", bf16, (wb,), wb.nbytes),
+                                      ("xla_fp8w", fp8, (w8, s8), w8.nbytes + s8.nbytes),
+                                      ("xla_q8w", q8, (qs, dq), qs.nbytes + dq.nbytes)):
+        us, err = _time(f, x, *args)
+        row = dict(kernel=kernel, shape=name, m=m, us=us, err=err,
+                   TBps=None if us is None else nbytes / us / 1e6)
+        print(json.dumps(row), flush=True)
+        out.append(row)
+    del wb, w8, s8, qs, dq
+  return out
+
+
+def sweep_mgpu(rows: tuple[int, ...]) -> list[dict]:
+  """Probe: jax's Mosaic GPU Hopper matmul (TMA + wgmma, warp-specialized, persistent grid) on
+  the seed's bf16 weights at batched row counts, as out^T = W [N, K] @ x^T [K, M] so that the
+  weights keep their (out, in) layout; next to XLA's GEMM. Speed only (bf16 output)."""
+  from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as H
+  out = []
+  key = iter(jax.random.split(jax.random.key(6), 32))
+  xla = lambda x, w: jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())),
+                                         preferred_element_type=jnp.float32)
+  for name, n, k in (("qkv", 6144, 6656), ("down", 6656, 19968), ("gate_up", 39936, 6656)):
+    w = (jax.random.normal(next(key), (n, k), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
+    for m in rows:
+      x = jax.random.normal(next(key), (m, k), jnp.float32).astype(jnp.bfloat16)
+      us, err = _time(xla, x, w)
+      emit = dict(kernel="xla_dot_bf16", shape=name, m=m, us=us, err=err,
+                  TBps=None if us is None else w.nbytes / us / 1e6)
+      print(json.dumps(emit), flush=True)
+      out.append(emit)
+      xt = jnp.asarray(x.T)   # [K, M]: the kernel's right operand, M contiguous
+      for tm, tn, tk, steps, wg in itertools.product((64, 128), (64, 128), (64, 128), (4,),
+                                                     (H.MatmulDimension.M, H.MatmulDimension.N)):
+        cta_n = tn * (2 if wg == H.MatmulDimension.N else 1)
+        if m % cta_n or k % tk:
+          continue
+        cfg = H.TuningConfig(tile_m=tm, tile_n=tn, tile_k=tk, max_concurrent_steps=steps,
+                             wg_dimension=wg, epi_tile_n=min(64, tn), epi_tile_m=min(64, tm))
+        us, err = _time(lambda a, b, cfg=cfg: H.matmul(a, b, None, cfg), w, xt)
+        row = dict(kernel="mgpu_matmul", shape=name, m=m, tile_m=tm, tile_n=tn, tile_k=tk,
+                   steps=steps, wg=str(wg), us=us, err=err,
+                   TBps=None if us is None else w.nbytes / us / 1e6)
+        print(json.dumps(row), flush=True)
+        out.append(row)
+    del w
+  return out
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("what", nargs="*", default=["attention", "gemm"])
@@ -247,6 +363,7 @@ def main(argv=None) -> int:
   p.add_argument("--fmts", default="bf16,fp8,q8_0", help="GEMM formats")
   p.add_argument("--shapes", default=",".join(GEMM_SHAPES))
   p.add_argument("--wide", action="store_true", help="GEMM: the wide tile grid")
+  p.add_argument("--rows", default="32,64,128", help="rows: the M values (comma list)")
   p.add_argument("--split-ks", default="", help="GEMM: these split_k values (comma list)")
   args = p.parse_args(argv)
   bw = C.copy_bandwidth(1 << 30)
@@ -258,6 +375,13 @@ def main(argv=None) -> int:
     res["rows"] += sweep_gate_up(tuple(f for f in args.fmts.split(",") if f != "bf16"))
   if "shapes" in args.what:
     res["rows"] += sweep_shapes(bw)
+  if "mgpu" in args.what:
+    res["rows"] += sweep_mgpu(tuple(int(v) for v in args.rows.split(",")))
+  if "mixed" in args.what:
+    res["rows"] += sweep_mixed(tuple(int(v) for v in args.rows.split(",")))
+  if "rows" in args.what:
+    res["rows"] += sweep_rows(bw, tuple(f for f in args.fmts.split(",") if f != "q8_0"),
+                              tuple(int(v) for v in args.rows.split(",")))
   if "gemm" in args.what:
     res["rows"] += sweep_gemm(bw, tuple(args.fmts.split(",")), tuple(args.shapes.split(",")),
                               args.wide,

@@ -237,9 +237,9 @@ def _bf16_skinny(x: jax.Array, w: jax.Array) -> bool:
   return w.dtype == jnp.bfloat16 and x.ndim == 2 and x.shape[0] <= SKINNY_MAX_M
 
 
-def gemm_knobs(fmt: str, n: int, k: int, gate_up: bool = False) -> dict:
-  """The skinny GEMM's tiles for this weight (`skinny_gemm.default_knobs`)."""
-  return skinny_gemm.default_knobs(fmt, n, k, gate_up)
+def gemm_knobs(fmt: str, n: int, k: int, gate_up: bool = False, m: int = 16) -> dict:
+  """The skinny GEMM's tiles for this weight at m rows (`skinny_gemm.default_knobs`)."""
+  return skinny_gemm.default_knobs(fmt, n, k, gate_up, m)
 
 
 def linear(x: jax.Array, w, *, impl: str = "pallas", gate_up: bool = False,
@@ -271,7 +271,7 @@ def linear(x: jax.Array, w, *, impl: str = "pallas", gate_up: bool = False,
   if impl != "xla" and (isinstance(w, QuantWeight) or _bf16_skinny(x, w)):
     data, scale, fmt = (w.data, w.scale, w.fmt) if isinstance(w, QuantWeight) else (w, None, "bf16")
     n, k = data.shape
-    knobs = gemm_knobs(fmt, n // 2 if gate_up else n, k, gate_up)
+    knobs = gemm_knobs(fmt, n // 2 if gate_up else n, k, gate_up, x.shape[0])
     if gate_up:
       return skinny_gemm.skinny_matmul_gate_up(x, data, scale, fmt=fmt, out_dtype=out_dtype,
                                                **knobs)

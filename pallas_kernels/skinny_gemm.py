@@ -51,6 +51,7 @@ Q8_0_BLOCK = 32
 _WEIGHT_DTYPE = {"bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn, "q8_0": jnp.int8}
 _DOT_NT = (((1,), (1,)), ((), ()))  # x [m, k] . w [n, k] -> [m, n]
 MAX_DEFAULT_BLOCK_M = 64
+BLOCK_ROWS = 16   # the rows of one drafted block (the seed's block size): the tuned case
 
 
 def _default_block_m(m: int) -> int:
@@ -59,8 +60,8 @@ def _default_block_m(m: int) -> int:
   return min(max(16, pl.next_power_of_2(m)), MAX_DEFAULT_BLOCK_M)
 
 
-def default_knobs(fmt: str, n: int, k: int, gate_up: bool = False) -> dict:
-  """Tiles for an [M <= 64, K] x [N, K]^T GEMM (n: the rows of one weight stream, n_ff for
+def default_knobs(fmt: str, n: int, k: int, gate_up: bool = False, m: int = 16) -> dict:
+  """Tiles for an [M, K] x [N, K]^T GEMM (n: the rows of one weight stream, n_ff for
   the fused gate+up), from the H200 sweeps (benchmarks/RESULTS.md, runs 2-5, 7, 9 and 10):
   128-wide K tiles (256 for q8_0 and for long K), 32-row N tiles for q8_0 and for the fused
   gate+up (two accumulators), and K split when N / block_n alone cannot fill the 132 SMs: 5
@@ -69,6 +70,12 @@ def default_knobs(fmt: str, n: int, k: int, gate_up: bool = False) -> dict:
   10). A dimension the tile does not divide keeps the tile and masks its last one (no
   smaller tiles, whose extra loop trips cost more than one partly used tile); a dimension
   smaller than the tile gets the power of 2 covering it (>= 16, >= 32 for q8_0's K).
+
+  fp8 with more than one block of rows (m > 16, a batched step): the swapped MMA (swap_ab)
+  over one M tile of up to 128 rows and 64-row N tiles, 8 warps for a 128-row tile (run 13:
+  at 64-256 rows 1.05-1.57x faster than the 64-row-tile default for qkv, down and gate+up;
+  at 16 rows the plain tiles stay ahead). Other formats keep block_m None (`skinny_matmul`'s
+  rule).
   """
   long_k = not gate_up and k >= 16384
   block_k = 256 if fmt == "q8_0" or long_k else 128
@@ -78,7 +85,12 @@ def default_knobs(fmt: str, n: int, k: int, gate_up: bool = False) -> dict:
   split_k = 1
   if not gate_up and n <= 16384 and pl.cdiv(k, block_k) >= 16:
     split_k = 5 if long_k else 4
-  return dict(block_n=block_n, block_k=block_k, split_k=split_k, num_stages=3)
+  knobs = dict(block_n=block_n, block_k=block_k, split_k=split_k, num_stages=3)
+  if fmt == "fp8" and m > BLOCK_ROWS:
+    block_m = min(128, pl.next_power_of_2(m))
+    knobs.update(block_m=block_m, block_n=min(64, max(16, pl.next_power_of_2(n))),
+                 swap_ab=True, num_warps=8 if block_m > 64 else 4)
+  return knobs
 
 
 def _silu_mul(g: jax.Array, u: jax.Array) -> jax.Array:
@@ -113,8 +125,13 @@ def _int8_to_f32(w: jax.Array, interpret: bool) -> jax.Array:
 
 
 def _skinny_kernel(x_ref, *refs, fmt: str, gate_up: bool, m: int, n_out: int, k: int,
-                   block_m: int, block_n: int, block_k: int, split_k: int, interpret: bool):
+                   block_m: int, block_n: int, block_k: int, split_k: int, swap_ab: bool,
+                   interpret: bool):
   """One [block_m, block_n] output tile (two weight streams when gate_up).
+
+  swap_ab: the MMA computes the transposed tile w . x^T ([block_n, block_m], weights as the
+  left operand, which the tensor core can take from the registers they were widened in), and
+  the epilogue transposes it back.
 
   Shapes the tiles fit run the plain loop. A ragged N (n_out % block_n): the weight and scale
   refs are whole arrays indexed at each stream's first row (the up half of a fused gate+up
@@ -170,6 +187,8 @@ def _skinny_kernel(x_ref, *refs, fmt: str, gate_up: bool, m: int, n_out: int, k:
     return plt.load(window, mask=mask, other=0.0)
 
   def dot(x, w):
+    if swap_ab:
+      return lax.dot_general(w, x, _DOT_NT, preferred_element_type=jnp.float32)
     return lax.dot_general(x, w, _DOT_NT, preferred_element_type=jnp.float32)
 
   def step(kb, accs, owner=None):
@@ -216,7 +235,8 @@ def _skinny_kernel(x_ref, *refs, fmt: str, gate_up: bool, m: int, n_out: int, k:
     # once (the tail block, if any, is the masked step below).
     n_iter = jnp.minimum(jnp.maximum(kb_full - kb_first, 0), kb_per_split)
 
-  zeros = tuple(jnp.zeros((block_m, block_n), jnp.float32) for _ in w_refs)
+  acc_shape = (block_n, block_m) if swap_ab else (block_m, block_n)
+  zeros = tuple(jnp.zeros(acc_shape, jnp.float32) for _ in w_refs)
   accs = lax.fori_loop(0, n_iter, lambda kb, accs: step(kb_first + kb, accs), zeros)
   if tail:
     # With split K only the split holding the last block reads it.
@@ -224,6 +244,8 @@ def _skinny_kernel(x_ref, *refs, fmt: str, gate_up: bool, m: int, n_out: int, k:
     if split_k > 1:
       owner = (kb_first <= kb_full) & (kb_full < kb_first + kb_per_split)
     accs = step(kb_full, accs, owner)
+  if swap_ab:
+    accs = tuple(acc.T for acc in accs)
   if fmt == "fp8":
     if n_ragged:
       live = (pl.program_id(1) * block_n + jnp.arange(block_n, dtype=jnp.int32)) < n_out
@@ -279,8 +301,8 @@ def _check_args(kernel: str, x, w, scale, fmt: str, block_m: int, block_n: int,
 
 
 def _launch(x, w, scale, *, fmt: str, gate_up: bool, block_m: int, block_n: int,
-            block_k: int, split_k: int, num_warps: int, num_stages: int, out_dtype,
-            interpret: bool, name: str) -> jax.Array:
+            block_k: int, split_k: int, num_warps: int, num_stages: int, swap_ab: bool,
+            out_dtype, interpret: bool, name: str) -> jax.Array:
   """pallas_call over (M tiles, N tiles, K splits); returns [M, N] or [split_k, M, N]."""
   m, k = x.shape
   n_out = w.shape[0] // 2 if gate_up else w.shape[0]
@@ -322,7 +344,7 @@ def _launch(x, w, scale, *, fmt: str, gate_up: bool, block_m: int, block_n: int,
 
   kernel = functools.partial(_skinny_kernel, fmt=fmt, gate_up=gate_up, m=m, n_out=n_out, k=k,
                              block_m=block_m, block_n=block_n, block_k=block_k,
-                             split_k=split_k, interpret=interpret)
+                             split_k=split_k, swap_ab=swap_ab, interpret=interpret)
   return pl.pallas_call(
       kernel,
       grid=grid,
@@ -336,7 +358,7 @@ def _launch(x, w, scale, *, fmt: str, gate_up: bool, block_m: int, block_n: int,
 
 
 _STATIC = ("fmt", "block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages",
-           "out_dtype", "interpret")
+           "swap_ab", "out_dtype", "interpret")
 _STATIC_MATMUL = _STATIC + ("keep_splits",)
 
 
@@ -344,7 +366,7 @@ _STATIC_MATMUL = _STATIC + ("keep_splits",)
 def skinny_matmul(x: jax.Array, w: jax.Array, scale: jax.Array | None = None, *, fmt: str,
                   block_m: int | None = None, block_n: int = 64, block_k: int = 128,
                   split_k: int = 1, num_warps: int = 4, num_stages: int = 3,
-                  out_dtype=jnp.float32, keep_splits: bool = False,
+                  swap_ab: bool = False, out_dtype=jnp.float32, keep_splits: bool = False,
                   interpret: bool | None = None) -> jax.Array:
   """x [M, K] @ dequant(w [N, K])^T -> [M, N] out_dtype, float32 accumulation.
 
@@ -359,7 +381,8 @@ def skinny_matmul(x: jax.Array, w: jax.Array, scale: jax.Array | None = None, *,
               num_warps, w.shape[0] if w.ndim == 2 else 0)
   out = _launch(x.astype(jnp.bfloat16), w, scale, fmt=fmt, gate_up=False, block_m=block_m,
                 block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps,
-                num_stages=num_stages, out_dtype=jnp.float32 if keep_splits else out_dtype,
+                num_stages=num_stages, swap_ab=swap_ab,
+                out_dtype=jnp.float32 if keep_splits else out_dtype,
                 interpret=resolve_interpret(interpret), name="skinny_matmul")
   if keep_splits:
     return out if split_k > 1 else out[None]
@@ -372,7 +395,7 @@ def skinny_matmul(x: jax.Array, w: jax.Array, scale: jax.Array | None = None, *,
 def skinny_matmul_gate_up(x: jax.Array, w_gu: jax.Array, scale: jax.Array | None = None, *,
                           fmt: str, block_m: int | None = None, block_n: int = 64,
                           block_k: int = 128, split_k: int = 1, num_warps: int = 4,
-                          num_stages: int = 3, out_dtype=jnp.float32,
+                          num_stages: int = 3, swap_ab: bool = False, out_dtype=jnp.float32,
                           interpret: bool | None = None) -> jax.Array:
   """silu(x W_g^T) * (x W_u^T) -> [M, n_ff] for a fused w_gu [2 n_ff, K] (gate rows first).
 
@@ -390,11 +413,11 @@ def skinny_matmul_gate_up(x: jax.Array, w_gu: jax.Array, scale: jax.Array | None
   if split_k == 1:
     return _launch(xb, w_gu, scale, fmt=fmt, gate_up=True, block_m=block_m, block_n=block_n,
                    block_k=block_k, split_k=1, num_warps=num_warps, num_stages=num_stages,
-                   out_dtype=out_dtype, interpret=interpret, name=kernel)
+                   swap_ab=swap_ab, out_dtype=out_dtype, interpret=interpret, name=kernel)
   partials = _launch(xb, w_gu, scale, fmt=fmt, gate_up=False, block_m=block_m,
                      block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps,
-                     num_stages=num_stages, out_dtype=jnp.float32, interpret=interpret,
-                     name=kernel)
+                     num_stages=num_stages, swap_ab=swap_ab, out_dtype=jnp.float32,
+                     interpret=interpret, name=kernel)
   gu = partials.sum(axis=0)
   return _silu_mul(gu[:, :n_ff], gu[:, n_ff:]).astype(out_dtype)
 

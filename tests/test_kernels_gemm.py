@@ -255,6 +255,29 @@ def test_gate_up_fused_vs_separate(fmt, split_k, m):
   assert_within(fused, np.asarray(ref, np.float64), 2 * bound, f"{fmt} gate_up vs twin")
 
 
+@pytest.mark.parametrize("gate_up", (False, True))
+@pytest.mark.parametrize("fmt", ("bf16", "fp8", "q8_0"))
+def test_swap_ab_matches_oracle(fmt, gate_up):
+  """swap_ab (the MMA on the transposed tile): M = 40 in one 64-row tile (rows masked), and
+  for the plain GEMM a K split of 2 over a 64-wide K tail (K = 192 + 64 over block_k 128)."""
+  rng = np.random.default_rng(300 + 7 * gate_up + len(fmt))
+  m, k, n_ff = 40, 256, 64
+  x = rng.standard_normal((m, k)).astype(np.float32)
+  w, s, wd = make_weights(fmt, random_weights(rng, 2 * n_ff if gate_up else N, k))
+  kw = dict(fmt=fmt, block_m=64, block_n=32, block_k=128 if not gate_up else 64,
+            swap_ab=True, interpret=True)
+  want, bound = oracle(x, wd)
+  if not gate_up:
+    out = skinny_matmul(jnp.asarray(x), w, s, split_k=2, **kw)
+    assert_within(out, want, bound, f"{fmt} swap_ab vs float64 oracle")
+    return
+  fused = skinny_matmul_gate_up(jnp.asarray(x), w, s, **kw)
+  gw, uw = want[:, :n_ff], want[:, n_ff:]
+  want = silu(gw) * uw
+  assert_within(fused, want, silu_mul_bound(gw, uw, bound[:, :n_ff], bound[:, n_ff:], want),
+                f"{fmt} swap_ab gate_up vs float64 oracle")
+
+
 @pytest.mark.parametrize("split_k", (1, 2))
 def test_q8_0_eight_blocks_per_tile(split_k):
   # block_k 256: eight 32-blocks per K tile, each scaled by its own strided scale column; the
@@ -353,6 +376,16 @@ def test_default_knobs():
   assert default_knobs("bf16", 10, 40) == dict(block_n=16, block_k=64, split_k=1,
                                                num_stages=3)
   assert default_knobs("q8_0", 50, 32)["block_k"] == 32
+  # Batched rows: fp8 swaps the MMA over one M tile of up to 128 rows (run 13); one block of
+  # rows and the other formats keep the tuned tiles.
+  assert default_knobs("fp8", 6656, 19968, m=16) == default_knobs("fp8", 6656, 19968)
+  assert default_knobs("fp8", 6656, 19968, m=128) == dict(
+      block_n=64, block_k=256, split_k=5, num_stages=3, block_m=128, swap_ab=True, num_warps=8)
+  assert default_knobs("fp8", 19968, 6656, True, m=48) == dict(
+      block_n=64, block_k=128, split_k=1, num_stages=3, block_m=64, swap_ab=True, num_warps=4)
+  assert default_knobs("fp8", 6144, 6656, m=512)["block_m"] == 128
+  for fmt in ("bf16", "q8_0"):
+    assert default_knobs(fmt, 6144, 6656, m=128) == default_knobs(fmt, 6144, 6656)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -490,6 +523,30 @@ def test_gpu_gate_up_real_sizes(fmt, split_k):
   want = g * jax.nn.sigmoid(g) * u
   bound = 1.1 * jnp.abs(u) * b[:, :n_ff] + jnp.abs(g) * b[:, n_ff:] + 1e-6 * jnp.abs(want)
   _assert_device_within(out, want, bound, f"{fmt} gate_up split_k={split_k}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", (48, 128))
+@pytest.mark.parametrize("n, k, gate_up", [(6144, 6656, False), (6656, 19968, False),
+                                           (19968, 6656, True)])
+def test_gpu_fp8_batched_rows_real_sizes(n, k, gate_up, m):
+  """fp8 at a batched step's row counts with the tiles the step launches (swap_ab)."""
+  kx, kw = jax.random.split(jax.random.key(m + n + k))
+  x = jax.random.normal(kx, (m, k), jnp.float32)
+  w, s = _device_weights("fp8", 2 * n if gate_up else n, k, kw)
+  knobs = default_knobs("fp8", n, k, gate_up, m)
+  assert knobs["swap_ab"]
+  ref = skinny_matmul_reference(x, w, s, fmt="fp8")
+  b = _device_bound(x, w, s, "fp8")
+  if not gate_up:
+    _assert_device_within(skinny_matmul(x, w, s, fmt="fp8", **knobs), ref, b,
+                          f"fp8 {n}x{k} m={m} {knobs}")
+    return
+  out = skinny_matmul_gate_up(x, w, s, fmt="fp8", **knobs)
+  g, u = ref[:, :n], ref[:, n:]
+  want = g * jax.nn.sigmoid(g) * u
+  bound = 1.1 * jnp.abs(u) * b[:, :n] + jnp.abs(g) * b[:, n:] + 1e-6 * jnp.abs(want)
+  _assert_device_within(out, want, bound, f"fp8 gate_up m={m} {knobs}")
 
 
 # Published drafters' odd shapes at real sizes: a 1000-token vocab through lm_head, K not a
