@@ -374,7 +374,9 @@ def skinny_matmul(x: jax.Array, w: jax.Array, scale: jax.Array | None = None, *,
   block_m None: next power of 2 >= M, clamped to [16, 64]. split_k > 1: K blocks are divided
   among split_k programs per output tile and the float32 partials summed afterwards, unless
   keep_splits: then the float32 partials [split_k, M, N] are returned for the consumer to sum
-  (out_dtype is ignored; split_k = 1 gives [1, M, N]).
+  (out_dtype is ignored; split_k = 1 gives [1, M, N]). swap_ab: the MMA runs on the transposed
+  tile (weights as its left operand; the same products and float32 sums), the faster form for
+  1-byte weights past one block of rows (`default_knobs`).
   """
   block_m = _default_block_m(x.shape[0]) if block_m is None else block_m
   _check_args("skinny_matmul", x, w, scale, fmt, block_m, block_n, block_k, split_k,
