@@ -30,6 +30,23 @@ from pallas_kernels import ring_attention as R
 from pallas_kernels import skinny_gemm as G
 
 
+def _emit(out: list, row: dict) -> None:
+  """One configuration's result: printed as a JSON line at once (a sweep cut short keeps what
+  it printed) and collected for the output file."""
+  print(json.dumps(row), flush=True)
+  out.append(row)
+
+
+def _xla_dot_bf16(x, w):
+  """XLA's own GEMM x @ w^T on bf16 inputs with float32 accumulation: the skinny kernel's peer."""
+  return jax.lax.dot_general(x.astype(jnp.bfloat16), w, (((1,), (1,)), ((), ())),
+                             preferred_element_type=jnp.float32)
+
+
+def _tbps(nbytes: int, us: float | None) -> float | None:
+  return None if us is None else nbytes / us / 1e6
+
+
 def _time(f, *args, iters=30):
   try:
     per = C.cupti_kernels(jax.jit(f), *args, iterations=iters)
@@ -56,9 +73,7 @@ def sweep_attention(bw: float) -> list[dict]:
     for kn in grid:
       f = functools.partial(R.ring_attention, layer=cfg.n_layer - 1, window=w, **kn)
       us, err = _time(f, q, k, v, ring.k, ring.v, ring.pos, jnp.int32(w))
-      row = dict(kernel="ring_attention", ring=rdt, us=us, floor_us=floor_us, err=err, **kn)
-      print(json.dumps(row), flush=True)
-      out.append(row)
+      _emit(out, dict(kernel="ring_attention", ring=rdt, us=us, floor_us=floor_us, err=err, **kn))
   return out
 
 
@@ -81,14 +96,9 @@ def sweep_gemm(bw: float, fmts: tuple[str, ...], shapes: tuple[str, ...],
     weights["fp8"] = (jnp.asarray(w8), jnp.asarray(s8))
     qs, dq = quantize_q8_0(np.asarray(w32))
     weights["q8_0"] = (jnp.asarray(qs), jnp.asarray(dq))
-    wb = weights["bf16"][0]
-    xla = lambda a, m: jax.lax.dot_general(a.astype(jnp.bfloat16), m, (((1,), (1,)), ((), ())),
-                                           preferred_element_type=jnp.float32)
-    us, err = _time(xla, xs, wb)
-    row = dict(kernel="xla_dot_bf16", shape=name, n=n, k=k, us=us, err=err,
-               TBps=None if us is None else n * k * 2 / us / 1e6)
-    print(json.dumps(row), flush=True)
-    out.append(row)
+    us, err = _time(_xla_dot_bf16, xs, weights["bf16"][0])
+    _emit(out, dict(kernel="xla_dot_bf16", shape=name, n=n, k=k, us=us, err=err,
+                    TBps=_tbps(n * k * 2, us)))
     for fmt, (wq, sc) in weights.items():
       if fmt not in fmts:
         continue
@@ -103,11 +113,9 @@ def sweep_gemm(bw: float, fmts: tuple[str, ...], shapes: tuple[str, ...],
         f = functools.partial(G.skinny_matmul, fmt=fmt, block_n=bn, block_k=bk, num_stages=ns,
                               num_warps=nw, split_k=sk)
         us, err = _time(f, xs, wq, sc)
-        row = dict(kernel="skinny", fmt=fmt, shape=name, n=n, k=k, block_n=bn, block_k=bk,
-                   num_stages=ns, num_warps=nw, split_k=sk, us=us, err=err,
-                   TBps=None if us is None else nbytes / us / 1e6)
-        print(json.dumps(row), flush=True)
-        out.append(row)
+        _emit(out, dict(kernel="skinny", fmt=fmt, shape=name, n=n, k=k, block_n=bn, block_k=bk,
+                        num_stages=ns, num_warps=nw, split_k=sk, us=us, err=err,
+                        TBps=_tbps(nbytes, us)))
   return out
 
 
@@ -127,10 +135,8 @@ def sweep_gate_up(fmts: tuple[str, ...]) -> list[dict]:
       f = functools.partial(G.skinny_matmul_gate_up, fmt=fmt, block_n=bn, block_k=bk,
                             num_warps=nw, num_stages=3)
       us, err = _time(f, x, wq, sc)
-      row = dict(kernel="skinny_gate_up", fmt=fmt, block_n=bn, block_k=bk, num_warps=nw,
-                 us=us, err=err, TBps=None if us is None else nbytes / us / 1e6)
-      print(json.dumps(row), flush=True)
-      out.append(row)
+      _emit(out, dict(kernel="skinny_gate_up", fmt=fmt, block_n=bn, block_k=bk, num_warps=nw,
+                      us=us, err=err, TBps=_tbps(nbytes, us)))
   return out
 
 
@@ -177,10 +183,7 @@ def _ring(key, hkv: int, s: int, d: int, n_fill: int, ring_dtype):
 def sweep_shapes(bw: float) -> list[dict]:
   """Kernels at the published shapes with their default knobs (us, byte floor, fraction)."""
   out = []
-
-  def emit(row):
-    print(json.dumps(row), flush=True)
-    out.append(row)
+  emit = functools.partial(_emit, out)
 
   key = iter(jax.random.split(jax.random.key(3), 64))
   rnd = lambda shape: jax.random.normal(next(key), shape, jnp.float32)
@@ -217,11 +220,9 @@ def sweep_shapes(bw: float) -> list[dict]:
     rows = 2 * n if gate_up else n
     w32 = jax.random.normal(next(key), (rows, k), jnp.float32) / np.sqrt(k)
     xs = x[:, :k]
-    xla = lambda a, m: jax.lax.dot_general(a.astype(jnp.bfloat16), m, (((1,), (1,)), ((), ())),
-                                           preferred_element_type=jnp.float32)
-    us, err = _time(xla, xs, w32.astype(jnp.bfloat16))
+    us, err = _time(_xla_dot_bf16, xs, w32.astype(jnp.bfloat16))
     emit(dict(kernel="xla_dot_bf16", shape=name, n=rows, k=k, us=us, err=err,
-              TBps=None if us is None else rows * k * 2 / us / 1e6))
+              TBps=_tbps(rows * k * 2, us)))
     for fmt in ("bf16", "fp8", "q8_0"):
       if fmt == "q8_0" and k % 32:
         continue
@@ -236,37 +237,35 @@ def sweep_shapes(bw: float) -> list[dict]:
       us, err = _time(f, xs, wq, sc)
       nbytes = wq.nbytes + (0 if sc is None else sc.nbytes)
       emit(dict(kernel="skinny_gate_up" if gate_up else "skinny", fmt=fmt, shape=name, n=rows,
-                k=k, us=us, err=err, TBps=None if us is None else nbytes / us / 1e6, **kn))
+                k=k, us=us, err=err, TBps=_tbps(nbytes, us), **kn))
   return out
 
 
-def sweep_rows(bw: float, fmts: tuple[str, ...], rows: tuple[int, ...]) -> list[dict]:
+# The seed's GEMMs of the batched-row probes: (name, N of one weight stream, K, gate_up).
+BATCH_GEMMS = (("qkv", 6144, 6656, False), ("down", 6656, 19968, False),
+               ("gate_up", 19968, 6656, True))
+
+
+def sweep_rows(fmts: tuple[str, ...], rows: tuple[int, ...]) -> list[dict]:
   """Skinny-GEMM tiles at batched row counts (S x w rows): one M tile of all rows (the weights
-  streamed once) against 64-row tiles (4 warps; 8 for larger tiles), for the seed's qkv, down and fused
-  gate+up, next to XLA's bf16 GEMM at the same M (issue 14's crossover)."""
+  streamed once) against 64-row tiles (4 warps; 8 for larger tiles), plain and swapped
+  (swap_ab), for the seed's qkv, down and fused gate+up, next to XLA's bf16 GEMM at the same M
+  (issue 14's crossover)."""
   out = []
-
-  def emit(row):
-    print(json.dumps(row), flush=True)
-    out.append(row)
-
   key = iter(jax.random.split(jax.random.key(4), 32))
-  shapes = [("qkv", 6144, 6656, False), ("down", 6656, 19968, False),
-            ("gate_up", 19968, 6656, True)]
-  for name, n, k, gate_up in shapes:
+  for name, n, k, gate_up in BATCH_GEMMS:
     n_w = 2 * n if gate_up else n
     w32 = np.asarray(jax.random.normal(next(key), (n_w, k), jnp.float32)) / np.sqrt(k)
     weights = {"bf16": (jnp.asarray(w32, jnp.bfloat16), None)}
     if "fp8" in fmts:
       weights["fp8"] = tuple(jnp.asarray(a) for a in quantize_fp8(w32))
     del w32
+    fn = G.skinny_matmul_gate_up if gate_up else G.skinny_matmul
     for m in rows:
       x = jax.random.normal(next(key), (m, k), jnp.float32)
-      xla = lambda a, wb: jax.lax.dot_general(a.astype(jnp.bfloat16), wb, (((1,), (1,)), ((), ())),
-                                              preferred_element_type=jnp.float32)
-      us, err = _time(xla, x, weights["bf16"][0])
-      emit(dict(kernel="xla_dot_bf16", shape=name, m=m, us=us, err=err,
-                TBps=None if us is None else n_w * k * 2 / us / 1e6))
+      us, err = _time(_xla_dot_bf16, x, weights["bf16"][0])
+      _emit(out, dict(kernel="xla_dot_bf16", shape=name, m=m, us=us, err=err,
+                      TBps=_tbps(n_w * k * 2, us)))
       for fmt in fmts:
         wq, sc = weights[fmt]
         nbytes = wq.nbytes + (0 if sc is None else sc.nbytes)
@@ -276,11 +275,9 @@ def sweep_rows(bw: float, fmts: tuple[str, ...], rows: tuple[int, ...]) -> list[
         for bm, bn, swap in grid:
           kn = dict(base, block_m=bm, num_warps=4 if bm <= 64 else 8, block_n=bn,
                     swap_ab=swap)
-          fn = G.skinny_matmul_gate_up if gate_up else G.skinny_matmul
-          f = functools.partial(fn, fmt=fmt, **kn)
-          us, err = _time(f, x, wq, sc)
-          emit(dict(kernel="skinny", fmt=fmt, shape=name, m=m, us=us, err=err,
-                    TBps=None if us is None else nbytes / us / 1e6, **kn))
+          us, err = _time(functools.partial(fn, fmt=fmt, **kn), x, wq, sc)
+          _emit(out, dict(kernel="skinny", fmt=fmt, shape=name, m=m, us=us, err=err,
+                          TBps=_tbps(nbytes, us), **kn))
     del weights
   return out
 
@@ -288,34 +285,27 @@ def sweep_rows(bw: float, fmts: tuple[str, ...], rows: tuple[int, ...]) -> list[
 def sweep_mixed(rows: tuple[int, ...]) -> list[dict]:
   """XLA's own GEMM on 1-byte weights widened inside the dot's operand (fp8: convert to bf16,
   the row scale after the dot; q8_0: int8 times its 32-block scales rounded to bf16), next to
-  its bf16 GEMM, at batched row counts: can XLA's GEMM fusion stream 1-byte weights?"""
+  its bf16 GEMM, at batched row counts: can XLA's GEMM fusion stream 1-byte weights? (gate_up
+  as one plain GEMM, no silu epilogue.)"""
   out = []
-  dims = (((1,), (1,)), ((), ()))
-  fp8 = lambda x, w, s: jax.lax.dot_general(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), dims,
-                                            preferred_element_type=jnp.float32) * s[None, :]
-  q8 = lambda x, w, d: jax.lax.dot_general(
-      x.astype(jnp.bfloat16),
-      (w.astype(jnp.float32) * jnp.repeat(d, 32, axis=1)).astype(jnp.bfloat16), dims,
-      preferred_element_type=jnp.float32)
-  bf16 = lambda x, w: jax.lax.dot_general(x.astype(jnp.bfloat16), w, dims,
-                                          preferred_element_type=jnp.float32)
+  fp8 = lambda x, w, s: _xla_dot_bf16(x, w.astype(jnp.bfloat16)) * s[None, :]
+  q8 = lambda x, w, d: _xla_dot_bf16(
+      x, (w.astype(jnp.float32) * jnp.repeat(d, 32, axis=1)).astype(jnp.bfloat16))
   key = iter(jax.random.split(jax.random.key(5), 32))
-  for name, n, k in (("qkv", 6144, 6656), ("down", 6656, 19968), ("gate_up", 39936, 6656)):
-    w32 = np.asarray(jax.random.normal(next(key), (n, k), jnp.float32)) / np.sqrt(k)
+  for name, n, k, gate_up in BATCH_GEMMS:
+    n_w = 2 * n if gate_up else n
+    w32 = np.asarray(jax.random.normal(next(key), (n_w, k), jnp.float32)) / np.sqrt(k)
     wb = jnp.asarray(w32, jnp.bfloat16)
     w8, s8 = (jnp.asarray(a) for a in quantize_fp8(w32))
     qs, dq = (jnp.asarray(a) for a in quantize_q8_0(w32))
     del w32
     for m in rows:
       x = jax.random.normal(next(key), (m, k), jnp.float32)
-      for kernel, f, args, nbytes in (("xla_bf16", bf16, (wb,), wb.nbytes),
+      for kernel, f, args, nbytes in (("xla_bf16", _xla_dot_bf16, (wb,), wb.nbytes),
                                       ("xla_fp8w", fp8, (w8, s8), w8.nbytes + s8.nbytes),
                                       ("xla_q8w", q8, (qs, dq), qs.nbytes + dq.nbytes)):
         us, err = _time(f, x, *args)
-        row = dict(kernel=kernel, shape=name, m=m, us=us, err=err,
-                   TBps=None if us is None else nbytes / us / 1e6)
-        print(json.dumps(row), flush=True)
-        out.append(row)
+        _emit(out, dict(kernel=kernel, shape=name, m=m, us=us, err=err, TBps=_tbps(nbytes, us)))
     del wb, w8, s8, qs, dq
   return out
 
@@ -323,35 +313,30 @@ def sweep_mixed(rows: tuple[int, ...]) -> list[dict]:
 def sweep_mgpu(rows: tuple[int, ...]) -> list[dict]:
   """Probe: jax's Mosaic GPU Hopper matmul (TMA + wgmma, warp-specialized, persistent grid) on
   the seed's bf16 weights at batched row counts, as out^T = W [N, K] @ x^T [K, M] so that the
-  weights keep their (out, in) layout; next to XLA's GEMM. Speed only (bf16 output)."""
+  weights keep their (out, in) layout; next to XLA's GEMM. Speed only (bf16 output; gate_up as
+  one plain GEMM)."""
   from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as H
   out = []
   key = iter(jax.random.split(jax.random.key(6), 32))
-  xla = lambda x, w: jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())),
-                                         preferred_element_type=jnp.float32)
-  for name, n, k in (("qkv", 6144, 6656), ("down", 6656, 19968), ("gate_up", 39936, 6656)):
-    w = (jax.random.normal(next(key), (n, k), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
+  for name, n, k, gate_up in BATCH_GEMMS:
+    n_w = 2 * n if gate_up else n
+    w = (jax.random.normal(next(key), (n_w, k), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
     for m in rows:
       x = jax.random.normal(next(key), (m, k), jnp.float32).astype(jnp.bfloat16)
-      us, err = _time(xla, x, w)
-      emit = dict(kernel="xla_dot_bf16", shape=name, m=m, us=us, err=err,
-                  TBps=None if us is None else w.nbytes / us / 1e6)
-      print(json.dumps(emit), flush=True)
-      out.append(emit)
+      us, err = _time(_xla_dot_bf16, x, w)
+      _emit(out, dict(kernel="xla_dot_bf16", shape=name, m=m, us=us, err=err,
+                      TBps=_tbps(w.nbytes, us)))
       xt = jnp.asarray(x.T)   # [K, M]: the kernel's right operand, M contiguous
-      for tm, tn, tk, steps, wg in itertools.product((64, 128), (64, 128), (64, 128), (4,),
-                                                     (H.MatmulDimension.M, H.MatmulDimension.N)):
+      for tm, tn, tk, wg in itertools.product((64, 128), (64, 128), (64, 128),
+                                              (H.MatmulDimension.M, H.MatmulDimension.N)):
         cta_n = tn * (2 if wg == H.MatmulDimension.N else 1)
         if m % cta_n or k % tk:
           continue
-        cfg = H.TuningConfig(tile_m=tm, tile_n=tn, tile_k=tk, max_concurrent_steps=steps,
+        cfg = H.TuningConfig(tile_m=tm, tile_n=tn, tile_k=tk, max_concurrent_steps=4,
                              wg_dimension=wg, epi_tile_n=min(64, tn), epi_tile_m=min(64, tm))
         us, err = _time(lambda a, b, cfg=cfg: H.matmul(a, b, None, cfg), w, xt)
-        row = dict(kernel="mgpu_matmul", shape=name, m=m, tile_m=tm, tile_n=tn, tile_k=tk,
-                   steps=steps, wg=str(wg), us=us, err=err,
-                   TBps=None if us is None else w.nbytes / us / 1e6)
-        print(json.dumps(row), flush=True)
-        out.append(row)
+        _emit(out, dict(kernel="mgpu_matmul", shape=name, m=m, tile_m=tm, tile_n=tn, tile_k=tk,
+                        steps=4, wg=str(wg), us=us, err=err, TBps=_tbps(w.nbytes, us)))
     del w
   return out
 
@@ -375,13 +360,13 @@ def main(argv=None) -> int:
     res["rows"] += sweep_gate_up(tuple(f for f in args.fmts.split(",") if f != "bf16"))
   if "shapes" in args.what:
     res["rows"] += sweep_shapes(bw)
+  rows = tuple(int(v) for v in args.rows.split(","))
   if "mgpu" in args.what:
-    res["rows"] += sweep_mgpu(tuple(int(v) for v in args.rows.split(",")))
+    res["rows"] += sweep_mgpu(rows)
   if "mixed" in args.what:
-    res["rows"] += sweep_mixed(tuple(int(v) for v in args.rows.split(",")))
+    res["rows"] += sweep_mixed(rows)
   if "rows" in args.what:
-    res["rows"] += sweep_rows(bw, tuple(f for f in args.fmts.split(",") if f != "q8_0"),
-                              tuple(int(v) for v in args.rows.split(",")))
+    res["rows"] += sweep_rows(tuple(f for f in args.fmts.split(",") if f != "q8_0"), rows)
   if "gemm" in args.what:
     res["rows"] += sweep_gemm(bw, tuple(args.fmts.split(",")), tuple(args.shapes.split(",")),
                               args.wide,
