@@ -44,6 +44,7 @@ import numpy as np
 
 import dflash_jax as dfj
 from benchmarks import common as C
+from dflash_jax import atomic
 from dflash_jax import decode as D
 from dflash_jax import step as S
 
@@ -293,8 +294,7 @@ def main(argv=None) -> int:
   hlo = target.compiled.as_text()
   module = re.match(r"HloModule (\S+?),", hlo).group(1)
   hlo_path = os.path.join(out_dir, f"{args.what}.hlo.txt")
-  with open(hlo_path, "w") as f:
-    f.write(hlo)
+  atomic.write_text(hlo_path, hlo)
   call_args = target.args
   for _ in range(2):   # warm-up: the first calls pay one-time costs
     call_args = target.advance(call_args, jax.block_until_ready(target.compiled(*call_args)))
@@ -311,8 +311,7 @@ def main(argv=None) -> int:
              compile_and_warmup_s=compile_s, hlo_module=module, xplane=xplane, trace=trace,
              perfetto=os.path.join(os.path.dirname(trace), "perfetto_trace.json.gz"),
              hlo=hlo_path, phases=phases)
-  with open(os.path.join(out_dir, "phases.json"), "w") as f:
-    json.dump(res, f, indent=1)
+  C.save_results(out_dir, "phases", res)
   print(f"{target.describe}; {args.rounds} {target.annotation}s traced "
         f"(command buffers {res['command_buffer']})")
   print(f"\n{phases['source']}, ms per {target.annotation} by phase (all layers):")
