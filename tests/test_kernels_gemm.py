@@ -477,6 +477,16 @@ def _assert_device_within(out, want, bound, what):
   assert bad == 0, f"{what}: {bad} outside the bound, max err/bound {float(jnp.max(err / bound))}"
 
 
+def _assert_gate_up_within(out, gu, b, what):
+  """out vs silu(gate) * up of the twin's [M, 2 n_ff] product gu, with the first-order bound
+  propagated from b (the product's bound)."""
+  n_ff = gu.shape[1] // 2
+  g, u = gu[:, :n_ff], gu[:, n_ff:]
+  want = g * jax.nn.sigmoid(g) * u
+  bound = 1.1 * jnp.abs(u) * b[:, :n_ff] + jnp.abs(g) * b[:, n_ff:] + 1e-6 * jnp.abs(want)
+  _assert_device_within(out, want, bound, what)
+
+
 GPU_CASES = [  # (n, k, split_k): fused qkv, gate+up as one matrix, down projection
     (6144, 6656, 1), (39936, 6656, 1), (6656, 19968, 1), (6656, 19968, 4)]
 
@@ -519,10 +529,7 @@ def test_gpu_gate_up_real_sizes(fmt, split_k):
   out = skinny_matmul_gate_up(x, w, s, fmt=fmt, split_k=split_k)
   gu = skinny_matmul_reference(x, w, s, fmt=fmt)
   b = _device_bound(x, w, s, fmt)
-  g, u = gu[:, :n_ff], gu[:, n_ff:]
-  want = g * jax.nn.sigmoid(g) * u
-  bound = 1.1 * jnp.abs(u) * b[:, :n_ff] + jnp.abs(g) * b[:, n_ff:] + 1e-6 * jnp.abs(want)
-  _assert_device_within(out, want, bound, f"{fmt} gate_up split_k={split_k}")
+  _assert_gate_up_within(out, gu, b, f"{fmt} gate_up split_k={split_k}")
 
 
 @pytest.mark.gpu
@@ -543,10 +550,7 @@ def test_gpu_fp8_batched_rows_real_sizes(n, k, gate_up, m):
                           f"fp8 {n}x{k} m={m} {knobs}")
     return
   out = skinny_matmul_gate_up(x, w, s, fmt="fp8", **knobs)
-  g, u = ref[:, :n], ref[:, n:]
-  want = g * jax.nn.sigmoid(g) * u
-  bound = 1.1 * jnp.abs(u) * b[:, :n] + jnp.abs(g) * b[:, n:] + 1e-6 * jnp.abs(want)
-  _assert_device_within(out, want, bound, f"fp8 gate_up m={m} {knobs}")
+  _assert_gate_up_within(out, ref, b, f"fp8 gate_up m={m} {knobs}")
 
 
 # Published drafters' odd shapes at real sizes: a 1000-token vocab through lm_head, K not a
@@ -572,7 +576,4 @@ def test_gpu_odd_shapes(fmt, name, n, k, gate_up):
     _assert_device_within(out, ref, b, f"{fmt} {name} {knobs}")
     return
   out = skinny_matmul_gate_up(x, w, s, fmt=fmt, **knobs)
-  g, u = ref[:, :n], ref[:, n:]
-  want = g * jax.nn.sigmoid(g) * u
-  bound = 1.1 * jnp.abs(u) * b[:, :n] + jnp.abs(g) * b[:, n:] + 1e-6 * jnp.abs(want)
-  _assert_device_within(out, want, bound, f"{fmt} {name} {knobs}")
+  _assert_gate_up_within(out, ref, b, f"{fmt} {name} {knobs}")
