@@ -1,6 +1,6 @@
 """Tuning sweeps on the GPU: ring attention knobs and skinny-GEMM tiles, CUPTI timed.
 
-  python -m benchmarks.sweep [attention] [gemm] [gate_up] [shapes] [rows] [mixed] [mgpu] [--out FILE.json]
+  python -m benchmarks.sweep [attention] [battn] [gemm] [gate_up] [shapes] [rows] [mixed] [mgpu] [--out FILE.json]
 
 Prints one line per configuration (device us, achieved TB/s) and writes all of them as JSON;
 the defaults in the kernels and step come from these numbers (see RESULTS.md). `shapes`
@@ -74,6 +74,30 @@ def sweep_attention(bw: float) -> list[dict]:
       f = functools.partial(R.ring_attention, layer=cfg.n_layer - 1, window=w, **kn)
       us, err = _time(f, q, k, v, ring.k, ring.v, ring.pos, jnp.int32(w))
       _emit(out, dict(kernel="ring_attention", ring=rdt, us=us, floor_us=floor_us, err=err, **kn))
+  return out
+
+
+def sweep_batch_attention(bw: float, slots: tuple[int, ...]) -> list[dict]:
+  """Ring attention vmapped over S sequence slots (the batched step's launch), seed dims,
+  full bf16 rings: splits x block_k per S, next to the ring-read floor of S rings."""
+  cfg = dfj.SEED_CONFIG
+  w, hkv, d, b, g = 2048, cfg.n_head_kv, cfg.head_dim, cfg.block_size, cfg.group
+  out = []
+  for n in slots:
+    key = iter(jax.random.split(jax.random.key(n), 4))
+    rnd = lambda s: jax.random.normal(next(key), s, jnp.float32)
+    q, k, v = rnd((n, hkv, b * g, d)), rnd((n, hkv, b, d)), rnd((n, hkv, b, d))
+    ring = C.filled_state(cfg, "bf16", w, w, n_seqs=n).sliding
+    n_past = jnp.full((n,), w, jnp.int32)
+    floor_us = n * 2 * hkv * w * d * ring.k.dtype.itemsize / bw * 1e6
+    for splits, bk in itertools.product((1, 2, 4, 8, 16), (64, 128, 256)):
+      if splits * bk > w:
+        continue
+      kn = dict(splits=splits, block_k=bk, terms=2)
+      f = jax.vmap(functools.partial(R.ring_attention, layer=cfg.n_layer - 1, window=w, **kn))
+      us, err = _time(f, q, k, v, ring.k, ring.v, ring.pos, n_past)
+      _emit(out, dict(kernel="ring_attention_vmapped", slots=n, us=us, floor_us=floor_us,
+                      err=err, **kn))
   return out
 
 
@@ -349,6 +373,7 @@ def main(argv=None) -> int:
   p.add_argument("--shapes", default=",".join(GEMM_SHAPES))
   p.add_argument("--wide", action="store_true", help="GEMM: the wide tile grid")
   p.add_argument("--rows", default="32,64,128", help="rows: the M values (comma list)")
+  p.add_argument("--slots", default="2,8,32", help="battn: the S values (comma list)")
   p.add_argument("--split-ks", default="", help="GEMM: these split_k values (comma list)")
   args = p.parse_args(argv)
   bw = C.copy_bandwidth(1 << 30)
@@ -356,6 +381,8 @@ def main(argv=None) -> int:
   res = dict(copy_bw_TBps=bw / 1e12, device=jax.devices()[0].device_kind, rows=[])
   if "attention" in args.what:
     res["rows"] += sweep_attention(bw)
+  if "battn" in args.what:
+    res["rows"] += sweep_batch_attention(bw, tuple(int(v) for v in args.slots.split(",")))
   if "gate_up" in args.what:
     res["rows"] += sweep_gate_up(tuple(f for f in args.fmts.split(",") if f != "bf16"))
   if "shapes" in args.what:
