@@ -154,12 +154,16 @@ def kernels(impl: str) -> Kernels:
 
 
 def attention_knobs(cache: KVCache, impl: str = "pallas") -> dict:
-  """The ring attention's static arguments for one cache: its `window` and, for the Pallas
-  kernel, the launch knobs `ring_attention.default_knobs` picks for its slots and dtype."""
+  """The ring attention's static arguments for one cache (of one ring, or of a batched ring:
+  its leading slot axis is the vmapped launch's sequence count): its `window` and, for the
+  Pallas kernel, the launch knobs `ring_attention.default_knobs` picks for its slots, dtype
+  and sequence count."""
   if impl == "xla":
     return dict(window=cache.window)
+  n_seqs = int(cache.k.shape[0]) if cache.k.ndim == 5 else 1
   return dict(attn_k.default_knobs(cache.slots, cache.window, cache.k.dtype,
-                                   head_dim=int(cache.k.shape[-1])), window=cache.window)
+                                   head_dim=int(cache.k.shape[-1]), n_seqs=n_seqs,
+                                   n_head_kv=int(cache.k.shape[-3])), window=cache.window)
 
 
 def encode(params: DrafterParams, features: jax.Array, *,

@@ -261,7 +261,8 @@ def chunking(n_slots: int, splits: int, block_k: int) -> tuple[int, int]:
   return chunk, pl.cdiv(n_slots, chunk)
 
 
-def default_knobs(capacity: int, window: int | None, ring_dtype, head_dim: int = 128) -> dict:
+def default_knobs(capacity: int, window: int | None, ring_dtype, head_dim: int = 128,
+                  n_seqs: int = 1, n_head_kv: int = 8) -> dict:
   """Launch shape and dot precision for a ring / cache of `capacity` slots (H200 sweeps,
   benchmarks/RESULTS.md runs 1-2 and 7).
 
@@ -272,12 +273,22 @@ def default_knobs(capacity: int, window: int | None, ring_dtype, head_dim: int =
   K and V tiles must fit shared memory). Up to 16 chunks of the ring per kv head (16 x 128 at
   the seed's 2048-slot bf16 ring was the sweep's best), 32 for a full-attention cache
   (window None), whose large capacity needs more programs to stream at bandwidth.
+
+  A launch vmapped over n_seqs > 1 sequence slots already has n_seqs x n_head_kv x splits
+  programs: splits shrink so that about 256 of them run (more only re-read and re-combine
+  partials), and from 8 slots on the tiles are 64 slots (H200, RESULTS.md run 14, seed
+  dims, full bf16 rings, partial + combine: S = 8 44.6 us with 4 x 64 vs 63.8 with 16 x
+  128; S = 32 138.5 with 1 x 64 vs 236.5; S = 2 best at 16 x 128, 15.3 us).
   """
   bf16 = jnp.dtype(ring_dtype) == jnp.bfloat16
   cap = (128 if bf16 else 64) // (2 if head_dim > 128 else 1)
   quarter = max(1, capacity // 4)
   block_k = max(16, min(cap, 1 << (quarter.bit_length() - 1)))
+  if n_seqs >= 8:
+    block_k = min(block_k, 64)
   splits = max(1, min(16 if window is not None else 32, pl.cdiv(capacity, block_k)))
+  if n_seqs > 1:
+    splits = max(1, min(splits, 256 // (n_seqs * n_head_kv)))
   return dict(splits=splits, block_k=block_k, terms=2 if bf16 else 3)
 
 

@@ -257,6 +257,15 @@ def test_default_knobs():
   # head_dim > 128 halves the tiles (two stages of K and V tiles in shared memory).
   assert default_knobs(2048, 2048, jnp.bfloat16, head_dim=256)["block_k"] == 64
   assert default_knobs(2048, 2048, jnp.float32, head_dim=256)["block_k"] == 32
+  # Batched launches (n_seqs slots vmapped): about 256 programs, 64-slot tiles from 8 slots;
+  # one sequence and S = 2 keep the unbatched knobs.
+  assert default_knobs(2048, 2048, jnp.bfloat16, n_seqs=1) == seed_bf16
+  assert default_knobs(2048, 2048, jnp.bfloat16, n_seqs=2) == seed_bf16
+  assert default_knobs(2048, 2048, jnp.bfloat16, n_seqs=8) == dict(splits=4, block_k=64,
+                                                                   terms=2)
+  assert default_knobs(2048, 2048, jnp.bfloat16, n_seqs=32) == dict(splits=1, block_k=64,
+                                                                    terms=2)
+  assert default_knobs(2048, 2048, jnp.bfloat16, n_seqs=4, n_head_kv=4)["splits"] == 16
 
 
 @pytest.mark.parametrize("change,match", [
