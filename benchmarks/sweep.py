@@ -79,7 +79,8 @@ def sweep_attention(bw: float) -> list[dict]:
 
 def sweep_batch_attention(bw: float, slots: tuple[int, ...]) -> list[dict]:
   """Ring attention vmapped over S sequence slots (the batched step's launch), seed dims,
-  full bf16 rings: splits x block_k per S, next to the ring-read floor of S rings."""
+  full bf16 rings, next to the ring-read floor of S rings: splits x block_k per S at 4 warps
+  and 2 stages, then warps x stages x query-row tiles around the best two of those."""
   cfg = dfj.SEED_CONFIG
   w, hkv, d, b, g = 2048, cfg.n_head_kv, cfg.head_dim, cfg.block_size, cfg.group
   out = []
@@ -90,14 +91,24 @@ def sweep_batch_attention(bw: float, slots: tuple[int, ...]) -> list[dict]:
     ring = C.filled_state(cfg, "bf16", w, w, n_seqs=n).sliding
     n_past = jnp.full((n,), w, jnp.int32)
     floor_us = n * 2 * hkv * w * d * ring.k.dtype.itemsize / bw * 1e6
-    for splits, bk in itertools.product((1, 2, 4, 8, 16), (64, 128, 256)):
-      if splits * bk > w:
-        continue
-      kn = dict(splits=splits, block_k=bk, terms=2)
-      f = jax.vmap(functools.partial(R.ring_attention, layer=cfg.n_layer - 1, window=w, **kn))
+
+    def run(**kn):
+      f = jax.vmap(functools.partial(R.ring_attention, layer=cfg.n_layer - 1, window=w,
+                                     terms=2, **kn))
       us, err = _time(f, q, k, v, ring.k, ring.v, ring.pos, n_past)
       _emit(out, dict(kernel="ring_attention_vmapped", slots=n, us=us, floor_us=floor_us,
                       err=err, **kn))
+      return us
+
+    timed = []
+    for splits, bk in itertools.product((1, 2, 4, 8, 16), (64, 128, 256)):
+      if splits * bk <= w:
+        timed.append((run(splits=splits, block_k=bk), splits, bk))
+    best = sorted((t for t in timed if t[0] is not None))[:2]
+    for _, splits, bk in best:
+      for nw, ns, bq in itertools.product((4, 8), (1, 2, 3, 4), (None, 32)):
+        if (nw, ns, bq) != (4, 2, None):
+          run(splits=splits, block_k=bk, num_warps=nw, num_stages=ns, block_q=bq)
   return out
 
 
