@@ -29,7 +29,7 @@ from dflash_jax import step as S
 
 # The fused (non-GEMM) Pallas kernels; the Pallas skinny GEMM counts as a GEMM (common.GEMM_RE).
 PALLAS = {"inject": "inject", "qk_norm_rope": "norm_rope", "ring_attn": "attention",
-          "residual_rms_norm": "residual_norm", "accept": "accept"}
+          "accept": "accept"}
 GEMM_GROUPS = ("qkv", "o", "gate_up", "down")
 
 

@@ -1,6 +1,6 @@
 """Tuning sweeps on the GPU: ring attention knobs and skinny-GEMM tiles, CUPTI timed.
 
-  python -m benchmarks.sweep [attention] [battn] [resnorm] [gemm] [gate_up] [shapes] [rows] [mixed] [mgpu] [--out FILE.json]
+  python -m benchmarks.sweep [attention] [battn] [gemm] [gate_up] [shapes] [rows] [mixed] [mgpu] [--out FILE.json]
 
 Prints one line per configuration (device us, achieved TB/s) and writes all of them as JSON;
 the defaults in the kernels and step come from these numbers (see RESULTS.md). `shapes`
@@ -109,30 +109,6 @@ def sweep_batch_attention(bw: float, slots: tuple[int, ...]) -> list[dict]:
       for nw, ns, bq in itertools.product((4, 8), (1, 2, 3, 4), (None, 32)):
         if (nw, ns, bq) != (4, 2, None):
           run(splits=splits, block_k=bk, num_warps=nw, num_stages=ns, block_q=bq)
-  return out
-
-
-def sweep_residual_norm(bw: float) -> list[dict]:
-  """The residual add + RMS norm kernel at the seed's residual width (E = 6656) for the o (4)
-  and down (5) projections' partials, one block (16 rows) and S = 8 (128 rows), per num_warps,
-  next to its jnp twin under XLA (the two fusions it replaces) and the bytes' floor."""
-  from pallas_kernels import residual_norm as RN
-  out = []
-  e = dfj.SEED_CONFIG.n_embd
-  for m, p in ((16, 4), (16, 5), (128, 4), (128, 5)):
-    key = iter(jax.random.split(jax.random.key(m + p), 3))
-    x = jax.random.normal(next(key), (m, e), jnp.float32)
-    parts = jax.random.normal(next(key), (p, m, e), jnp.float32)
-    w = 1.0 + 0.1 * jax.random.normal(next(key), (e,), jnp.float32)
-    floor_us = (p + 2) * m * e * 4 / bw * 1e6 + m * e * 2 / bw * 1e6
-    f = functools.partial(RN.residual_rms_norm_reference, eps=1e-6)
-    us, err = _time(f, x, parts, w)
-    _emit(out, dict(kernel="residual_norm_xla", m=m, p=p, us=us, floor_us=floor_us, err=err))
-    for nw in (4, 8, 16, 32):
-      f = functools.partial(RN.residual_rms_norm, eps=1e-6, num_warps=nw)
-      us, err = _time(f, x, parts, w)
-      _emit(out, dict(kernel="residual_rms_norm", m=m, p=p, num_warps=nw, us=us,
-                      floor_us=floor_us, err=err))
   return out
 
 
@@ -416,8 +392,6 @@ def main(argv=None) -> int:
   res = dict(copy_bw_TBps=bw / 1e12, device=jax.devices()[0].device_kind, rows=[])
   if "attention" in args.what:
     res["rows"] += sweep_attention(bw)
-  if "resnorm" in args.what:
-    res["rows"] += sweep_residual_norm(bw)
   if "battn" in args.what:
     res["rows"] += sweep_batch_attention(bw, tuple(int(v) for v in args.slots.split(",")))
   if "gate_up" in args.what:

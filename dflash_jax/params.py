@@ -258,18 +258,16 @@ def linear(x: jax.Array, w, *, impl: str = "pallas", gate_up: bool = False,
   which dequantizes in XLA). gate_up: w holds gate rows then up rows and the
   result is silu(gate) * up (fused into the skinny GEMM's epilogue). The result is out_dtype,
   or with partials=True the float32 split-K partial sums [S, M, N] (S = 1 unless the skinny
-  GEMM split K), left for the consuming kernel to add up (qk_norm_rope, residual_rms_norm). A
-  `Reduced` weight (inside a sharded call) is the product over this device's columns, psummed
-  over its axis (with partials=True as one partial [1, M, N]).
+  GEMM split K), left for the consuming kernel to add up (qk_norm_rope). A `Reduced` weight
+  (inside a sharded call) is the product over this device's columns, psummed over its axis.
   """
   if partials and gate_up:
     raise ValueError("linear: partials=True is for plain projections, not gate_up")
   if isinstance(w, Reduced):
-    if gate_up:
-      raise ValueError("linear: a Reduced (column-split) weight takes no gate_up (its partial "
-                       "sums must be added before any epilogue)")
-    y = jax.lax.psum(linear(x, w.w, impl=impl), w.axis)
-    return y[None] if partials else y.astype(out_dtype)
+    if partials or gate_up:
+      raise ValueError("linear: a Reduced (column-split) weight takes neither partials nor "
+                       "gate_up (its partial sums must be added before any epilogue)")
+    return jax.lax.psum(linear(x, w.w, impl=impl), w.axis).astype(out_dtype)
   if impl != "xla" and (isinstance(w, QuantWeight) or _bf16_skinny(x, w)):
     data, scale, fmt = (w.data, w.scale, w.fmt) if isinstance(w, QuantWeight) else (w, None, "bf16")
     n, k = data.shape

@@ -31,7 +31,6 @@ from dflash_jax.params import DrafterParams, linear, resolve_dtype, rms_norm
 from pallas_kernels import accept as accept_k
 from pallas_kernels import inject as inject_k
 from pallas_kernels import norm_rope as norm_rope_k
-from pallas_kernels import residual_norm as residual_norm_k
 from pallas_kernels import ring_attention as attn_k
 
 IMPLS = ("pallas", "xla")
@@ -140,7 +139,6 @@ class Kernels(NamedTuple):
   inject: Callable
   qk_norm_rope: Callable
   ring_attention: Callable
-  residual_norm: Callable
   accept: Callable
 
 
@@ -150,10 +148,9 @@ def kernels(impl: str) -> Kernels:
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
   if impl == "pallas":
     return Kernels(inject_k.inject, norm_rope_k.qk_norm_rope, attn_k.ring_attention,
-                   residual_norm_k.residual_rms_norm, accept_k.accept)
+                   accept_k.accept)
   return Kernels(inject_k.inject_reference, norm_rope_k.qk_norm_rope_reference,
-                 attn_k.ring_attention_reference, residual_norm_k.residual_rms_norm_reference,
-                 accept_k.accept_reference)
+                 attn_k.ring_attention_reference, accept_k.accept_reference)
 
 
 def attention_knobs(cache: KVCache, impl: str = "pallas") -> dict:
@@ -244,14 +241,6 @@ def _block(params: DrafterParams, ring: RingState, id_last: jax.Array, n_past: j
     return ops.qk_norm_rope(qkv, lp.q_norm, lp.k_norm, n_past, params.inv_freq,
                             n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, eps=cfg.eps)
 
-  def add_norm(x, parts, w):
-    # x + the projection's split-K partials, then the next RMS norm, in one launch; the norm
-    # is stored as the next GEMM's input dtype (the rounding that GEMM applies anyway).
-    return ops.residual_norm(x, parts, w, eps=cfg.eps, out_dtype=act_dtype)
-
-  # The down projection's partials, added to x in the next norm's launch (the next layer's
-  # attn_norm, or out_norm).
-  pending = None
   for l, lp in enumerate(params.layers):
     kind = cfg.kinds[l]
     cache = ring.cache(kind)
@@ -259,10 +248,7 @@ def _block(params: DrafterParams, ring: RingState, id_last: jax.Array, n_past: j
                                out_dtype=act_dtype, **knobs[kind])
     with jax.named_scope(f"layer{l}"):
       with jax.named_scope("attn_norm"):
-        if pending is None:
-          xn = rms_norm(x, lp.attn_norm, cfg.eps)
-        else:
-          x, xn = add_norm(x, pending, lp.attn_norm)
+        xn = rms_norm(x, lp.attn_norm, cfg.eps)
       with jax.named_scope("qkv"):
         # The split-K partials are summed inside qk_norm_rope (no extra launch).
         qkv = linear(xn, lp.wqkv, impl=impl, partials=True)
@@ -283,15 +269,15 @@ def _block(params: DrafterParams, ring: RingState, id_last: jax.Array, n_past: j
           o = jax.vmap(attend)(q, k, v, cache.k, cache.v, cache.pos, n_past)
           o = o.reshape(n_slots * w, o.shape[-1])
       with jax.named_scope("o"):
-        o_parts = linear(o, lp.wo, impl=impl, partials=True)
+        x = x + linear(o, lp.wo, impl=impl)
       with jax.named_scope("ffn/norm"):
-        x, xn = add_norm(x, o_parts, lp.ffn_norm)
+        xn = rms_norm(x, lp.ffn_norm, cfg.eps)
       with jax.named_scope("ffn/gate_up"):
         hidden = linear(xn, lp.wgu, impl=impl, gate_up=True, out_dtype=act_dtype)
       with jax.named_scope("ffn/down"):
-        pending = linear(hidden, lp.wd, impl=impl, partials=True)
+        x = x + linear(hidden, lp.wd, impl=impl)
   with jax.named_scope("out_norm"):
-    _, xn = add_norm(x, pending, params.out_norm)
+    xn = rms_norm(x, params.out_norm, cfg.eps)
   with jax.named_scope("lm_head"):
     return linear(xn, params.lm_head, impl=impl)
 
