@@ -67,7 +67,10 @@ def default_knobs(fmt: str, n: int, k: int, gate_up: bool = False, m: int = 16) 
   gate+up (two accumulators), and K split when N / block_n alone cannot fill the 132 SMs: 5
   ways for a long K (the down projection: 39.6 vs 42.8 us fp8, 53.4 vs 61.9 us q8_0 split 4
   ways), else 4. bf16 takes fp8's tiles (the best of four tile sets in the bf16 step, run
-  10). A dimension the tile does not divide keeps the tile and masks its last one (no
+  10) except two measured in the bf16 step (run 15, seed dims, 3 interleaved repeats): a
+  long K keeps 128-wide K tiles (down 326.6 -> 315.3 us per step) and K <= 4096 splits 2
+  ways (o: 1.2 us faster and 2 us less for XLA to add up; the step 1.2987 -> 1.2836 ms with
+  both; fp8 got slower with either). A dimension the tile does not divide keeps the tile and masks its last one (no
   smaller tiles, whose extra loop trips cost more than one partly used tile); a dimension
   smaller than the tile gets the power of 2 covering it (>= 16, >= 32 for q8_0's K).
 
@@ -78,13 +81,13 @@ def default_knobs(fmt: str, n: int, k: int, gate_up: bool = False, m: int = 16) 
   rule).
   """
   long_k = not gate_up and k >= 16384
-  block_k = 256 if fmt == "q8_0" or long_k else 128
+  block_k = 256 if fmt == "q8_0" or (long_k and fmt != "bf16") else 128
   block_k = min(block_k, max(Q8_0_BLOCK if fmt == "q8_0" else 16, pl.next_power_of_2(k)))
   block_n = 32 if (fmt == "q8_0" or gate_up) and not long_k else 64
   block_n = min(block_n, max(16, pl.next_power_of_2(n)))
   split_k = 1
   if not gate_up and n <= 16384 and pl.cdiv(k, block_k) >= 16:
-    split_k = 5 if long_k else 4
+    split_k = 5 if long_k else 2 if fmt == "bf16" and k <= 4096 else 4
   knobs = dict(block_n=block_n, block_k=block_k, split_k=split_k, num_stages=3)
   if fmt == "fp8" and m > BLOCK_ROWS:
     block_m = min(128, pl.next_power_of_2(m))

@@ -357,7 +357,7 @@ def test_keep_splits_with_a_k_tail():
 
 
 def test_default_knobs():
-  """The tuned tiles (RESULTS.md runs 2-5, 7, 9, 10) at the seed's shapes, and the docstring's
+  """The tuned tiles (RESULTS.md runs 2-5, 7, 9, 10, 15) at the seed's shapes, and the docstring's
   rules for shapes no tuned tile divides."""
   seed = {  # (fmt, n, k, gate_up): (block_n, block_k, split_k)
       ("bf16", 6144, 6656, False): (64, 128, 4), ("fp8", 6656, 4096, False): (64, 128, 4),
@@ -365,6 +365,8 @@ def test_default_knobs():
       ("q8_0", 6144, 6656, False): (32, 256, 4), ("fp8", 19968, 6656, True): (32, 128, 1),
       ("q8_0", 19968, 6656, True): (32, 256, 1), ("bf16", 8192, 6656, False): (64, 128, 4),
       ("bf16", 202048, 6656, False): (64, 128, 1), ("fp8", 6656, 33280, False): (64, 256, 5),
+      # bf16's own (run 15): 128-wide K tiles for a long K, 2 splits for the o projection.
+      ("bf16", 6656, 19968, False): (64, 128, 5), ("bf16", 6656, 4096, False): (64, 128, 2),
   }
   for (fmt, n, k, gu), (bn, bk, sk) in seed.items():
     assert default_knobs(fmt, n, k, gu) == dict(block_n=bn, block_k=bk, split_k=sk,
