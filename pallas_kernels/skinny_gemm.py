@@ -69,8 +69,8 @@ def default_knobs(fmt: str, n: int, k: int, gate_up: bool = False, m: int = 16) 
   ways), else 4. bf16 takes fp8's tiles (the best of four tile sets in the bf16 step, run
   10) except two measured in the bf16 step (run 15, seed dims, 3 interleaved repeats): a
   long K keeps 128-wide K tiles (down 326.6 -> 315.3 us per step) and K <= 4096 splits 2
-  ways (o: 1.2 us faster and 2 us less for XLA to add up; the step 1.2987 -> 1.2836 ms with
-  both; fp8 got slower with either). A dimension the tile does not divide keeps the tile and masks its last one (no
+  ways where that still fills the H200's 132 SMs 1.5 times (o: 1.2 us faster and 2 us less
+  for XLA to add up; the step 1.2987 -> 1.2836 ms with both; fp8 got slower with either). A dimension the tile does not divide keeps the tile and masks its last one (no
   smaller tiles, whose extra loop trips cost more than one partly used tile); a dimension
   smaller than the tile gets the power of 2 covering it (>= 16, >= 32 for q8_0's K).
 
@@ -87,7 +87,11 @@ def default_knobs(fmt: str, n: int, k: int, gate_up: bool = False, m: int = 16) 
   block_n = min(block_n, max(16, pl.next_power_of_2(n)))
   split_k = 1
   if not gate_up and n <= 16384 and pl.cdiv(k, block_k) >= 16:
-    split_k = 5 if long_k else 2 if fmt == "bf16" and k <= 4096 else 4
+    split_k = 5 if long_k else 4
+    # Fewer partials for the consumer to read back, where 2 splits still give >= 1.5
+    # programs per SM (the seed's o projection; qkv and the LM head keep 4).
+    if fmt == "bf16" and k <= 4096 and 2 * pl.cdiv(n, block_n) >= 198:
+      split_k = 2
   knobs = dict(block_n=block_n, block_k=block_k, split_k=split_k, num_stages=3)
   if fmt == "fp8" and m > BLOCK_ROWS:
     block_m = min(128, pl.next_power_of_2(m))

@@ -367,6 +367,8 @@ def test_default_knobs():
       ("bf16", 202048, 6656, False): (64, 128, 1), ("fp8", 6656, 33280, False): (64, 256, 5),
       # bf16's own (run 15): 128-wide K tiles for a long K, 2 splits for the o projection.
       ("bf16", 6656, 19968, False): (64, 128, 5), ("bf16", 6656, 4096, False): (64, 128, 2),
+      # ... but not where 2 splits would leave fewer than 1.5 programs per SM (a 4096-wide o).
+      ("bf16", 4096, 4096, False): (64, 128, 4),
   }
   for (fmt, n, k, gu), (bn, bk, sk) in seed.items():
     assert default_knobs(fmt, n, k, gu) == dict(block_n=bn, block_k=bk, split_k=sk,
