@@ -1,6 +1,6 @@
 """Tuning sweeps on the GPU: ring attention knobs and skinny-GEMM tiles, CUPTI timed.
 
-  python -m benchmarks.sweep [attention] [battn] [gemm] [gate_up] [shapes] [rows] [mixed] [mgpu] [--out FILE.json]
+  python -m benchmarks.sweep [attention] [battn] [mgpu_attn] [gemm] [gate_up] [shapes] [rows] [mixed] [mgpu] [--out FILE.json]
 
 Prints one line per configuration (device us, achieved TB/s) and writes all of them as JSON;
 the defaults in the kernels and step come from these numbers (see RESULTS.md). `shapes`
@@ -376,6 +376,30 @@ def sweep_mgpu(rows: tuple[int, ...]) -> list[dict]:
   return out
 
 
+def sweep_mgpu_attention(bw: float) -> list[dict]:
+  """Premise probe for the batched ring attention: jax's Mosaic GPU attention (TMA + wgmma,
+  warp-specialized) on the work of S = 8 slots at the seed's dims: per (slot, kv head) 64
+  packed query rows (16 tokens x 4 heads, padded to 2 x block_q = 128) over 2048 bf16 keys cut
+  into `chunks` (batch = 8 slots x 8 kv heads x chunks, one head). No ring mask, no combine,
+  bf16 queries: speed only, next to the ring-read floor of S = 8 (RESULTS run 15: the Pallas
+  kernel 44.4 us, 35.6 with one bf16 term)."""
+  from jax.experimental.pallas.ops.gpu import attention_mgpu as A
+  out = []
+  d, n_slots, hkv, window = 128, 8, 8, 2048
+  floor_us = n_slots * 2 * hkv * window * d * 2 / bw * 1e6
+  for chunks in (1, 4, 8):
+    tkv, b = window // chunks, n_slots * hkv * chunks
+    key = iter(jax.random.split(jax.random.key(chunks), 3))
+    q, k, v = (jax.random.normal(next(key), (b, t, 1, d), jnp.float32).astype(jnp.bfloat16)
+               for t in (128, tkv, tkv))
+    for bkv, steps in ((64, 2), (128, 2), (64, 4)):
+      cfg = A.TuningConfig(block_q=64, block_kv=bkv, max_concurrent_steps=steps)
+      us, err = _time(lambda q, k, v, cfg=cfg: A.attention(q, k, v, cfg), q, k, v)
+      _emit(out, dict(kernel="mgpu_attention", chunks=chunks, keys=tkv, block_kv=bkv,
+                      steps=steps, us=us, floor_us=floor_us, err=err))
+  return out
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("what", nargs="*", default=["attention", "gemm"])
@@ -392,6 +416,8 @@ def main(argv=None) -> int:
   res = dict(copy_bw_TBps=bw / 1e12, device=jax.devices()[0].device_kind, rows=[])
   if "attention" in args.what:
     res["rows"] += sweep_attention(bw)
+  if "mgpu_attn" in args.what:
+    res["rows"] += sweep_mgpu_attention(bw)
   if "battn" in args.what:
     res["rows"] += sweep_batch_attention(bw, tuple(int(v) for v in args.slots.split(",")))
   if "gate_up" in args.what:
