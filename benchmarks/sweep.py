@@ -384,9 +384,10 @@ def sweep_mgpu_attention(bw: float) -> list[dict]:
   bf16 queries: speed only, next to the ring-read floor of S = 8 (RESULTS run 15: the Pallas
   kernel 44.4 us, 35.6 with one bf16 term)."""
   from jax.experimental.pallas.ops.gpu import attention_mgpu as A
+  cfg = dfj.SEED_CONFIG
   out = []
-  d, n_slots, hkv, window = 128, 8, 8, 2048
-  floor_us = n_slots * 2 * hkv * window * d * 2 / bw * 1e6
+  d, hkv, n_slots, window = cfg.head_dim, cfg.n_head_kv, 8, 2048
+  floor_us = n_slots * 2 * hkv * window * d * 2 / bw * 1e6   # bf16 rings read once
   for chunks in (1, 4, 8):
     tkv, b = window // chunks, n_slots * hkv * chunks
     key = iter(jax.random.split(jax.random.key(chunks), 3))

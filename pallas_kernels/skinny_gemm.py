@@ -51,6 +51,7 @@ Q8_0_BLOCK = 32
 _WEIGHT_DTYPE = {"bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn, "q8_0": jnp.int8}
 _DOT_NT = (((1,), (1,)), ((), ()))  # x [m, k] . w [n, k] -> [m, n]
 MAX_DEFAULT_BLOCK_M = 64
+N_SMS = 132       # the H200's streaming multiprocessors: the GPU the default tiles are tuned on
 BLOCK_ROWS = 16   # the rows of one drafted block (the seed's block size): the tuned case
 
 
@@ -61,18 +62,19 @@ def _default_block_m(m: int) -> int:
 
 
 def default_knobs(fmt: str, n: int, k: int, gate_up: bool = False, m: int = 16) -> dict:
-  """Tiles for an [M, K] x [N, K]^T GEMM (n: the rows of one weight stream, n_ff for
-  the fused gate+up), from the H200 sweeps (benchmarks/RESULTS.md, runs 2-5, 7, 9 and 10):
-  128-wide K tiles (256 for q8_0 and for long K), 32-row N tiles for q8_0 and for the fused
-  gate+up (two accumulators), and K split when N / block_n alone cannot fill the 132 SMs: 5
-  ways for a long K (the down projection: 39.6 vs 42.8 us fp8, 53.4 vs 61.9 us q8_0 split 4
-  ways), else 4. bf16 takes fp8's tiles (the best of four tile sets in the bf16 step, run
-  10) except two measured in the bf16 step (run 15, seed dims, 3 interleaved repeats): a
-  long K keeps 128-wide K tiles (down 326.6 -> 315.3 us per step) and K <= 4096 splits 2
-  ways where that still fills the H200's 132 SMs 1.5 times (o: 1.2 us faster and 2 us less
-  for XLA to add up; the step 1.2987 -> 1.2836 ms with both; fp8 got slower with either). A dimension the tile does not divide keeps the tile and masks its last one (no
-  smaller tiles, whose extra loop trips cost more than one partly used tile); a dimension
-  smaller than the tile gets the power of 2 covering it (>= 16, >= 32 for q8_0's K).
+  """Tiles for an [M, K] x [N, K]^T GEMM (n: the rows of one weight stream, n_ff for the fused
+  gate+up), from the H200 sweeps (benchmarks/RESULTS.md, runs 2-5, 7, 9, 10, 15): 128-wide K
+  tiles (256 for q8_0 and for a long K of 1-byte weights), 32-row N tiles for q8_0 and for the
+  fused gate+up (two accumulators), and K split when N / block_n alone cannot fill the 132
+  SMs: 5 ways for a long K (the down projection: 39.6 vs 42.8 us fp8, 53.4 vs 61.9 us q8_0
+  split 4 ways), else 4. bf16 takes fp8's tiles (the best of four tile sets in the bf16 step,
+  run 10) except two measured in the bf16 step (run 15, seed dims, 3 interleaved repeats): a
+  long K keeps 128-wide K tiles (down 326.6 -> 315.3 us per step) and K <= 4096 splits 2 ways
+  where that still fills the 132 SMs 1.5 times (o: 1.2 us faster and 2 us less for XLA to add
+  up; the step 1.2987 -> 1.2836 ms with both; fp8 got slower with either). A dimension the
+  tile does not divide keeps the tile and masks its last one (no smaller tiles, whose extra
+  loop trips cost more than one partly used tile); a dimension smaller than the tile gets the
+  power of 2 covering it (>= 16, >= 32 for q8_0's K).
 
   fp8 with more than one block of rows (m > 16, a batched step): the swapped MMA (swap_ab)
   over one M tile of up to 128 rows and 64-row N tiles, 8 warps for a 128-row tile (run 13:
@@ -90,7 +92,7 @@ def default_knobs(fmt: str, n: int, k: int, gate_up: bool = False, m: int = 16) 
     split_k = 5 if long_k else 4
     # Fewer partials for the consumer to read back, where 2 splits still give >= 1.5
     # programs per SM (the seed's o projection; qkv and the LM head keep 4).
-    if fmt == "bf16" and k <= 4096 and 2 * pl.cdiv(n, block_n) >= 198:
+    if fmt == "bf16" and k <= 4096 and 2 * pl.cdiv(n, block_n) >= 1.5 * N_SMS:
       split_k = 2
   knobs = dict(block_n=block_n, block_k=block_k, split_k=split_k, num_stages=3)
   if fmt == "fp8" and m > BLOCK_ROWS:

@@ -357,8 +357,8 @@ def test_keep_splits_with_a_k_tail():
 
 
 def test_default_knobs():
-  """The tuned tiles (RESULTS.md runs 2-5, 7, 9, 10, 15) at the seed's shapes, and the docstring's
-  rules for shapes no tuned tile divides."""
+  """The tuned tiles (RESULTS.md runs 2-5, 7, 9, 10, 15) at the seed's shapes, and the
+  docstring's rules for shapes no tuned tile divides."""
   seed = {  # (fmt, n, k, gate_up): (block_n, block_k, split_k)
       ("bf16", 6144, 6656, False): (64, 128, 4), ("fp8", 6656, 4096, False): (64, 128, 4),
       ("fp8", 6656, 19968, False): (64, 256, 5), ("q8_0", 6656, 19968, False): (64, 256, 5),
