@@ -37,8 +37,8 @@ import numpy as np
 import dflash_jax as dfj
 from benchmarks import common as C
 from dflash_jax import step as S
-from dflash_jax.params import SKINNY_MAX_M, gemm_knobs, linear
-from pallas_kernels import skinny_gemm
+from dflash_jax.params import BATCHED_MAX_M, BATCHED_MIN_M, SKINNY_MAX_M, gemm_knobs, linear
+from pallas_kernels import batched_gemm, skinny_gemm
 
 SECTIONS = ("rounds", "compiles", "memory", "crossover")   # the rates always run
 
@@ -86,6 +86,14 @@ def gemm_rate(n: int, iters: int) -> float:
   b = jax.random.normal(kb, (n, n), jnp.bfloat16)
   f = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
   return 2 * n ** 3 / (C.device_ms(C.cupti_kernels(f, a, b, iterations=iters)) * 1e-3)
+
+
+def gemm_path(dtype: str, rows: int) -> str:
+  """Which GEMM a round's bf16 weights run on at this row count (params.linear's rule)."""
+  if dtype != "bf16" or rows <= SKINNY_MAX_M:
+    return "skinny"
+  return ("batched" if BATCHED_MIN_M <= rows <= BATCHED_MAX_M and batched_gemm.available()
+          else "xla")
 
 
 def round_inputs(cfg: dfj.DFlashConfig, n_slots: int, width: int, n_past: int, seed: int = 3):
@@ -163,7 +171,7 @@ def bench_rounds(plan: Plan, rates: dict, out: list, save) -> None:
              flops=flops, byte_floor_ms=floor_ms, compute_floor_ms=compute_ms,
              roofline_ms=roofline, roofline_fraction=roofline / ms,
              vs_one_slot=None if base is None else ms / base,
-             gemm_path="skinny" if dtype != "bf16" or n_slots * width <= SKINNY_MAX_M else "xla",
+             gemm_path=gemm_path(dtype, n_slots * width),
              kernels=kernels, seconds=time.perf_counter() - t0)
     out.append(r)
     print(f"round {dtype} w{width} S{n_slots}: {ms:.3f} ms, {r['drafted_tokens_per_s']:.0f} "

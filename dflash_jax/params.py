@@ -11,7 +11,7 @@ import numpy as np
 from dflash_jax import quant
 from dflash_jax.config import DFlashConfig, rope_inv_freq
 from dflash_jax.synthetic import drafter_tensor_shapes
-from pallas_kernels import skinny_gemm
+from pallas_kernels import batched_gemm, skinny_gemm
 
 _DTYPE_NAMES = {"fp32": jnp.float32, "float32": jnp.float32, "f32": jnp.float32,
                 "bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16}
@@ -231,10 +231,31 @@ def prepare_weights(cfg: DFlashConfig, w: dict[str, np.ndarray], dtype: Any = "f
 SKINNY_MAX_M = 16
 
 
+# From BATCHED_MIN_M to BATCHED_MAX_M rows, dense bf16 runs on the Mosaic GPU batched GEMM
+# (pallas_kernels/batched_gemm.py) where the GPU has one (Hopper) and the shape fits its tiles.
+# H200, seed round (RESULTS.md run 16): at 128 rows it streams the weights faster than XLA's
+# GEMM and finishes the residual add and silu(gate) * up in its epilogue (S = 8, w 16: 1.927 ->
+# 1.864 ms, 83 -> 57 launches); at 32 and 64 rows (padded to 128) and at 256 rows (a shallower
+# pipeline) XLA's GEMM is faster (1.560 vs 1.796 ms at 32 rows, 2.56 vs 3.00 at 256), so
+# those stay on XLA.
+BATCHED_MIN_M = 65
+BATCHED_MAX_M = 128
+
+
 def _bf16_skinny(x: jax.Array, w: jax.Array) -> bool:
   """Dense bf16 runs on the skinny GEMM for block-sized row counts (any N and K); prefill
   row counts on XLA's GEMM."""
   return w.dtype == jnp.bfloat16 and x.ndim == 2 and x.shape[0] <= SKINNY_MAX_M
+
+
+def _batched_knobs(x: jax.Array, w: jax.Array, gate_up: bool, out_dtype) -> dict | None:
+  """The batched GEMM's tiles when it runs this product, else None."""
+  if not (w.dtype == jnp.bfloat16 and x.ndim == 2
+          and BATCHED_MIN_M <= x.shape[0] <= BATCHED_MAX_M and batched_gemm.available()):
+    return None
+  n, k = w.shape
+  return batched_gemm.default_knobs(x.shape[0], n // 2 if gate_up else n, k,
+                                    "gate_up" if gate_up else "none", out_dtype)
 
 
 def gemm_knobs(fmt: str, n: int, k: int, gate_up: bool = False, m: int = 16) -> dict:
@@ -243,7 +264,8 @@ def gemm_knobs(fmt: str, n: int, k: int, gate_up: bool = False, m: int = 16) -> 
 
 
 def linear(x: jax.Array, w, *, impl: str = "pallas", gate_up: bool = False,
-           partials: bool = False, out_dtype=jnp.float32) -> jax.Array:
+           partials: bool = False, residual: jax.Array | None = None,
+           out_dtype=jnp.float32) -> jax.Array:
   """y = x @ w^T for a weight in (out, in) layout: THE GEMM entry point of the step.
 
   Dense bf16 weights: the activation is rounded to bf16 (the rounding SPEC.md section 5 names)
@@ -251,23 +273,43 @@ def linear(x: jax.Array, w, *, impl: str = "pallas", gate_up: bool = False,
   streams the weights (in the bf16 step it beats XLA's GEMMs, mostly by needing no split-K
   reduce or convert launches: RESULTS.md run 10), whatever N and K; beyond that (prefill and
   large-batch row counts, where a GEMM that reads the weights once per 64-row tile loses),
-  XLA's GEMM.
+  XLA's GEMM, except that from BATCHED_MIN_M to BATCHED_MAX_M rows a Hopper GPU runs the
+  Mosaic GPU batched GEMM where the shape fits its tiles (see BATCHED_MAX_M).
   Dense fp32:
   XLA, full-precision float32 (HIGHEST, so GPUs do not silently use TF32). QuantWeight: the
   Pallas skinny GEMM streams the 1-byte weights at any row count (impl="xla": its jnp twin,
   which dequantizes in XLA). gate_up: w holds gate rows then up rows and the
   result is silu(gate) * up (fused into the skinny GEMM's epilogue). The result is out_dtype,
   or with partials=True the float32 split-K partial sums [S, M, N] (S = 1 unless the skinny
-  GEMM split K), left for the consuming kernel to add up (qk_norm_rope). A `Reduced` weight
+  GEMM split K), left for the consuming kernel to add up (qk_norm_rope). residual (float32
+  [M, N], plain projections only): the result is residual + x @ w^T in float32, the add inside
+  the batched GEMM's epilogue where that runs. A `Reduced` weight
   (inside a sharded call) is the product over this device's columns, psummed over its axis.
   """
   if partials and gate_up:
     raise ValueError("linear: partials=True is for plain projections, not gate_up")
+  if residual is not None:
+    if partials or gate_up:
+      raise ValueError("linear: a residual is for plain projections (no partials, no gate_up)")
+    if impl != "xla" and not isinstance(w, (QuantWeight, Reduced)):
+      knobs = _batched_knobs(x, w, False, jnp.float32)
+      if knobs is not None:
+        return batched_gemm.batched_matmul(x.astype(jnp.bfloat16), w,
+                                           residual.astype(jnp.float32),
+                                           epilogue="residual", **knobs)
+    return residual.astype(jnp.float32) + linear(x, w, impl=impl)
   if isinstance(w, Reduced):
     if partials or gate_up:
       raise ValueError("linear: a Reduced (column-split) weight takes neither partials nor "
                        "gate_up (its partial sums must be added before any epilogue)")
     return jax.lax.psum(linear(x, w.w, impl=impl), w.axis).astype(out_dtype)
+  knobs = None if impl == "xla" or isinstance(w, QuantWeight) else _batched_knobs(
+      x, w, gate_up, out_dtype)
+  if knobs is not None:
+    y = batched_gemm.batched_matmul(x.astype(jnp.bfloat16), w,
+                                    epilogue="gate_up" if gate_up else "none",
+                                    out_dtype=out_dtype, **knobs)
+    return y[None] if partials else y.astype(out_dtype)
   if impl != "xla" and (isinstance(w, QuantWeight) or _bf16_skinny(x, w)):
     data, scale, fmt = (w.data, w.scale, w.fmt) if isinstance(w, QuantWeight) else (w, None, "bf16")
     n, k = data.shape

@@ -269,13 +269,13 @@ def _block(params: DrafterParams, ring: RingState, id_last: jax.Array, n_past: j
           o = jax.vmap(attend)(q, k, v, cache.k, cache.v, cache.pos, n_past)
           o = o.reshape(n_slots * w, o.shape[-1])
       with jax.named_scope("o"):
-        x = x + linear(o, lp.wo, impl=impl)
+        x = linear(o, lp.wo, impl=impl, residual=x)
       with jax.named_scope("ffn/norm"):
         xn = rms_norm(x, lp.ffn_norm, cfg.eps)
       with jax.named_scope("ffn/gate_up"):
         hidden = linear(xn, lp.wgu, impl=impl, gate_up=True, out_dtype=act_dtype)
       with jax.named_scope("ffn/down"):
-        x = x + linear(hidden, lp.wd, impl=impl)
+        x = linear(hidden, lp.wd, impl=impl, residual=x)
   with jax.named_scope("out_norm"):
     xn = rms_norm(x, params.out_norm, cfg.eps)
   with jax.named_scope("lm_head"):

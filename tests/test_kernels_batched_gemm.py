@@ -1,0 +1,189 @@
+"""pallas_kernels.batched_gemm: the Mosaic GPU batched-row GEMM against a float64 numpy oracle
+(GPU), its twin against the same oracle, its validation and tile rules (CPU), and the routing
+in dflash_jax.params.linear.
+
+The kernel has no interpreter, so its numerics are GPU tests. Outputs are fresh buffers that
+the kernel must write in full: every element is compared with the oracle, and an unwritten
+tile (stale memory) would miss the tolerance.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from dflash_jax import params as P
+from pallas_kernels import batched_gemm as BG
+
+# float32 accumulation in another order than the float64 oracle's: K-term sums err by a small
+# multiple of eps_f32 * sum_k |x_k w_k|; 2e-5 of that sum covers K up to ~20k.
+ACC_RTOL = 2e-5
+BF16_EPS = 2.0 ** -8
+
+
+def _inputs(seed: int, m: int, n_w: int, k: int):
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal((m, k)).astype(ml_dtypes.bfloat16)
+  # Per-row magnitudes over ~e^+-1: a row written to the wrong column tile shows.
+  w = (rng.standard_normal((n_w, k)) * np.exp(rng.normal(size=(n_w, 1))) / np.sqrt(k))
+  return x, w.astype(ml_dtypes.bfloat16), rng
+
+
+def _oracle(x, w, residual, epilogue):
+  """float64 products of the bf16 operands, the epilogue in float64; and the scale
+  sum_k |x_k w_k| each element's rounding error is bounded by."""
+  x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+  y, scale = x64 @ w64.T, np.abs(x64) @ np.abs(w64).T
+  if epilogue == "gate_up":
+    n = w.shape[0] // 2
+    g, u = y[:, :n], y[:, n:]
+    silu = g / (1.0 + np.exp(-g))
+    # d(silu(g) u) = u silu'(g) dg + silu(g) du, |silu'| <= 1.1
+    return silu * u, 1.1 * np.abs(u) * scale[:, :n] + np.abs(silu) * scale[:, n:]
+  if epilogue == "residual":
+    y = y + np.asarray(residual, np.float64)
+  return y, scale
+
+
+def test_twin_matches_the_oracle():
+  for epilogue in BG.EPILOGUES:
+    x, w, rng = _inputs(1, 40, 96 if epilogue == "gate_up" else 48, 256)
+    n = w.shape[0] // (2 if epilogue == "gate_up" else 1)
+    r = rng.standard_normal((40, n)).astype(np.float32) if epilogue == "residual" else None
+    got = np.asarray(BG.batched_matmul_reference(jnp.asarray(x), jnp.asarray(w), r,
+                                                 epilogue=epilogue), np.float64)
+    want, scale = _oracle(x, w, r, epilogue)
+    assert np.all(np.abs(got - want) <= ACC_RTOL * scale + 1e-6), epilogue
+
+
+@pytest.mark.parametrize("args, kw, msg", [
+    ((np.zeros((8, 64)), np.zeros((64, 64))), {}, "bf16 x and w"),
+    ((jnp.zeros((8, 64), jnp.bfloat16), jnp.zeros((64, 32), jnp.bfloat16)), {}, "x \\[M, K\\]"),
+    ((jnp.zeros((8, 64), jnp.bfloat16), jnp.zeros((64, 64), jnp.bfloat16)),
+     dict(epilogue="relu"), "epilogue must be"),
+    ((jnp.zeros((8, 64), jnp.bfloat16), jnp.zeros((96, 64), jnp.bfloat16)),
+     dict(block_n=64), "multiples of block_n"),
+    ((jnp.zeros((8, 64), jnp.bfloat16), jnp.zeros((130, 64), jnp.bfloat16)),
+     dict(epilogue="gate_up", block_n=64, block_k=64), "multiples of block_n"),
+    ((jnp.zeros((8, 64), jnp.bfloat16), jnp.zeros((64, 64), jnp.bfloat16)),
+     dict(epilogue="residual", block_k=64), "float32 \\[8, 64\\] residual"),
+    ((jnp.zeros((8, 64), jnp.bfloat16), jnp.zeros((64, 64), jnp.bfloat16),
+      jnp.zeros((8, 64), jnp.float32)), dict(block_k=64), "only taken by"),
+])
+def test_limits(args, kw, msg):
+  with pytest.raises(ValueError, match=msg):
+    BG.batched_matmul(*args, **kw)
+
+
+def test_default_knobs_fit_shared_memory():
+  for m in (17, 64, 128, 129, 200, 256):
+    for epilogue, out_dtype in (("none", jnp.float32), ("residual", jnp.float32),
+                                ("gate_up", jnp.bfloat16), ("gate_up", jnp.float32)):
+      kn = BG.default_knobs(m, 6656, 19968, epilogue, out_dtype)
+      assert kn is not None and 6656 % kn["block_n"] == 0 and 19968 % kn["block_k"] == 0
+      used = BG.smem_bytes(m, epilogue, out_dtype, kn["block_n"], kn["block_k"],
+                           kn["max_concurrent_steps"])
+      assert used <= BG.SMEM_BYTES - 2048, (m, epilogue, kn)
+  assert BG.default_knobs(128, 6656 + 32, 4096) is None      # no 64-wide column tile
+  assert BG.default_knobs(128, 6656, 4096 + 32) is None      # K fits no K tile
+  # The deepest pipeline that fits: 128-wide K tiles, 4 stages, for 128 rows and f32 out.
+  assert BG.default_knobs(128, 6144, 6656) == dict(block_n=64, block_k=128,
+                                                   max_concurrent_steps=4)
+
+
+def test_linear_keeps_xla_off_hopper():
+  # On a backend without the kernel (CPU here), every row count past the skinny GEMM's runs
+  # XLA's GEMM: no Mosaic GPU call in the lowered program.
+  if BG.available():
+    pytest.skip("this backend has the kernel (the GPU tests cover it)")
+  x = jnp.ones((128, 256), jnp.bfloat16)
+  w = jnp.ones((128, 256), jnp.bfloat16)
+  text = jax.jit(lambda x, w: P.linear(x, w)).lower(x, w).as_text()
+  assert "mosaic" not in text.lower()
+
+
+GPU_CASES = [  # (name, m, n, k): seed shapes at a batched round's rows, padding and chunking
+    ("qkv", 128, 6144, 6656), ("o", 128, 6656, 4096), ("down", 128, 6656, 19968),
+    ("small", 32, 512, 1024), ("pad", 200, 512, 1024), ("chunks", 300, 512, 1024),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("epilogue", BG.EPILOGUES)
+@pytest.mark.parametrize("name, m, n, k", GPU_CASES)
+def test_gpu_matches_oracle(name, m, n, k, epilogue):
+  if epilogue == "gate_up" and name == "down":
+    n, k = 19968, 6656           # the seed's gate_up
+  x, w, rng = _inputs(hash((name, epilogue)) % 2**31, m, 2 * n if epilogue == "gate_up" else n,
+                      k)
+  r = rng.standard_normal((m, n)).astype(np.float32) if epilogue == "residual" else None
+  out_dtype = jnp.bfloat16 if epilogue == "gate_up" else jnp.float32
+  kn = BG.default_knobs(m, n, k, epilogue, out_dtype)
+  got = BG.batched_matmul(jnp.asarray(x), jnp.asarray(w), None if r is None else jnp.asarray(r),
+                          epilogue=epilogue, out_dtype=out_dtype, **kn)
+  assert got.shape == (m, n) and got.dtype == out_dtype
+  got = np.asarray(got.astype(jnp.float32), np.float64)
+  want, scale = _oracle(x, w, r, epilogue)
+  bound = ACC_RTOL * scale + 1e-6
+  if epilogue == "gate_up":
+    bound = bound + BF16_EPS * np.abs(want)     # the bf16 store
+  bad = np.abs(got - want) > bound
+  assert not bad.any(), f"{bad.sum()} of {bad.size} elements off, first at {np.argwhere(bad)[0]}"
+
+
+@pytest.mark.gpu
+def test_gpu_linear_routes_batched_rows_to_the_kernel():
+  x = jnp.ones((128, 1024), jnp.bfloat16)
+  w = jnp.ones((512, 1024), jnp.bfloat16)
+  for rows, want in ((P.BATCHED_MIN_M - 1, False), (P.BATCHED_MIN_M, True),
+                     (P.BATCHED_MAX_M, True), (P.BATCHED_MAX_M + 1, False)):
+    xr = jnp.ones((rows, 1024), jnp.bfloat16)
+    text = jax.jit(lambda x, w: P.linear(x, w, residual=jnp.zeros((x.shape[0], 512)))).lower(
+        xr, w).as_text()
+    assert ("mosaic_gpu" in text) == want, rows
+  del x
+
+
+def test_linear_batched_branch_on_cpu(monkeypatch):
+  """params.linear's batched branch (rounding to bf16, the residual and gate_up epilogues,
+  the padding to 128 rows; the 256-row chunks of a direct call) with the kernel body replaced by the twin on
+  the padded operands: it must give XLA's path to float32 rounding."""
+  calls = []
+
+  def fake_call(x, w, residual, *, epilogue, out_dtype, n, **_):
+    assert x.dtype == jnp.bfloat16 and x.shape[0] % BG.ROW_QUANTUM == 0
+    assert x.shape[0] <= BG.MAX_ROWS
+    calls.append((x.shape[0], epilogue))
+    return BG.batched_matmul_reference(x, w, residual, epilogue=epilogue, out_dtype=out_dtype)
+
+  rng = np.random.default_rng(7)
+  k, n = 256, 128
+  w = jnp.asarray(rng.standard_normal((n, k)) / 16, jnp.bfloat16)
+  wgu = jnp.asarray(rng.standard_normal((2 * n, k)) / 16, jnp.bfloat16)
+  for m in (P.BATCHED_MIN_M, P.BATCHED_MAX_M):
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    r = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
+    want = [P.linear(x, w, impl="xla", residual=r), P.linear(x, w, impl="xla", partials=True),
+            P.linear(x, wgu, impl="xla", gate_up=True, out_dtype=jnp.bfloat16)]
+    monkeypatch.setattr(BG, "available", lambda: True)
+    monkeypatch.setattr(BG, "_call", fake_call)
+    got = [P.linear(x, w, residual=r), P.linear(x, w, partials=True),
+           P.linear(x, wgu, gate_up=True, out_dtype=jnp.bfloat16)]
+    monkeypatch.undo()
+    for g, e in zip(got, want):
+      assert g.shape == e.shape and g.dtype == e.dtype
+      np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(e, np.float32),
+                                 rtol=1e-5, atol=1e-5)
+  assert {c[1] for c in calls} == {"residual", "none", "gate_up"}
+  assert calls.count((BG.ROW_QUANTUM, "none")) == 2
+  # Past MAX_ROWS the kernel runs in 256-row chunks (the last one padded).
+  calls.clear()
+  x = jnp.asarray(rng.standard_normal((300, k)), jnp.bfloat16)
+  monkeypatch.setattr(BG, "_call", fake_call)
+  got = BG.batched_matmul(x, w, block_n=64, block_k=64)
+  monkeypatch.undo()
+  assert calls == [(256, "none"), (128, "none")]
+  np.testing.assert_allclose(np.asarray(got), np.asarray(P.linear(x, w, impl="xla")),
+                             rtol=1e-5, atol=1e-5)
