@@ -1,13 +1,13 @@
 """Tuning sweeps on the GPU: ring attention knobs and skinny-GEMM tiles, CUPTI timed.
 
-  python -m benchmarks.sweep [attention] [battn] [mgpu_attn] [gemm] [gate_up] [shapes] [rows] [mixed] [mgpu] [--out FILE.json]
+  python -m benchmarks.sweep [attention] [battn] [mgpu_attn] [gemm] [gate_up] [shapes] [rows] [mixed] [mgpu] [bgemm] [--out FILE.json]
 
 Prints one line per configuration (device us, achieved TB/s) and writes all of them as JSON;
 the defaults in the kernels and step come from these numbers (see RESULTS.md). `shapes`
 times the kernels at published drafters' shapes the seed's tiles do not fit (block 10 and 7,
 GQA group 3, windows 3000 and 48, full-attention caches, head_dim 96 / 256, odd GEMM N / K)
 with their default knobs, next to the seed shape, plus alternative chunkings for the
-3000-slot window.
+3000-slot window. `bgemm` times pallas_kernels.batched_gemm's tiles at --rows.
 """
 from __future__ import annotations
 
@@ -376,6 +376,44 @@ def sweep_mgpu(rows: tuple[int, ...]) -> list[dict]:
   return out
 
 
+def sweep_batched_gemm(rows: tuple[int, ...]) -> list[dict]:
+  """pallas_kernels.batched_gemm on the seed's bf16 matrices with their round epilogues (qkv
+  plain, o and down + residual, gate_up silu * up), block_n x block_k x stages x cluster, next
+  to XLA's dot + the same epilogue in one jit (err: max |kernel - twin|)."""
+  from pallas_kernels import batched_gemm as BG
+  shapes = {"qkv": (6144, 6656, "none"), "o": (6656, 4096, "residual"),
+            "gate_up": (19968, 6656, "gate_up"), "down": (6656, 19968, "residual")}
+  out = []
+  key = iter(jax.random.split(jax.random.key(8), 64))
+  for name, (n, k, ep) in shapes.items():
+    n_w = 2 * n if ep == "gate_up" else n
+    w = (jax.random.normal(next(key), (n_w, k), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
+    od = jnp.bfloat16 if ep == "gate_up" else jnp.float32
+    for m in rows:
+      x = jax.random.normal(next(key), (m, k), jnp.float32).astype(jnp.bfloat16)
+      r = jax.random.normal(next(key), (m, n), jnp.float32) if ep == "residual" else None
+      twin = jax.jit(lambda x, w, r: BG.batched_matmul_reference(x, w, r, epilogue=ep,
+                                                                 out_dtype=od))
+      want = twin(x, w, r)
+      us, err = _time(twin, x, w, r)
+      _emit(out, dict(kernel="xla_dot_epilogue", shape=name, m=m, us=us, err=err,
+                      TBps=_tbps(w.nbytes, us)))
+      for bn, bk, st, cl in itertools.product((32, 64), (64, 128), (3, 4, 6), (1, 2)):
+        if (n // bn) % cl or BG.smem_bytes(m, ep, od, bn, bk, st) > BG.SMEM_BYTES - 2048:
+          continue
+        f = jax.jit(lambda x, w, r, kn=dict(block_n=bn, block_k=bk, max_concurrent_steps=st,
+                                            cluster=cl):
+                    BG.batched_matmul(x, w, r, epilogue=ep, out_dtype=od, **kn))
+        us, err = _time(f, x, w, r)
+        if err is None:
+          err = float(jnp.max(jnp.abs(f(x, w, r).astype(jnp.float32)
+                                      - want.astype(jnp.float32))))
+        _emit(out, dict(kernel="batched_gemm", shape=name, m=m, block_n=bn, block_k=bk,
+                        steps=st, cluster=cl, us=us, err=err, TBps=_tbps(w.nbytes, us)))
+    del w
+  return out
+
+
 def sweep_mgpu_attention(bw: float) -> list[dict]:
   """Premise probe for the batched ring attention: jax's Mosaic GPU attention (TMA + wgmma,
   warp-specialized) on the work of S = 8 slots at the seed's dims: per (slot, kv head) 64
@@ -427,6 +465,8 @@ def main(argv=None) -> int:
   if "shapes" in args.what:
     res["rows"] += sweep_shapes(bw)
   rows = tuple(int(v) for v in args.rows.split(","))
+  if "bgemm" in args.what:
+    res["rows"] += sweep_batched_gemm(rows)
   if "mgpu" in args.what:
     res["rows"] += sweep_mgpu(rows)
   if "mixed" in args.what:

@@ -1,11 +1,12 @@
-"""Batched-row bf16 GEMM on Hopper tensor cores (Mosaic GPU): y = x @ w^T for 64-256 rows.
+"""Batched-row bf16 GEMM on Hopper tensor cores (Mosaic GPU): y = x @ w^T for 65-256+ rows.
 
 The skinny GEMM (skinny_gemm.py) streams the weights through CUDA-core-sized MMAs and wins up
 to one block of rows; a batched round (issue 14) puts S x w rows through every GEMM, where
 XLA's cuBLAS kernels stream the weights at 2.7-3.7 TB/s and leave the residual add, the
 silu(gate) * up and the float32 -> bf16 rounding to separate launches (RESULTS.md run 16).
 This kernel keeps the weights in their (out, in) layout, reads each weight tile once per
-call (every program holds all the rows), and finishes inside the epilogue:
+call (every program holds all the rows, up to 256; more run in 256-row chunks), and finishes
+inside the epilogue:
 
   epilogue "none"      y = x @ w^T                     (float32)
   epilogue "residual"  y = r + x @ w^T                 (float32; r [M, N] float32)
@@ -215,7 +216,8 @@ def _call(x, w, residual, *, epilogue, out_dtype, n, block_n, block_k, steps, cl
     scratch.append(plgpu.Barrier(num_barriers=2))
   f = plgpu.kernel(
       kernel, out_type=jax.ShapeDtypeStruct((m, n), out_dtype), grid=(n // block_n // cluster,),
-      grid_names=("n",), cluster=(cluster,), cluster_names=("cluster",), num_threads=3, thread_name="wg", scratch_types=scratch,
+      grid_names=("n",), cluster=(cluster,), cluster_names=("cluster",), num_threads=3,
+      thread_name="wg", scratch_types=scratch,
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
   args = (x, w) if residual is None else (x, w, residual)

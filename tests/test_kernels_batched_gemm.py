@@ -148,8 +148,8 @@ def test_gpu_linear_routes_batched_rows_to_the_kernel():
 
 def test_linear_batched_branch_on_cpu(monkeypatch):
   """params.linear's batched branch (rounding to bf16, the residual and gate_up epilogues,
-  the padding to 128 rows; the 256-row chunks of a direct call) with the kernel body replaced by the twin on
-  the padded operands: it must give XLA's path to float32 rounding."""
+  the padding to 128 rows; the 256-row chunks of a direct call) with the kernel body replaced
+  by the twin on the padded operands: it must give XLA's path to float32 rounding."""
   calls = []
 
   def fake_call(x, w, residual, *, epilogue, out_dtype, n, **_):
