@@ -378,8 +378,9 @@ def sweep_mgpu(rows: tuple[int, ...]) -> list[dict]:
 
 def sweep_batched_gemm(rows: tuple[int, ...]) -> list[dict]:
   """pallas_kernels.batched_gemm on the seed's bf16 matrices with their round epilogues (qkv
-  plain, o and down + residual, gate_up silu * up), block_n x block_k x stages x cluster, next
-  to XLA's dot + the same epilogue in one jit (err: max |kernel - twin|)."""
+  plain, o and down + residual, gate_up silu * up), block_n x block_k x stages x split_k
+  (split partials summed by XLA, with the residual), next to XLA's dot + the same epilogue in
+  one jit (err: max |kernel - twin|)."""
   from pallas_kernels import batched_gemm as BG
   shapes = {"qkv": (6144, 6656, "none"), "o": (6656, 4096, "residual"),
             "gate_up": (19968, 6656, "gate_up"), "down": (6656, 19968, "residual")}
@@ -395,21 +396,26 @@ def sweep_batched_gemm(rows: tuple[int, ...]) -> list[dict]:
       twin = jax.jit(lambda x, w, r: BG.batched_matmul_reference(x, w, r, epilogue=ep,
                                                                  out_dtype=od))
       want = twin(x, w, r)
-      us, err = _time(twin, x, w, r)
+      us, err = _time(twin, x, w, r, iters=20)
       _emit(out, dict(kernel="xla_dot_epilogue", shape=name, m=m, us=us, err=err,
                       TBps=_tbps(w.nbytes, us)))
-      for bn, bk, st, cl in itertools.product((32, 64), (64, 128), (3, 4, 6), (1, 2)):
-        if (n // bn) % cl or BG.smem_bytes(m, ep, od, bn, bk, st) > BG.SMEM_BYTES - 2048:
+      mp = BG.padded_rows(min(m, BG.MAX_ROWS))
+      for bn, bk, st, sk in itertools.product((64, 128, 256), (64, 128), (2, 3, 4, 6),
+                                              (1, 2, 4)):
+        n_acc = 2 if ep == "gate_up" else 1
+        if (n % bn or (k // bk) % sk or (sk > 1 and ep == "gate_up")
+            or (mp // (1 if mp == 64 else 2)) * bn * n_acc > BG.ACC_FLOATS
+            or BG.smem_bytes(m, ep, od, bn, bk, st) > BG.SMEM_BYTES - 2048):
           continue
         f = jax.jit(lambda x, w, r, kn=dict(block_n=bn, block_k=bk, max_concurrent_steps=st,
-                                            cluster=cl):
+                                            split_k=sk):
                     BG.batched_matmul(x, w, r, epilogue=ep, out_dtype=od, **kn))
-        us, err = _time(f, x, w, r)
+        us, err = _time(f, x, w, r, iters=20)
         if err is None:
           err = float(jnp.max(jnp.abs(f(x, w, r).astype(jnp.float32)
                                       - want.astype(jnp.float32))))
         _emit(out, dict(kernel="batched_gemm", shape=name, m=m, block_n=bn, block_k=bk,
-                        steps=st, cluster=cl, us=us, err=err, TBps=_tbps(w.nbytes, us)))
+                        steps=st, split_k=sk, us=us, err=err, TBps=_tbps(w.nbytes, us)))
     del w
   return out
 

@@ -306,10 +306,13 @@ def linear(x: jax.Array, w, *, impl: str = "pallas", gate_up: bool = False,
   knobs = None if impl == "xla" or isinstance(w, QuantWeight) else _batched_knobs(
       x, w, gate_up, out_dtype)
   if knobs is not None:
+    split = knobs["split_k"] > 1
     y = batched_gemm.batched_matmul(x.astype(jnp.bfloat16), w,
                                     epilogue="gate_up" if gate_up else "none",
-                                    out_dtype=out_dtype, **knobs)
-    return y[None] if partials else y.astype(out_dtype)
+                                    out_dtype=out_dtype, keep_splits=partials and split, **knobs)
+    if partials:
+      return y if split else y[None]
+    return y.astype(out_dtype)
   if impl != "xla" and (isinstance(w, QuantWeight) or _bf16_skinny(x, w)):
     data, scale, fmt = (w.data, w.scale, w.fmt) if isinstance(w, QuantWeight) else (w, None, "bf16")
     n, k = data.shape

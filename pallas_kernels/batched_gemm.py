@@ -13,12 +13,17 @@ inside the epilogue:
   epilogue "gate_up"   y = silu(x @ g^T) * (x @ u^T)   (w = [g; u], computed in float32,
                                                         written as out_dtype)
 
-Each program owns one block_n-wide column tile: a memory warpgroup streams the x and w tiles
-over K through shared memory (TMA, max_concurrent_steps deep) while two compute warpgroups
-each multiply half of the rows on the tensor cores (wgmma, w's tile read transposed). Rows are
-padded to a multiple of 128 by the wrapper. GPU only (Mosaic GPU has no interpreter): the jnp
+Each program owns one block_n-wide column tile (and, with split_k > 1, one of split_k K
+ranges, writing a float32 partial sum): a memory warpgroup streams the x and w tiles over K
+through shared memory (TMA, max_concurrent_steps deep) while the compute warpgroups multiply
+the rows on the tensor cores (wgmma, w's tile read transposed): one warpgroup for up to 64
+rows, else two, each over half of the rows (padded to 64 or a multiple of 128 by the wrapper).
+The epilogue leaves through shared memory in 64-column tiles. At 128 rows the x tile is twice
+a 64-wide weight tile, so shared memory, not the weights, bounds the pipeline's depth: wider
+column tiles with K splits (the partials summed by their consumer) trade that for more
+partial traffic (`benchmarks.sweep bgemm`). GPU only (Mosaic GPU has no interpreter): the jnp
 twin `batched_matmul_reference` is the contract, and the CPU tests check the wrapper's
-validation and padding on the twin.
+validation, padding and split bookkeeping with the twin in the kernel body's place.
 """
 from __future__ import annotations
 
@@ -29,36 +34,42 @@ import jax.numpy as jnp
 from jax import lax
 
 EPILOGUES = ("none", "residual", "gate_up")
-MAX_ROWS = 256      # two warpgroups x 128 accumulator rows; more rows re-tile over M
-ROW_QUANTUM = 128   # two warpgroups x one 64-row wgmma
-
-
+MAX_ROWS = 256      # two warpgroups x 128 accumulator rows; more rows run in chunks
+ACC_FLOATS = 16384  # accumulator floats per warpgroup: 128 registers per thread
+EPI_N = 64          # the epilogue's column tile
 SMEM_BYTES = 232448   # the H200's shared memory per block (Mosaic GPU's limit)
-# (block_k, stages) in the order measured best (RESULTS.md run 16): the weights stream at the
-# rate of the bytes in flight, so the deepest pipeline that fits wins.
-_DEPTHS = ((128, 4), (128, 3), (64, 6), (64, 5), (64, 4), (64, 3), (64, 2))
+# (block_k, stages), deepest first: the weights stream at the rate of the bytes in flight
+# (RESULTS.md run 16), so the deepest pipeline that fits wins.
+_DEPTHS = ((128, 6), (128, 5), (128, 4), (128, 3), (64, 6), (64, 5), (64, 4), (64, 3), (64, 2))
+
+
+def padded_rows(m: int) -> int:
+  """Rows the kernel runs for m <= MAX_ROWS: one warpgroup's 64 rows, else two warpgroups'
+  multiples of 64."""
+  return 64 if m <= 64 else _round_up(m, 128)
 
 
 def smem_bytes(m: int, epilogue: str, out_dtype, block_n: int, block_k: int, steps: int) -> int:
   """Shared memory of one program: the x and weight tiles of every pipeline stage plus the
-  two warpgroups' epilogue tiles (a small margin for barriers is left to the caller)."""
-  mp = _round_up(min(m, MAX_ROWS), ROW_QUANTUM)
+  compute warpgroups' epilogue tiles (a small margin for barriers is left to the caller)."""
+  mp = padded_rows(min(m, MAX_ROWS))
   n_w = 2 if epilogue == "gate_up" else 1
   stage = block_k * (mp + n_w * block_n) * 2
   out_item = jnp.dtype(out_dtype if epilogue == "gate_up" else jnp.float32).itemsize
-  return stage * steps + mp * block_n * out_item
+  epi_n = min(block_n, EPI_N)
+  return stage * steps + mp * epi_n * out_item * min(2, block_n // epi_n)
 
 
 def default_knobs(m: int, n: int, k: int, epilogue: str = "none", out_dtype=jnp.float32) -> dict:
-  """64-wide column tiles and the deepest K pipeline that fits (H200, RESULTS.md run 16);
-  None when N or K fits no tile (the caller then uses another GEMM)."""
+  """64-wide column tiles, no K split and the deepest K pipeline that fits (H200, RESULTS.md
+  run 16, at 128 rows); None when N or K fits no tile (the caller then uses another GEMM)."""
   block_n = 64
   if n % block_n:
     return None
   for block_k, steps in _DEPTHS:
     if k % block_k == 0 and smem_bytes(m, epilogue, out_dtype, block_n, block_k,
                                        steps) <= SMEM_BYTES - 2048:
-      return dict(block_n=block_n, block_k=block_k, max_concurrent_steps=steps)
+      return dict(block_n=block_n, block_k=block_k, max_concurrent_steps=steps, split_k=1)
   return None
 
 
@@ -70,7 +81,7 @@ def available() -> bool:
   return float(cc) >= 9.0
 
 
-def _check(x, w, residual, epilogue, block_n, block_k):
+def _check(x, w, residual, epilogue, block_n, block_k, split_k, keep_splits):
   if epilogue not in EPILOGUES:
     raise ValueError(f"batched_matmul: epilogue must be one of {EPILOGUES}, got {epilogue!r}")
   if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
@@ -86,6 +97,22 @@ def _check(x, w, residual, epilogue, block_n, block_k):
   if n % block_n or k % block_k:
     raise ValueError(f"batched_matmul: N {n} and K {k} must be multiples of block_n "
                      f"{block_n} and block_k {block_k}")
+  if not ((block_n % 8 == 0 and 8 <= block_n <= EPI_N)
+          or (block_n % EPI_N == 0 and block_n <= 256)):
+    raise ValueError(f"batched_matmul: block_n must be a multiple of 8 up to {EPI_N} or of "
+                     f"{EPI_N} up to 256 (one wgmma, whole epilogue tiles), got {block_n}")
+  if not isinstance(split_k, int) or split_k < 1 or (k // block_k) % split_k:
+    raise ValueError(f"batched_matmul: split_k must be an int >= 1 dividing the {k // block_k} "
+                     f"K tiles, got {split_k}")
+  if split_k > 1 and epilogue == "gate_up":
+    raise ValueError("batched_matmul: gate_up needs whole sums (split_k 1)")
+  if keep_splits and epilogue != "none":
+    raise ValueError("batched_matmul: keep_splits is for epilogue='none'")
+  mp = padded_rows(min(m, MAX_ROWS))
+  n_acc = 2 if epilogue == "gate_up" else 1
+  if (mp // (1 if mp == 64 else 2)) * block_n * n_acc > ACC_FLOATS:
+    raise ValueError(f"batched_matmul: {n_acc} accumulator(s) of {mp // (1 if mp == 64 else 2)}"
+                     f" rows x block_n {block_n} exceed {ACC_FLOATS} floats per warpgroup")
   if epilogue == "residual":
     if residual is None or residual.shape != (m, n) or residual.dtype != jnp.float32:
       raise ValueError(f"batched_matmul: the residual epilogue takes a float32 [{m}, {n}] "
@@ -114,27 +141,40 @@ def _round_up(v: int, q: int) -> int:
 
 def batched_matmul(x: jax.Array, w: jax.Array, residual: jax.Array | None = None, *,
                    epilogue: str = "none", out_dtype=jnp.float32, block_n: int = 64,
-                   block_k: int = 64, max_concurrent_steps: int = 6,
-                   cluster: int = 1) -> jax.Array:
-  """y [M, N] = the epilogue of x [M, K] @ w [N, K]^T (module docstring). GPU only."""
-  m, n, k = _check(x, w, residual, epilogue, block_n, block_k)
+                   block_k: int = 128, max_concurrent_steps: int = 4, split_k: int = 1,
+                   keep_splits: bool = False) -> jax.Array:
+  """y [M, N] = the epilogue of x [M, K] @ w [N, K]^T (module docstring). GPU only.
+
+  split_k > 1 cuts K into that many programs per column tile, each writing a float32 partial
+  sum; keep_splits returns them ([split_k, M, N], for a consumer that adds them up), else they
+  are summed here in order (with the residual, for that epilogue: an XLA fusion)."""
+  m, n, k = _check(x, w, residual, epilogue, block_n, block_k, split_k, keep_splits)
   if epilogue != "gate_up":
     out_dtype = jnp.float32
+  knobs = dict(block_n=block_n, block_k=block_k, max_concurrent_steps=max_concurrent_steps,
+               split_k=split_k)
   if m > MAX_ROWS:
     parts = [batched_matmul(x[i:i + MAX_ROWS], w,
                             None if residual is None else residual[i:i + MAX_ROWS],
-                            epilogue=epilogue, out_dtype=out_dtype, block_n=block_n,
-                            block_k=block_k, max_concurrent_steps=max_concurrent_steps,
-                            cluster=cluster)
+                            epilogue=epilogue, out_dtype=out_dtype, keep_splits=keep_splits,
+                            **knobs)
              for i in range(0, m, MAX_ROWS)]
-    return jnp.concatenate(parts, axis=0)
-  mp = _round_up(m, ROW_QUANTUM)
+    return jnp.concatenate(parts, axis=1 if keep_splits else 0)
+  mp = padded_rows(m)
   if mp != m:
     x = jnp.pad(x, ((0, mp - m), (0, 0)))
     if residual is not None:
       residual = jnp.pad(residual, ((0, mp - m), (0, 0)))
-  y = _call(x, w, residual, epilogue=epilogue, out_dtype=jnp.dtype(out_dtype), n=n,
-            block_n=block_n, block_k=block_k, steps=max_concurrent_steps, cluster=cluster)
+  fused_residual = residual if split_k == 1 else None
+  y = _call(x, w, fused_residual, epilogue=epilogue if split_k == 1 else "none",
+            out_dtype=jnp.dtype(out_dtype), n=n, block_n=block_n, block_k=block_k,
+            steps=max_concurrent_steps, split_k=split_k)
+  if split_k > 1:
+    y = y[:, :m]
+    if keep_splits:
+      return y
+    y = jnp.sum(y, axis=0)
+    return y if residual is None else residual[:m] + y
   return y[:m] if mp != m else y
 
 
@@ -146,24 +186,32 @@ def _transforms(minor: int, dtype):
 
 
 @functools.partial(jax.jit, static_argnames=("epilogue", "out_dtype", "n", "block_n", "block_k",
-                                             "steps", "cluster"))
-def _call(x, w, residual, *, epilogue, out_dtype, n, block_n, block_k, steps, cluster):
+                                             "steps", "split_k"))
+def _call(x, w, residual, *, epilogue, out_dtype, n, block_n, block_k, steps, split_k):
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
 
   m, k = x.shape
-  rows = m // 2                      # per compute warpgroup
-  k_steps = k // block_k
+  wgs = 1 if m == 64 else 2          # compute warpgroups, each over `rows` of the x tile
+  rows = m // wgs
+  k_steps = k // block_k // split_k  # per program
+  k_len = k_steps * block_k
   gate_up = epilogue == "gate_up"
   in_t = _transforms(block_k, jnp.bfloat16)
-  out_t = _transforms(block_n, out_dtype)
+  epi_n = min(block_n, EPI_N)
+  n_epi = block_n // epi_n
+  n_slots = min(2, n_epi)
+  out_t = _transforms(epi_n, out_dtype)
 
   def kernel(*refs):
     if epilogue == "residual":
       x_gmem, w_gmem, r_gmem, out_gmem, out_smem, r_barrier = refs
     else:
       (x_gmem, w_gmem, out_gmem, out_smem), r_gmem, r_barrier = refs, None, None
-    j = lax.axis_index("n") * cluster + lax.axis_index("cluster")
+    j = lax.axis_index("n")
+    ks = pl.ds(lax.axis_index("k") * k_len, k_len)
+    if split_k > 1:
+      out_gmem = out_gmem.at[lax.axis_index("k")]
     wg = lax.axis_index("wg")
     wg_rows = pl.ds(wg * rows, rows)
     cols = pl.ds(j * block_n, block_n)
@@ -178,15 +226,22 @@ def _call(x, w, residual, *, epilogue, out_dtype, n, block_n, block_k, steps, cl
           y = (g * (1.0 / (1.0 + jnp.exp(-g))) * u).astype(out_dtype)
         else:
           y = accs[0][...]
-        if r_gmem is not None:
-          plgpu.copy_gmem_to_smem(r_gmem.at[wg_rows, cols], out_smem.at[wg],
-                                  r_barrier.at[wg])
-          plgpu.barrier_wait(r_barrier.at[wg])
-          out_smem[wg] += y
-        else:
-          out_smem[wg] = y
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[wg_rows, cols])
+        # Out through shared memory in EPI_N-wide column tiles, two slots in turn, so that
+        # a wide block_n's epilogue does not take the pipeline's shared memory.
+        for c in range(n_epi):
+          slot, sub = c % 2, pl.ds(j * block_n + c * epi_n, epi_n)
+          yc = y if n_epi == 1 else y[:, c * epi_n:(c + 1) * epi_n]
+          if c >= 2:   # the slot's previous copy out must have read it
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+          if r_gmem is not None:
+            bar = r_barrier.at[wg * n_slots + slot]
+            plgpu.copy_gmem_to_smem(r_gmem.at[wg_rows, sub], out_smem.at[wg, slot], bar)
+            plgpu.barrier_wait(bar)
+            out_smem[wg, slot] += yc
+          else:
+            out_smem[wg, slot] = yc
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], out_gmem.at[wg_rows, sub])
         plgpu.wait_smem_to_gmem(0)
 
       pl.run_scoped(scope, *[plgpu.ACC((rows, block_n), jnp.float32)] * n_acc)
@@ -201,22 +256,22 @@ def _call(x, w, residual, *, epilogue, out_dtype, n, block_n, block_k, steps, cl
     w_spec = plgpu.BlockSpec((block_n, block_k), lambda kk: (0, kk), transforms=in_t)
     pipeline = plgpu.emit_pipeline_warp_specialized(
         body, grid=(k_steps,), memory_registers=40,
-        in_specs=[plgpu.BlockSpec((m, block_k), lambda kk: (0, kk), transforms=in_t,
-                                  collective_axes=("cluster",) if cluster > 1 else ())]
+        in_specs=[plgpu.BlockSpec((m, block_k), lambda kk: (0, kk), transforms=in_t)]
         + [w_spec] * (2 if gate_up else 1),
-        wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=steps,
+        wg_axis="wg", num_compute_wgs=wgs, max_concurrent_steps=steps,
         compute_context=compute_context)
-    w_tiles = [w_gmem.at[cols]]
+    w_tiles = [w_gmem.at[cols, ks]]
     if gate_up:
-      w_tiles.append(w_gmem.at[pl.ds(n + j * block_n, block_n)])
-    pipeline(x_gmem, *w_tiles)
+      w_tiles.append(w_gmem.at[pl.ds(n + j * block_n, block_n), ks])
+    pipeline(x_gmem.at[:, ks], *w_tiles)
 
-  scratch = [plgpu.SMEM((2, rows, block_n), out_dtype, transforms=out_t)]
+  scratch = [plgpu.SMEM((wgs, n_slots, rows, epi_n), out_dtype, transforms=out_t)]
   if epilogue == "residual":
-    scratch.append(plgpu.Barrier(num_barriers=2))
+    scratch.append(plgpu.Barrier(num_barriers=wgs * n_slots))
+  out_shape = (split_k, m, n) if split_k > 1 else (m, n)
   f = plgpu.kernel(
-      kernel, out_type=jax.ShapeDtypeStruct((m, n), out_dtype), grid=(n // block_n // cluster,),
-      grid_names=("n",), cluster=(cluster,), cluster_names=("cluster",), num_threads=3,
+      kernel, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
+      grid=(n // block_n, split_k), grid_names=("n", "k"), num_threads=wgs + 1,
       thread_name="wg", scratch_types=scratch,
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup))

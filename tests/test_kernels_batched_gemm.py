@@ -90,7 +90,7 @@ def test_default_knobs_fit_shared_memory():
   assert BG.default_knobs(128, 6656, 4096 + 32) is None      # K fits no K tile
   # The deepest pipeline that fits: 128-wide K tiles, 4 stages, for 128 rows and f32 out.
   assert BG.default_knobs(128, 6144, 6656) == dict(block_n=64, block_k=128,
-                                                   max_concurrent_steps=4)
+                                                   max_concurrent_steps=4, split_k=1)
 
 
 def test_linear_keeps_xla_off_hopper():
@@ -146,18 +146,29 @@ def test_gpu_linear_routes_batched_rows_to_the_kernel():
   del x
 
 
+CALLS = []   # (rows, epilogue) of every kernel launch the stand-in below saw
+
+
+def _fake_call(x, w, residual, *, epilogue, out_dtype, n, split_k=1, **_):
+  """The kernel body's stand-in on CPU: the twin on the padded operands (per K split)."""
+  assert x.dtype == jnp.bfloat16 and x.shape[0] == BG.padded_rows(x.shape[0])
+  assert x.shape[0] <= BG.MAX_ROWS
+  CALLS.append((x.shape[0], epilogue))
+  if split_k == 1:
+    return BG.batched_matmul_reference(x, w, residual, epilogue=epilogue, out_dtype=out_dtype)
+  kl = x.shape[1] // split_k
+  return jnp.stack([BG.batched_matmul_reference(x[:, i * kl:(i + 1) * kl],
+                                                w[:, i * kl:(i + 1) * kl])
+                    for i in range(split_k)])
+
+
 def test_linear_batched_branch_on_cpu(monkeypatch):
   """params.linear's batched branch (rounding to bf16, the residual and gate_up epilogues,
   the padding to 128 rows; the 256-row chunks of a direct call) with the kernel body replaced
   by the twin on the padded operands: it must give XLA's path to float32 rounding."""
-  calls = []
-
-  def fake_call(x, w, residual, *, epilogue, out_dtype, n, **_):
-    assert x.dtype == jnp.bfloat16 and x.shape[0] % BG.ROW_QUANTUM == 0
-    assert x.shape[0] <= BG.MAX_ROWS
-    calls.append((x.shape[0], epilogue))
-    return BG.batched_matmul_reference(x, w, residual, epilogue=epilogue, out_dtype=out_dtype)
-
+  calls = CALLS
+  calls.clear()
+  fake_call = _fake_call
   rng = np.random.default_rng(7)
   k, n = 256, 128
   w = jnp.asarray(rng.standard_normal((n, k)) / 16, jnp.bfloat16)
@@ -177,13 +188,79 @@ def test_linear_batched_branch_on_cpu(monkeypatch):
       np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(e, np.float32),
                                  rtol=1e-5, atol=1e-5)
   assert {c[1] for c in calls} == {"residual", "none", "gate_up"}
-  assert calls.count((BG.ROW_QUANTUM, "none")) == 2
-  # Past MAX_ROWS the kernel runs in 256-row chunks (the last one padded).
+  assert calls.count((128, "none")) == 2
+  # Past MAX_ROWS the kernel runs in 256-row chunks (the last one, 44 rows, padded to 64).
   calls.clear()
   x = jnp.asarray(rng.standard_normal((300, k)), jnp.bfloat16)
   monkeypatch.setattr(BG, "_call", fake_call)
   got = BG.batched_matmul(x, w, block_n=64, block_k=64)
   monkeypatch.undo()
-  assert calls == [(256, "none"), (128, "none")]
+  assert calls == [(256, "none"), (64, "none")]
   np.testing.assert_allclose(np.asarray(got), np.asarray(P.linear(x, w, impl="xla")),
                              rtol=1e-5, atol=1e-5)
+
+
+def test_split_k_partials_on_cpu(monkeypatch):
+  """split_k > 1 (the kernel body replaced by per-split twins): keep_splits returns the
+  [split_k, M, N] partials, which sum to the product; the residual epilogue adds them up
+  after the residual; gate_up refuses a split; 64 rows run unpadded (one warpgroup)."""
+  fake = _fake_call
+  rng = np.random.default_rng(11)
+  k, n = 512, 128
+  w = jnp.asarray(rng.standard_normal((n, k)) / 16, jnp.bfloat16)
+  for m in (40, 64, 100):
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    r = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
+    want = np.asarray(P.linear(x, w, impl="xla"), np.float64)
+    monkeypatch.setattr(BG, "_call", fake)
+    parts = BG.batched_matmul(x, w, block_n=64, block_k=64, split_k=4, keep_splits=True)
+    res = BG.batched_matmul(x, w, r, epilogue="residual", block_n=64, block_k=64, split_k=2)
+    monkeypatch.undo()
+    assert parts.shape == (4, m, n)
+    np.testing.assert_allclose(np.asarray(parts, np.float64).sum(0), want, rtol=1e-5,
+                               atol=1e-4)
+    np.testing.assert_allclose(np.asarray(res), want + np.asarray(r), rtol=1e-5, atol=1e-4)
+  with pytest.raises(ValueError, match="whole sums"):
+    BG.batched_matmul(x, jnp.concatenate([w, w]), epilogue="gate_up", block_k=64, split_k=2)
+  with pytest.raises(ValueError, match="dividing the 8 K tiles"):
+    BG.batched_matmul(x, w, block_k=64, split_k=3)
+  with pytest.raises(ValueError, match="keep_splits is for"):
+    BG.batched_matmul(x, w, r, epilogue="residual", block_k=64, split_k=2, keep_splits=True)
+  with pytest.raises(ValueError, match="exceed 16384 floats"):
+    BG.batched_matmul(jnp.zeros((256, k), jnp.bfloat16), jnp.zeros((512, k), jnp.bfloat16),
+                      block_n=256, block_k=64)
+  assert [BG.padded_rows(v) for v in (1, 64, 65, 128, 129, 256)] == [64, 64, 128, 128, 256, 256]
+
+
+KNOB_VARIANTS = {   # beyond the defaults: wide column tiles (epilogue in 64-wide tiles), K splits
+    "wide128": dict(block_n=128, block_k=64, max_concurrent_steps=3, split_k=1),
+    "wide256": dict(block_n=256, block_k=64, max_concurrent_steps=2, split_k=1),
+    "split2": dict(block_n=128, block_k=64, max_concurrent_steps=3, split_k=2),
+    "split4": dict(block_n=64, block_k=64, max_concurrent_steps=4, split_k=4),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, variant, epilogue", [
+    (m, v, e) for m in (40, 64, 128) for v in sorted(KNOB_VARIANTS) for e in BG.EPILOGUES
+    # gate_up takes no K split (test_split_k_partials_on_cpu checks the refusal)
+    if not (e == "gate_up" and KNOB_VARIANTS[v]["split_k"] > 1)])
+def test_gpu_knob_variants_match_oracle(m, variant, epilogue):
+  kn = dict(KNOB_VARIANTS[variant])
+  n, k = 512, 1024
+  if epilogue == "gate_up":   # two accumulators: at most 128 columns per warpgroup
+    kn["block_n"] = min(kn["block_n"], 128)
+  x, w, rng = _inputs(hash((m, variant, epilogue)) % 2**31, m,
+                      2 * n if epilogue == "gate_up" else n, k)
+  r = rng.standard_normal((m, n)).astype(np.float32) if epilogue == "residual" else None
+  out_dtype = jnp.bfloat16 if epilogue == "gate_up" else jnp.float32
+  got = BG.batched_matmul(jnp.asarray(x), jnp.asarray(w), None if r is None else jnp.asarray(r),
+                          epilogue=epilogue, out_dtype=out_dtype, **kn)
+  got = np.asarray(got.astype(jnp.float32), np.float64)
+  want, scale = _oracle(x, w, r, epilogue)
+  bound = ACC_RTOL * scale + 1e-6 + (BF16_EPS * np.abs(want) if epilogue == "gate_up" else 0)
+  assert got.shape == want.shape and not (np.abs(got - want) > bound).any()
+  if kn["split_k"] > 1 and epilogue == "none":
+    parts = BG.batched_matmul(jnp.asarray(x), jnp.asarray(w), keep_splits=True, **kn)
+    assert parts.shape == (kn["split_k"], m, n)
+    assert not (np.abs(np.asarray(parts, np.float64).sum(0) - want) > bound).any()
