@@ -1,6 +1,6 @@
 """Batched drafting (issue 14): S sequences in one draft round, in one command.
 
-  python -m benchmarks.batch --gpu [--only rounds,compiles,memory,crossover] [--out DIR]
+  python -m benchmarks.batch --gpu [--only rounds,compiles,memory,crossover,batched_ab] [--out DIR]
   python -m benchmarks.batch --smoke        # tiny dims on any backend (CI): not results
 
 Sections (each printed as it finishes, all written to DIR/batch.json and batch.md):
@@ -17,6 +17,9 @@ Sections (each printed as it finishes, all written to DIR/batch.json and batch.m
   the device beside the bf16 weights, with one round over all 64 slots.
 - crossover: the skinny GEMM vs XLA's GEMM for each bf16 matrix of a seed round at M = 64 ..
   512 rows; prints the row count to set `dflash_jax.params.SKINNY_MAX_M` to.
+- batched_ab: rounds with the Mosaic GPU batched GEMM on vs off (`params.BATCHED_FORMATS`
+  emptied), interleaved in one process, at 32-128 rows for bf16 and fp8 weights: the numbers
+  `params.BATCHED_MIN_M` / `BATCHED_MAX_M` / `BATCHED_FORMATS` come from.
 
 On the H200 the whole run takes about 5 minutes, mostly compiles (one per point); a slower
 start can split it: `--only rounds`, then `--only compiles,memory,crossover`.
@@ -36,11 +39,12 @@ import numpy as np
 
 import dflash_jax as dfj
 from benchmarks import common as C
+from dflash_jax import params as P
 from dflash_jax import step as S
 from dflash_jax.params import BATCHED_MAX_M, BATCHED_MIN_M, SKINNY_MAX_M, gemm_knobs, linear
 from pallas_kernels import batched_gemm, skinny_gemm
 
-SECTIONS = ("rounds", "compiles", "memory", "crossover")   # the rates always run
+SECTIONS = ("rounds", "compiles", "memory", "crossover", "batched_ab")   # rates always run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +62,7 @@ class Plan:
   compile_rounds: int
   iters: int
   gemm_n: int
+  ab_points: tuple[tuple[str, int, int], ...] = ()   # (weights, width, S) of batched_ab
 
   @property
   def window(self) -> int:
@@ -70,13 +75,15 @@ GPU_PLAN = Plan(
                  for s in (1, 2, 4, 8, 16, 32)),
     memory_slots=64, memory_width=16, crossover_rows=(16, 32, 48, 64, 128, 256, 512),
     crossover_gemms=None, compile_slots=8, compile_width=16, compile_rounds=40, iters=20,
-    gemm_n=8192)
+    gemm_n=8192,
+    ab_points=tuple((d, w, s) for d in ("bf16", "fp8") for w, s in ((16, 8), (8, 16), (16, 4),
+                                                                     (8, 8), (16, 2))))
 # Interpret-mode Pallas compiles take seconds on a CPU: few points, the same code paths.
 SMOKE_PLAN = Plan(
     cfg=dataclasses.replace(dfj.TINY_CONFIG, window=64), n_vocab=512,
     points=(("bf16", 4, 2),), memory_slots=2, memory_width=4, crossover_rows=(128,),
     crossover_gemms=("qkv", "gate_up"), compile_slots=2,
-    compile_width=4, compile_rounds=4, iters=2, gemm_n=256)
+    compile_width=4, compile_rounds=4, iters=2, gemm_n=256, ab_points=(("bf16", 4, 2),))
 
 
 def gemm_rate(n: int, iters: int) -> float:
@@ -89,11 +96,11 @@ def gemm_rate(n: int, iters: int) -> float:
 
 
 def gemm_path(dtype: str, rows: int) -> str:
-  """Which GEMM a round's bf16 weights run on at this row count (params.linear's rule)."""
-  if dtype != "bf16" or rows <= SKINNY_MAX_M:
-    return "skinny"
-  return ("batched" if BATCHED_MIN_M <= rows <= BATCHED_MAX_M and batched_gemm.available()
-          else "xla")
+  """Which GEMM a round's weights run on at this row count (params.linear's rule)."""
+  if (dtype in P.BATCHED_FORMATS and BATCHED_MIN_M <= rows <= BATCHED_MAX_M
+      and batched_gemm.available()):
+    return "batched"
+  return "skinny" if dtype != "bf16" or rows <= SKINNY_MAX_M else "xla"
 
 
 def round_inputs(cfg: dfj.DFlashConfig, n_slots: int, width: int, n_past: int, seed: int = 3):
@@ -182,6 +189,45 @@ def bench_rounds(plan: Plan, rates: dict, out: list, save) -> None:
           + f" ({r['seconds']:.0f} s)", flush=True)
     del ring, inputs
     save()
+
+
+def bench_batched_ab(plan: Plan, repeats: int = 2) -> list[dict]:
+  """The batched GEMM on vs off (params.BATCHED_FORMATS emptied: XLA's GEMM for bf16, the
+  skinny GEMM for fp8) in the same process, interleaved, for every point of plan.ab_points
+  (each setting its own jit); with the largest logits difference and draft agreement."""
+  cfg, window = plan.cfg, plan.window
+  out, params = [], None
+  on = P.BATCHED_FORMATS
+  for dtype, width, n_slots in plan.ab_points:
+    if params is None or params.weight_format != dtype:
+      params = None
+      params = C.random_params(cfg, plan.n_vocab, dtype)
+    ring = C.filled_state(cfg, "bf16", window, window, n_seqs=n_slots)
+    inputs = round_inputs(cfg, n_slots, width, window)
+    times, outs = {"off": [], "on": []}, {}
+    try:
+      for _ in range(repeats):
+        for tag, fmts in (("off", ()), ("on", on)):
+          P.BATCHED_FORMATS = fmts
+          f = jax.jit(functools.partial(S.draft_round_batched, width=width, impl="pallas"))
+          per = C.without_copies(C.cupti_kernels(f, params, ring, *inputs,
+                                                 iterations=plan.iters))
+          times[tag].append((C.device_ms(per), C.launches(per)))
+          outs[tag] = f(params, ring, *inputs)
+    finally:
+      P.BATCHED_FORMATS = on
+    r = dict(dtype=dtype, width=width, slots=n_slots, rows=n_slots * width,
+             off_ms=[t for t, _ in times["off"]], on_ms=[t for t, _ in times["on"]],
+             off_launches=times["off"][0][1], on_launches=times["on"][0][1],
+             max_logits_diff=float(jnp.max(jnp.abs(outs["on"][2] - outs["off"][2]))),
+             drafts_agree=float(jnp.mean(outs["on"][1] == outs["off"][1])))
+    out.append(r)
+    print(f"batched GEMM A/B {dtype} w{width} S{n_slots}: off {r['off_ms']} ms "
+          f"({r['off_launches']} launches), on {r['on_ms']} ms ({r['on_launches']}); "
+          f"max|dlogits| {r['max_logits_diff']:.3g}, drafts agree {r['drafts_agree']:.3f}",
+          flush=True)
+    del ring, inputs
+  return out
 
 
 def bench_compiles(plan: Plan, seed: int = 5) -> dict:
@@ -365,6 +411,15 @@ def markdown(res: dict) -> str:
       lines.append(f"| {m} | {t['skinny_ms']:.3f} | {t['xla_ms']:.3f} |")
     lines.append(f"\nsuggested SKINNY_MAX_M = {x['suggested_skinny_max_m']} "
                  f"(current {x['current_skinny_max_m']})")
+  if "batched_ab" in res:
+    lines += ["", "| weights | w | S | rows | batched GEMM off ms | on ms | launches off / on | "
+              "max logits diff | drafts agree |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in res["batched_ab"]:
+      lines.append(f"| {r['dtype']} | {r['width']} | {r['slots']} | {r['rows']} | "
+                   + " / ".join(f"{t:.4f}" for t in r["off_ms"]) + " | "
+                   + " / ".join(f"{t:.4f}" for t in r["on_ms"])
+                   + f" | {r['off_launches']} / {r['on_launches']} | "
+                   f"{r['max_logits_diff']:.3g} | {r['drafts_agree']:.3f} |")
   return "\n".join(lines)
 
 
@@ -402,7 +457,8 @@ def main(argv=None) -> int:
                                                        save)),
                        ("compiles", lambda: bench_compiles(plan)),
                        ("memory", lambda: bench_memory(plan)),
-                       ("crossover", lambda: bench_crossover(plan))):
+                       ("crossover", lambda: bench_crossover(plan)),
+                       ("batched_ab", lambda: bench_batched_ab(plan))):
     if section in only:
       t1 = time.perf_counter()
       out = run()

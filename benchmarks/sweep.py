@@ -376,11 +376,13 @@ def sweep_mgpu(rows: tuple[int, ...]) -> list[dict]:
   return out
 
 
-def sweep_batched_gemm(rows: tuple[int, ...]) -> list[dict]:
-  """pallas_kernels.batched_gemm on the seed's bf16 matrices with their round epilogues (qkv
-  plain, o and down + residual, gate_up silu * up), block_n x block_k x stages x split_k
-  (split partials summed by XLA, with the residual), next to XLA's dot + the same epilogue in
-  one jit (err: max |kernel - twin|)."""
+def sweep_batched_gemm(rows: tuple[int, ...], fmts: tuple[str, ...]) -> list[dict]:
+  """pallas_kernels.batched_gemm on the seed's matrices with their round epilogues (qkv
+  plain, o and down + residual, gate_up silu * up), bf16 or fp8 weights, block_n x block_k x
+  stages x split_k (split partials summed by XLA, with the residual), next to today's path
+  in one jit: XLA's dot + the same epilogue for bf16, the skinny GEMM for fp8 (err: max
+  |kernel - twin|)."""
+  from dflash_jax.params import gemm_knobs
   from pallas_kernels import batched_gemm as BG
   shapes = {"qkv": (6144, 6656, "none"), "o": (6656, 4096, "residual"),
             "gate_up": (19968, 6656, "gate_up"), "down": (6656, 19968, "residual")}
@@ -388,35 +390,54 @@ def sweep_batched_gemm(rows: tuple[int, ...]) -> list[dict]:
   key = iter(jax.random.split(jax.random.key(8), 64))
   for name, (n, k, ep) in shapes.items():
     n_w = 2 * n if ep == "gate_up" else n
-    w = (jax.random.normal(next(key), (n_w, k), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
+    w32 = jax.random.normal(next(key), (n_w, k), jnp.float32) / np.sqrt(k)
     od = jnp.bfloat16 if ep == "gate_up" else jnp.float32
-    for m in rows:
-      x = jax.random.normal(next(key), (m, k), jnp.float32).astype(jnp.bfloat16)
-      r = jax.random.normal(next(key), (m, n), jnp.float32) if ep == "residual" else None
-      twin = jax.jit(lambda x, w, r: BG.batched_matmul_reference(x, w, r, epilogue=ep,
-                                                                 out_dtype=od))
-      want = twin(x, w, r)
-      us, err = _time(twin, x, w, r, iters=20)
-      _emit(out, dict(kernel="xla_dot_epilogue", shape=name, m=m, us=us, err=err,
-                      TBps=_tbps(w.nbytes, us)))
-      mp = BG.padded_rows(min(m, BG.MAX_ROWS))
-      for bn, bk, st, sk in itertools.product((64, 128, 256), (64, 128), (2, 3, 4, 6),
-                                              (1, 2, 4)):
-        n_acc = 2 if ep == "gate_up" else 1
-        if (n % bn or (k // bk) % sk or (sk > 1 and ep == "gate_up")
-            or (mp // (1 if mp == 64 else 2)) * bn * n_acc > BG.ACC_FLOATS
-            or BG.smem_bytes(m, ep, od, bn, bk, st) > BG.SMEM_BYTES - 2048):
-          continue
-        f = jax.jit(lambda x, w, r, kn=dict(block_n=bn, block_k=bk, max_concurrent_steps=st,
-                                            split_k=sk):
-                    BG.batched_matmul(x, w, r, epilogue=ep, out_dtype=od, **kn))
-        us, err = _time(f, x, w, r, iters=20)
-        if err is None:
-          err = float(jnp.max(jnp.abs(f(x, w, r).astype(jnp.float32)
-                                      - want.astype(jnp.float32))))
-        _emit(out, dict(kernel="batched_gemm", shape=name, m=m, block_n=bn, block_k=bk,
-                        steps=st, split_k=sk, us=us, err=err, TBps=_tbps(w.nbytes, us)))
-    del w
+    for fmt in fmts:
+      if fmt == "fp8":
+        w8, sc = quantize_fp8(np.asarray(w32))
+        w, scale = jnp.asarray(w8), jnp.asarray(sc)
+      else:
+        w, scale = w32.astype(jnp.bfloat16), None
+      nbytes = w.nbytes + (0 if scale is None else scale.nbytes)
+      for m in rows:
+        x = jax.random.normal(next(key), (m, k), jnp.float32).astype(jnp.bfloat16)
+        r = jax.random.normal(next(key), (m, n), jnp.float32) if ep == "residual" else None
+        twin = jax.jit(lambda x, w, s, r: BG.batched_matmul_reference(
+            x, w, r, scale=s, epilogue=ep, out_dtype=od))
+        want = twin(x, w, scale, r)
+        if fmt == "fp8":
+          kn = gemm_knobs("fp8", n, k, ep == "gate_up", m)
+          if ep == "gate_up":
+            base = lambda x, w, s, r, kn=kn: G.skinny_matmul_gate_up(x, w, s, fmt="fp8",
+                                                                     out_dtype=od, **kn)
+          else:
+            base = lambda x, w, s, r, kn=kn: (0.0 if r is None else r) + G.skinny_matmul(
+                x, w, s, fmt="fp8", **kn)
+          label = "skinny_fp8"
+        else:
+          base, label = twin, "xla_dot_epilogue"
+        us, err = _time(base, x, w, scale, r, iters=20)
+        _emit(out, dict(kernel=label, fmt=fmt, shape=name, m=m, us=us, err=err,
+                        TBps=_tbps(nbytes, us)))
+        mp = BG.padded_rows(min(m, BG.MAX_ROWS))
+        for bn, bk, st, sk in itertools.product((64, 128, 256), (64, 128), (2, 3, 4, 6),
+                                                (1, 2, 4)):
+          n_acc = 2 if ep == "gate_up" else 1
+          if (n % bn or (k // bk) % sk or (sk > 1 and ep == "gate_up")
+              or (mp // (1 if mp == 64 else 2)) * bn * n_acc > BG.ACC_FLOATS
+              or BG.smem_bytes(m, ep, od, bn, bk, st, fmt) > BG.SMEM_BYTES - 2048):
+            continue
+          f = jax.jit(lambda x, w, s, r, kn=dict(block_n=bn, block_k=bk,
+                                                 max_concurrent_steps=st, split_k=sk):
+                      BG.batched_matmul(x, w, r, scale=s, epilogue=ep, out_dtype=od, **kn))
+          us, err = _time(f, x, w, scale, r, iters=20)
+          if err is None:
+            err = float(jnp.max(jnp.abs(f(x, w, scale, r).astype(jnp.float32)
+                                        - want.astype(jnp.float32))))
+          _emit(out, dict(kernel="batched_gemm", fmt=fmt, shape=name, m=m, block_n=bn,
+                          block_k=bk, steps=st, split_k=sk, us=us, err=err,
+                          TBps=_tbps(nbytes, us)))
+      del w, scale
   return out
 
 
@@ -472,7 +493,8 @@ def main(argv=None) -> int:
     res["rows"] += sweep_shapes(bw)
   rows = tuple(int(v) for v in args.rows.split(","))
   if "bgemm" in args.what:
-    res["rows"] += sweep_batched_gemm(rows)
+    res["rows"] += sweep_batched_gemm(rows, tuple(f for f in args.fmts.split(",")
+                                                  if f != "q8_0"))
   if "mgpu" in args.what:
     res["rows"] += sweep_mgpu(rows)
   if "mixed" in args.what:

@@ -248,14 +248,28 @@ def _bf16_skinny(x: jax.Array, w: jax.Array) -> bool:
   return w.dtype == jnp.bfloat16 and x.ndim == 2 and x.shape[0] <= SKINNY_MAX_M
 
 
-def _batched_knobs(x: jax.Array, w: jax.Array, gate_up: bool, out_dtype) -> dict | None:
+# The weight formats the batched GEMM runs (fp8 converts its tiles to bf16 in shared memory;
+# q8_0's 32-wide block scales have no path there yet and stay on the skinny GEMM).
+BATCHED_FORMATS = ("bf16", "fp8")
+
+
+def _weight_format(w) -> str:
+  return w.fmt if isinstance(w, QuantWeight) else jnp.dtype(w.dtype).name
+
+
+def _batched_knobs(x: jax.Array, w, gate_up: bool, out_dtype) -> dict | None:
   """The batched GEMM's tiles when it runs this product, else None."""
-  if not (w.dtype == jnp.bfloat16 and x.ndim == 2
+  fmt = "bf16" if _weight_format(w) == "bfloat16" else _weight_format(w)
+  if not (fmt in BATCHED_FORMATS and x.ndim == 2
           and BATCHED_MIN_M <= x.shape[0] <= BATCHED_MAX_M and batched_gemm.available()):
     return None
   n, k = w.shape
   return batched_gemm.default_knobs(x.shape[0], n // 2 if gate_up else n, k,
-                                    "gate_up" if gate_up else "none", out_dtype)
+                                    "gate_up" if gate_up else "none", out_dtype, fmt)
+
+
+def _batched_operands(w) -> tuple[jax.Array, jax.Array | None]:
+  return (w.data, w.scale) if isinstance(w, QuantWeight) else (w, None)
 
 
 def gemm_knobs(fmt: str, n: int, k: int, gate_up: bool = False, m: int = 16) -> dict:
@@ -291,11 +305,12 @@ def linear(x: jax.Array, w, *, impl: str = "pallas", gate_up: bool = False,
   if residual is not None:
     if partials or gate_up:
       raise ValueError("linear: a residual is for plain projections (no partials, no gate_up)")
-    if impl != "xla" and not isinstance(w, (QuantWeight, Reduced)):
+    if impl != "xla" and not isinstance(w, Reduced):
       knobs = _batched_knobs(x, w, False, jnp.float32)
       if knobs is not None:
-        return batched_gemm.batched_matmul(x.astype(jnp.bfloat16), w,
-                                           residual.astype(jnp.float32),
+        data, scale = _batched_operands(w)
+        return batched_gemm.batched_matmul(x.astype(jnp.bfloat16), data,
+                                           residual.astype(jnp.float32), scale=scale,
                                            epilogue="residual", **knobs)
     return residual.astype(jnp.float32) + linear(x, w, impl=impl)
   if isinstance(w, Reduced):
@@ -303,11 +318,11 @@ def linear(x: jax.Array, w, *, impl: str = "pallas", gate_up: bool = False,
       raise ValueError("linear: a Reduced (column-split) weight takes neither partials nor "
                        "gate_up (its partial sums must be added before any epilogue)")
     return jax.lax.psum(linear(x, w.w, impl=impl), w.axis).astype(out_dtype)
-  knobs = None if impl == "xla" or isinstance(w, QuantWeight) else _batched_knobs(
-      x, w, gate_up, out_dtype)
+  knobs = None if impl == "xla" else _batched_knobs(x, w, gate_up, out_dtype)
   if knobs is not None:
     split = knobs["split_k"] > 1
-    y = batched_gemm.batched_matmul(x.astype(jnp.bfloat16), w,
+    data, scale = _batched_operands(w)
+    y = batched_gemm.batched_matmul(x.astype(jnp.bfloat16), data, scale=scale,
                                     epilogue="gate_up" if gate_up else "none",
                                     out_dtype=out_dtype, keep_splits=partials and split, **knobs)
     if partials:

@@ -49,26 +49,32 @@ def padded_rows(m: int) -> int:
   return 64 if m <= 64 else _round_up(m, 128)
 
 
-def smem_bytes(m: int, epilogue: str, out_dtype, block_n: int, block_k: int, steps: int) -> int:
-  """Shared memory of one program: the x and weight tiles of every pipeline stage plus the
-  compute warpgroups' epilogue tiles (a small margin for barriers is left to the caller)."""
+def smem_bytes(m: int, epilogue: str, out_dtype, block_n: int, block_k: int, steps: int,
+               fmt: str = "bf16") -> int:
+  """Shared memory of one program: the x and weight tiles of every pipeline stage, the
+  compute warpgroups' epilogue tiles and, for fp8 weights, each warpgroup's bf16 copy of the
+  stage's weight tiles and their scales (a small margin for barriers is left to the caller)."""
   mp = padded_rows(min(m, MAX_ROWS))
+  wgs = 1 if mp == 64 else 2
   n_w = 2 if epilogue == "gate_up" else 1
-  stage = block_k * (mp + n_w * block_n) * 2
+  w_item = 1 if fmt == "fp8" else 2
+  stage = block_k * (mp * 2 + n_w * block_n * w_item)
   out_item = jnp.dtype(out_dtype if epilogue == "gate_up" else jnp.float32).itemsize
   epi_n = min(block_n, EPI_N)
-  return stage * steps + mp * epi_n * out_item * min(2, block_n // epi_n)
+  extra = wgs * n_w * block_n * (block_k * 2 + 4) if fmt == "fp8" else 0
+  return stage * steps + mp * epi_n * out_item * min(2, block_n // epi_n) + extra
 
 
-def default_knobs(m: int, n: int, k: int, epilogue: str = "none", out_dtype=jnp.float32) -> dict:
+def default_knobs(m: int, n: int, k: int, epilogue: str = "none", out_dtype=jnp.float32,
+                  fmt: str = "bf16") -> dict:
   """64-wide column tiles, no K split and the deepest K pipeline that fits (H200, RESULTS.md
   run 16, at 128 rows); None when N or K fits no tile (the caller then uses another GEMM)."""
   block_n = 64
   if n % block_n:
     return None
   for block_k, steps in _DEPTHS:
-    if k % block_k == 0 and smem_bytes(m, epilogue, out_dtype, block_n, block_k,
-                                       steps) <= SMEM_BYTES - 2048:
+    if k % block_k == 0 and smem_bytes(m, epilogue, out_dtype, block_n, block_k, steps,
+                                       fmt) <= SMEM_BYTES - 2048:
       return dict(block_n=block_n, block_k=block_k, max_concurrent_steps=steps, split_k=1)
   return None
 
@@ -81,14 +87,21 @@ def available() -> bool:
   return float(cc) >= 9.0
 
 
-def _check(x, w, residual, epilogue, block_n, block_k, split_k, keep_splits):
+def _check(x, w, scale, residual, epilogue, block_n, block_k, split_k, keep_splits):
   if epilogue not in EPILOGUES:
     raise ValueError(f"batched_matmul: epilogue must be one of {EPILOGUES}, got {epilogue!r}")
   if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
     raise ValueError(f"batched_matmul: x [M, K] and w [N, K] expected, got x {x.shape}, "
                      f"w {w.shape}")
-  if x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
-    raise ValueError(f"batched_matmul: bf16 x and w expected, got {x.dtype}, {w.dtype}")
+  if x.dtype != jnp.bfloat16 or w.dtype not in (jnp.bfloat16, jnp.float8_e4m3fn):
+    raise ValueError(f"batched_matmul: bf16 x and bf16 or float8_e4m3fn w expected, got "
+                     f"{x.dtype}, {w.dtype}")
+  if (w.dtype == jnp.float8_e4m3fn) != (scale is not None):
+    raise ValueError("batched_matmul: float8_e4m3fn weights take their per-row scale (and "
+                     "bf16 weights none)")
+  if scale is not None and (scale.shape != (w.shape[0],) or scale.dtype != jnp.float32):
+    raise ValueError(f"batched_matmul: scale must be float32 [{w.shape[0]}], got "
+                     f"{scale.dtype} {scale.shape}")
   m, k = x.shape
   n = w.shape[0] // 2 if epilogue == "gate_up" else w.shape[0]
   if epilogue == "gate_up" and w.shape[0] % 2:
@@ -122,9 +135,12 @@ def _check(x, w, residual, epilogue, block_n, block_k, split_k, keep_splits):
   return m, n, k
 
 
-def batched_matmul_reference(x, w, residual=None, *, epilogue: str = "none",
+def batched_matmul_reference(x, w, residual=None, *, scale=None, epilogue: str = "none",
                              out_dtype=jnp.float32):
-  """The jnp twin: the same products accumulated in float32."""
+  """The jnp twin: the same products accumulated in float32 (fp8 weights dequantized to bf16
+  first, exact for the power-of-two row scales of `dflash_jax.quant.quantize_fp8`)."""
+  if scale is not None:
+    w = w.astype(jnp.float32) * scale[:, None]
   y = jnp.dot(x.astype(jnp.bfloat16), w.T.astype(jnp.bfloat16),
               preferred_element_type=jnp.float32)
   if epilogue == "gate_up":
@@ -140,6 +156,7 @@ def _round_up(v: int, q: int) -> int:
 
 
 def batched_matmul(x: jax.Array, w: jax.Array, residual: jax.Array | None = None, *,
+                   scale: jax.Array | None = None,
                    epilogue: str = "none", out_dtype=jnp.float32, block_n: int = 64,
                    block_k: int = 128, max_concurrent_steps: int = 4, split_k: int = 1,
                    keep_splits: bool = False) -> jax.Array:
@@ -148,7 +165,7 @@ def batched_matmul(x: jax.Array, w: jax.Array, residual: jax.Array | None = None
   split_k > 1 cuts K into that many programs per column tile, each writing a float32 partial
   sum; keep_splits returns them ([split_k, M, N], for a consumer that adds them up), else they
   are summed here in order (with the residual, for that epilogue: an XLA fusion)."""
-  m, n, k = _check(x, w, residual, epilogue, block_n, block_k, split_k, keep_splits)
+  m, n, k = _check(x, w, scale, residual, epilogue, block_n, block_k, split_k, keep_splits)
   if epilogue != "gate_up":
     out_dtype = jnp.float32
   knobs = dict(block_n=block_n, block_k=block_k, max_concurrent_steps=max_concurrent_steps,
@@ -156,7 +173,7 @@ def batched_matmul(x: jax.Array, w: jax.Array, residual: jax.Array | None = None
   if m > MAX_ROWS:
     parts = [batched_matmul(x[i:i + MAX_ROWS], w,
                             None if residual is None else residual[i:i + MAX_ROWS],
-                            epilogue=epilogue, out_dtype=out_dtype, keep_splits=keep_splits,
+                            scale=scale, epilogue=epilogue, out_dtype=out_dtype, keep_splits=keep_splits,
                             **knobs)
              for i in range(0, m, MAX_ROWS)]
     return jnp.concatenate(parts, axis=1 if keep_splits else 0)
@@ -166,7 +183,7 @@ def batched_matmul(x: jax.Array, w: jax.Array, residual: jax.Array | None = None
     if residual is not None:
       residual = jnp.pad(residual, ((0, mp - m), (0, 0)))
   fused_residual = residual if split_k == 1 else None
-  y = _call(x, w, fused_residual, epilogue=epilogue if split_k == 1 else "none",
+  y = _call(x, w, scale, fused_residual, epilogue=epilogue if split_k == 1 else "none",
             out_dtype=jnp.dtype(out_dtype), n=n, block_n=block_n, block_k=block_k,
             steps=max_concurrent_steps, split_k=split_k)
   if split_k > 1:
@@ -187,7 +204,8 @@ def _transforms(minor: int, dtype):
 
 @functools.partial(jax.jit, static_argnames=("epilogue", "out_dtype", "n", "block_n", "block_k",
                                              "steps", "split_k"))
-def _call(x, w, residual, *, epilogue, out_dtype, n, block_n, block_k, steps, split_k):
+def _call(x, w, scale, residual, *, epilogue, out_dtype, n, block_n, block_k, steps,
+          split_k):
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -197,17 +215,24 @@ def _call(x, w, residual, *, epilogue, out_dtype, n, block_n, block_k, steps, sp
   k_steps = k // block_k // split_k  # per program
   k_len = k_steps * block_k
   gate_up = epilogue == "gate_up"
+  n_w = 2 if gate_up else 1           # weight tiles per stage (gate and up)
+  fp8 = scale is not None
   in_t = _transforms(block_k, jnp.bfloat16)
+  w_t = _transforms(block_k, w.dtype)
   epi_n = min(block_n, EPI_N)
   n_epi = block_n // epi_n
   n_slots = min(2, n_epi)
   out_t = _transforms(epi_n, out_dtype)
 
   def kernel(*refs):
-    if epilogue == "residual":
-      x_gmem, w_gmem, r_gmem, out_gmem, out_smem, r_barrier = refs
-    else:
-      (x_gmem, w_gmem, out_gmem, out_smem), r_gmem, r_barrier = refs, None, None
+    it = iter(refs)
+    x_gmem, w_gmem = next(it), next(it)
+    s_gmem = next(it) if fp8 else None
+    r_gmem = next(it) if epilogue == "residual" else None
+    out_gmem, out_smem = next(it), next(it)
+    r_barrier = next(it) if epilogue == "residual" else None
+    # fp8: each compute warpgroup's bf16 copy of the stage's weight tiles, their scales
+    w_bf16, s_smem, s_barrier = (next(it), next(it), next(it)) if fp8 else (None,) * 3
     j = lax.axis_index("n")
     ks = pl.ds(lax.axis_index("k") * k_len, k_len)
     if split_k > 1:
@@ -216,16 +241,25 @@ def _call(x, w, residual, *, epilogue, out_dtype, n, block_n, block_k, steps, sp
     wg_rows = pl.ds(wg * rows, rows)
     cols = pl.ds(j * block_n, block_n)
 
-    def compute_context(run_pipeline):
-      n_acc = 2 if gate_up else 1
+    w_rows = [pl.ds(i * n + j * block_n, block_n) for i in range(n_w)]
 
+    def compute_context(run_pipeline):
       def scope(*accs):
+        if fp8:   # the scales arrive while the pipeline runs
+          for i in range(n_w):
+            plgpu.copy_gmem_to_smem(s_gmem.at[w_rows[i]], s_smem.at[wg, i],
+                                    s_barrier.at[wg * n_w + i])
         accs = run_pipeline(accs)
+        vals = [acc[...] for acc in accs]
+        if fp8:
+          for i in range(n_w):
+            plgpu.barrier_wait(s_barrier.at[wg * n_w + i])
+            vals[i] = vals[i] * lax.broadcast_in_dim(s_smem[wg, i], (rows, block_n), [1])
         if gate_up:
-          g, u = accs[0][...], accs[1][...]
+          g, u = vals
           y = (g * (1.0 / (1.0 + jnp.exp(-g))) * u).astype(out_dtype)
         else:
-          y = accs[0][...]
+          y = vals[0]
         # Out through shared memory in EPI_N-wide column tiles, two slots in turn, so that
         # a wide block_n's epilogue does not take the pipeline's shared memory.
         for c in range(n_epi):
@@ -244,30 +278,39 @@ def _call(x, w, residual, *, epilogue, out_dtype, n, block_n, block_k, steps, sp
           plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], out_gmem.at[wg_rows, sub])
         plgpu.wait_smem_to_gmem(0)
 
-      pl.run_scoped(scope, *[plgpu.ACC((rows, block_n), jnp.float32)] * n_acc)
+      pl.run_scoped(scope, *[plgpu.ACC((rows, block_n), jnp.float32)] * n_w)
 
     def body(_, x_smem, *w_and_carry):
       *w_smems, accs = w_and_carry
+      if fp8:   # wgmma takes bf16 B from shared memory only: convert the tiles there
+        for i, w_smem in enumerate(w_smems):
+          # No direct e4m3 -> bf16 convert on this ptxas; e4m3 -> f16 -> f32 -> bf16 is
+          # exact (every e4m3 value is an f16 and a bf16).
+          w_bf16[wg, i] = (w_smem[...].astype(jnp.float16).astype(jnp.float32)
+                           .astype(jnp.bfloat16))
+        plgpu.commit_smem()
+        w_smems = [w_bf16.at[wg, i] for i in range(n_w)]
       for acc, w_smem in zip(accs, w_smems):
         plgpu.wgmma(acc, x_smem.at[wg_rows], w_smem.transpose((1, 0)))
       plgpu.wgmma_wait(0)
       return accs
 
-    w_spec = plgpu.BlockSpec((block_n, block_k), lambda kk: (0, kk), transforms=in_t)
+    w_spec = plgpu.BlockSpec((block_n, block_k), lambda kk: (0, kk), transforms=w_t)
     pipeline = plgpu.emit_pipeline_warp_specialized(
         body, grid=(k_steps,), memory_registers=40,
         in_specs=[plgpu.BlockSpec((m, block_k), lambda kk: (0, kk), transforms=in_t)]
-        + [w_spec] * (2 if gate_up else 1),
+        + [w_spec] * n_w,
         wg_axis="wg", num_compute_wgs=wgs, max_concurrent_steps=steps,
         compute_context=compute_context)
-    w_tiles = [w_gmem.at[cols, ks]]
-    if gate_up:
-      w_tiles.append(w_gmem.at[pl.ds(n + j * block_n, block_n), ks])
-    pipeline(x_gmem.at[:, ks], *w_tiles)
+    pipeline(x_gmem.at[:, ks], *[w_gmem.at[r, ks] for r in w_rows])
 
   scratch = [plgpu.SMEM((wgs, n_slots, rows, epi_n), out_dtype, transforms=out_t)]
   if epilogue == "residual":
     scratch.append(plgpu.Barrier(num_barriers=wgs * n_slots))
+  if fp8:
+    scratch += [plgpu.SMEM((wgs, n_w, block_n, block_k), jnp.bfloat16, transforms=in_t),
+                plgpu.SMEM((wgs, n_w, block_n), jnp.float32),
+                plgpu.Barrier(num_barriers=wgs * n_w)]
   out_shape = (split_k, m, n) if split_k > 1 else (m, n)
   f = plgpu.kernel(
       kernel, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
@@ -275,5 +318,5 @@ def _call(x, w, residual, *, epilogue, out_dtype, n, block_n, block_k, steps, sp
       thread_name="wg", scratch_types=scratch,
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-  args = (x, w) if residual is None else (x, w, residual)
+  args = (x, w) + ((scale,) if fp8 else ()) + (() if residual is None else (residual,))
   return f(*args)

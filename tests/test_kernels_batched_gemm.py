@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from dflash_jax import params as P
+from dflash_jax.quant import quantize_fp8
 from pallas_kernels import batched_gemm as BG
 
 # float32 accumulation in another order than the float64 oracle's: K-term sums err by a small
@@ -59,7 +60,11 @@ def test_twin_matches_the_oracle():
 
 
 @pytest.mark.parametrize("args, kw, msg", [
-    ((np.zeros((8, 64)), np.zeros((64, 64))), {}, "bf16 x and w"),
+    ((np.zeros((8, 64)), np.zeros((64, 64))), {}, "bf16 x and bf16 or float8_e4m3fn w"),
+    ((jnp.zeros((8, 64), jnp.bfloat16), jnp.zeros((64, 64), jnp.float8_e4m3fn)), {},
+     "take their per-row scale"),
+    ((jnp.zeros((8, 64), jnp.bfloat16), jnp.zeros((64, 64), jnp.float8_e4m3fn)),
+     dict(scale=jnp.ones((32,), jnp.float32)), "scale must be float32 \\[64\\]"),
     ((jnp.zeros((8, 64), jnp.bfloat16), jnp.zeros((64, 32), jnp.bfloat16)), {}, "x \\[M, K\\]"),
     ((jnp.zeros((8, 64), jnp.bfloat16), jnp.zeros((64, 64), jnp.bfloat16)),
      dict(epilogue="relu"), "epilogue must be"),
@@ -149,16 +154,17 @@ def test_gpu_linear_routes_batched_rows_to_the_kernel():
 CALLS = []   # (rows, epilogue) of every kernel launch the stand-in below saw
 
 
-def _fake_call(x, w, residual, *, epilogue, out_dtype, n, split_k=1, **_):
+def _fake_call(x, w, scale, residual, *, epilogue, out_dtype, n, split_k=1, **_):
   """The kernel body's stand-in on CPU: the twin on the padded operands (per K split)."""
   assert x.dtype == jnp.bfloat16 and x.shape[0] == BG.padded_rows(x.shape[0])
   assert x.shape[0] <= BG.MAX_ROWS
   CALLS.append((x.shape[0], epilogue))
   if split_k == 1:
-    return BG.batched_matmul_reference(x, w, residual, epilogue=epilogue, out_dtype=out_dtype)
+    return BG.batched_matmul_reference(x, w, residual, scale=scale, epilogue=epilogue,
+                                       out_dtype=out_dtype)
   kl = x.shape[1] // split_k
   return jnp.stack([BG.batched_matmul_reference(x[:, i * kl:(i + 1) * kl],
-                                                w[:, i * kl:(i + 1) * kl])
+                                                w[:, i * kl:(i + 1) * kl], scale=scale)
                     for i in range(split_k)])
 
 
@@ -188,6 +194,22 @@ def test_linear_batched_branch_on_cpu(monkeypatch):
       np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(e, np.float32),
                                  rtol=1e-5, atol=1e-5)
   assert {c[1] for c in calls} == {"residual", "none", "gate_up"}
+  n_bf16 = len(calls)
+  # fp8 weights take the same branch (their twin dequantizes; exact for power-of-two scales).
+  for wb in (w, wgu):
+    w8, sc = quantize_fp8(np.asarray(wb, np.float32))
+    qw = P.QuantWeight(jnp.asarray(w8), jnp.asarray(sc), "fp8")
+    x = jnp.asarray(rng.standard_normal((P.BATCHED_MAX_M, k)), jnp.float32)
+    gu = wb is wgu
+    want = P.linear(x, qw, impl="xla", gate_up=gu, out_dtype=jnp.bfloat16 if gu else jnp.float32)
+    monkeypatch.setattr(BG, "available", lambda: True)
+    monkeypatch.setattr(BG, "_call", fake_call)
+    got = P.linear(x, qw, gate_up=gu, out_dtype=jnp.bfloat16 if gu else jnp.float32)
+    monkeypatch.undo()
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               rtol=1e-5, atol=1e-5)
+  assert len(calls) == n_bf16 + 2
+  calls[:] = calls[:n_bf16]
   assert calls.count((128, "none")) == 2
   # Past MAX_ROWS the kernel runs in 256-row chunks (the last one, 44 rows, padded to 64).
   calls.clear()
@@ -264,3 +286,24 @@ def test_gpu_knob_variants_match_oracle(m, variant, epilogue):
     parts = BG.batched_matmul(jnp.asarray(x), jnp.asarray(w), keep_splits=True, **kn)
     assert parts.shape == (kn["split_k"], m, n)
     assert not (np.abs(np.asarray(parts, np.float64).sum(0) - want) > bound).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("epilogue", BG.EPILOGUES)
+@pytest.mark.parametrize("m, n, k", [(128, 6144, 6656), (64, 512, 1024), (100, 512, 1024)])
+def test_gpu_fp8_matches_oracle(m, n, k, epilogue):
+  """fp8 weights (tiles converted to bf16 in shared memory, row scales in the epilogue)
+  against the float64 oracle on the dequantized weights."""
+  x, w, rng = _inputs(hash((m, n, epilogue, "fp8")) % 2**31, m,
+                      2 * n if epilogue == "gate_up" else n, k)
+  w8, sc = quantize_fp8(np.asarray(w, np.float32))
+  wd = (np.asarray(w8, np.float32) * sc[:, None]).astype(ml_dtypes.bfloat16)   # exact
+  r = rng.standard_normal((m, n)).astype(np.float32) if epilogue == "residual" else None
+  out_dtype = jnp.bfloat16 if epilogue == "gate_up" else jnp.float32
+  kn = BG.default_knobs(m, n, k, epilogue, out_dtype, "fp8")
+  got = BG.batched_matmul(jnp.asarray(x), jnp.asarray(w8), None if r is None else jnp.asarray(r),
+                          scale=jnp.asarray(sc), epilogue=epilogue, out_dtype=out_dtype, **kn)
+  got = np.asarray(got.astype(jnp.float32), np.float64)
+  want, scale = _oracle(x, wd, r, epilogue)
+  bound = ACC_RTOL * scale + 1e-6 + (BF16_EPS * np.abs(want) if epilogue == "gate_up" else 0)
+  assert got.shape == want.shape and not (np.abs(got - want) > bound).any()
