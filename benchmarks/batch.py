@@ -192,12 +192,12 @@ def bench_rounds(plan: Plan, rates: dict, out: list, save) -> None:
 
 
 def bench_batched_ab(plan: Plan, repeats: int = 2) -> list[dict]:
-  """The batched GEMM on vs off (params.BATCHED_FORMATS emptied: XLA's GEMM for bf16, the
-  skinny GEMM for fp8) in the same process, interleaved, for every point of plan.ab_points
+  """The batched GEMM on (for bf16 and fp8 weights, whatever params.BATCHED_FORMATS holds)
+  vs off (it emptied: XLA's GEMM for bf16, the skinny GEMM for fp8) in the same process, interleaved, for every point of plan.ab_points
   (each setting its own jit); with the largest logits difference and draft agreement."""
   cfg, window = plan.cfg, plan.window
   out, params = [], None
-  on = P.BATCHED_FORMATS
+  on = P.BATCHED_FORMATS + tuple(f for f in ("bf16", "fp8") if f not in P.BATCHED_FORMATS)
   for dtype, width, n_slots in plan.ab_points:
     if params is None or params.weight_format != dtype:
       params = None

@@ -248,9 +248,12 @@ def _bf16_skinny(x: jax.Array, w: jax.Array) -> bool:
   return w.dtype == jnp.bfloat16 and x.ndim == 2 and x.shape[0] <= SKINNY_MAX_M
 
 
-# The weight formats the batched GEMM runs (fp8 converts its tiles to bf16 in shared memory;
-# q8_0's 32-wide block scales have no path there yet and stay on the skinny GEMM).
-BATCHED_FORMATS = ("bf16", "fp8")
+# The weight formats the batched GEMM runs. The kernel also takes fp8 weights (tiles
+# converted to bf16 in shared memory, row scales in the epilogue), but that path has not run
+# on a GPU yet (written in session 11 without device time left): fp8 stays on the skinny GEMM
+# until `pytest -m gpu tests/test_kernels_batched_gemm.py` and `benchmarks.batch --only
+# batched_ab` say otherwise. q8_0's 32-wide block scales have no path there.
+BATCHED_FORMATS = ("bf16",)
 
 
 def _weight_format(w) -> str:

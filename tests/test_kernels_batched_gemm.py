@@ -204,11 +204,18 @@ def test_linear_batched_branch_on_cpu(monkeypatch):
     want = P.linear(x, qw, impl="xla", gate_up=gu, out_dtype=jnp.bfloat16 if gu else jnp.float32)
     monkeypatch.setattr(BG, "available", lambda: True)
     monkeypatch.setattr(BG, "_call", fake_call)
+    monkeypatch.setattr(P, "BATCHED_FORMATS", ("bf16", "fp8"))
     got = P.linear(x, qw, gate_up=gu, out_dtype=jnp.bfloat16 if gu else jnp.float32)
     monkeypatch.undo()
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
                                rtol=1e-5, atol=1e-5)
   assert len(calls) == n_bf16 + 2
+  # By default fp8 stays on the skinny GEMM (its batched path has not run on a GPU yet).
+  monkeypatch.setattr(BG, "available", lambda: True)
+  monkeypatch.setattr(BG, "_call", fake_call)
+  assert P._batched_knobs(x, qw, True, jnp.bfloat16) is None
+  assert P._batched_knobs(x, wgu, True, jnp.bfloat16) is not None
+  monkeypatch.undo()
   calls[:] = calls[:n_bf16]
   assert calls.count((128, "none")) == 2
   # Past MAX_ROWS the kernel runs in 256-row chunks (the last one, 44 rows, padded to 64).
