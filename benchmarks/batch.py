@@ -197,7 +197,8 @@ def bench_batched_ab(plan: Plan, repeats: int = 2) -> list[dict]:
   (each setting its own jit); with the largest logits difference and draft agreement."""
   cfg, window = plan.cfg, plan.window
   out, params = [], None
-  on = P.BATCHED_FORMATS + tuple(f for f in ("bf16", "fp8") if f not in P.BATCHED_FORMATS)
+  default = P.BATCHED_FORMATS
+  on = default + tuple(f for f in ("bf16", "fp8") if f not in default)
   for dtype, width, n_slots in plan.ab_points:
     if params is None or params.weight_format != dtype:
       params = None
@@ -215,7 +216,7 @@ def bench_batched_ab(plan: Plan, repeats: int = 2) -> list[dict]:
           times[tag].append((C.device_ms(per), C.launches(per)))
           outs[tag] = f(params, ring, *inputs)
     finally:
-      P.BATCHED_FORMATS = on
+      P.BATCHED_FORMATS = default
     r = dict(dtype=dtype, width=width, slots=n_slots, rows=n_slots * width,
              off_ms=[t for t, _ in times["off"]], on_ms=[t for t, _ in times["on"]],
              off_launches=times["off"][0][1], on_launches=times["on"][0][1],

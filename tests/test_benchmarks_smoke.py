@@ -39,8 +39,13 @@ def test_benchmark_smoke_run(tmp_path):
 def test_batch_benchmark_smoke_run(tmp_path):
   """benchmarks.batch at tiny dims: every section runs and records what the GPU run reports."""
   from benchmarks import batch
+  from dflash_jax import params as P
+  formats = P.BATCHED_FORMATS
   assert batch.main(["--smoke", "--out", str(tmp_path)]) == 0
+  assert P.BATCHED_FORMATS == formats   # the A/B section puts the default back
   res = json.loads((tmp_path / "batch.json").read_text())
+  [ab] = res["batched_ab"]
+  assert (ab["dtype"], ab["width"], ab["slots"]) == ("bf16", 4, 2) and ab["drafts_agree"] == 1.0
   assert res["smoke"] and res["rates"]["copy_Bps"] > 0 and res["rates"]["gemm_flops"] > 0
   [r] = res["rounds"]
   assert (r["slots"], r["width"], r["rows"]) == (2, 4, 8)
