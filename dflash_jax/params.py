@@ -308,6 +308,10 @@ def linear(x: jax.Array, w, *, impl: str = "pallas", gate_up: bool = False,
   if residual is not None:
     if partials or gate_up:
       raise ValueError("linear: a residual is for plain projections (no partials, no gate_up)")
+    n_out = (w.w if isinstance(w, Reduced) else w).shape[0]
+    if tuple(residual.shape) != tuple(x.shape[:-1]) + (n_out,):
+      raise ValueError(f"linear: residual must be {tuple(x.shape[:-1]) + (n_out,)} (the "
+                       f"product's shape), got {tuple(residual.shape)}")
     if impl != "xla" and not isinstance(w, Reduced):
       knobs = _batched_knobs(x, w, False, jnp.float32)
       if knobs is not None:

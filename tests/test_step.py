@@ -494,6 +494,14 @@ def test_linear_partials_and_out_dtype(fmt):
   np.testing.assert_allclose(np.asarray(y16, np.float32), np.asarray(y), rtol=2.0 ** -7, atol=0)
   with pytest.raises(ValueError, match="partials=True is for plain projections"):
     linear(x, wq, gate_up=True, partials=True)
+  # residual=: the float32 residual plus the product (the skinny path adds it in XLA)
+  r = jnp.asarray(rng.standard_normal((16, 64)), jnp.float32)
+  np.testing.assert_allclose(np.asarray(linear(x, wq, residual=r)), np.asarray(r + y),
+                             rtol=1e-6, atol=1e-6)
+  with pytest.raises(ValueError, match=r"residual must be \(16, 64\)"):
+    linear(x, wq, residual=r[:, :1])      # would broadcast silently
+  with pytest.raises(ValueError, match="a residual is for plain projections"):
+    linear(x, wq, residual=r, partials=True)
 
 
 def test_linear_bf16_runs_skinny_up_to_skinny_max_m_rows():
