@@ -41,8 +41,8 @@ import dflash_jax as dfj
 from benchmarks import common as C
 from dflash_jax import params as P
 from dflash_jax import step as S
-from dflash_jax.params import BATCHED_MAX_M, BATCHED_MIN_M, SKINNY_MAX_M, gemm_knobs, linear
-from pallas_kernels import batched_gemm, skinny_gemm
+from dflash_jax.params import SKINNY_MAX_M, gemm_knobs, linear
+from pallas_kernels import skinny_gemm
 
 SECTIONS = ("rounds", "compiles", "memory", "crossover", "batched_ab")   # rates always run
 
@@ -97,8 +97,7 @@ def gemm_rate(n: int, iters: int) -> float:
 
 def gemm_path(dtype: str, rows: int) -> str:
   """Which GEMM a round's weights run on at this row count (params.linear's rule)."""
-  if (dtype in P.BATCHED_FORMATS and BATCHED_MIN_M <= rows <= BATCHED_MAX_M
-      and batched_gemm.available()):
+  if P.batched_gemm_runs(dtype, rows):
     return "batched"
   return "skinny" if dtype != "bf16" or rows <= SKINNY_MAX_M else "xla"
 
@@ -193,8 +192,9 @@ def bench_rounds(plan: Plan, rates: dict, out: list, save) -> None:
 
 def bench_batched_ab(plan: Plan, repeats: int = 2) -> list[dict]:
   """The batched GEMM on (for bf16 and fp8 weights, whatever params.BATCHED_FORMATS holds)
-  vs off (it emptied: XLA's GEMM for bf16, the skinny GEMM for fp8) in the same process, interleaved, for every point of plan.ab_points
-  (each setting its own jit); with the largest logits difference and draft agreement."""
+  vs off (it emptied: XLA's GEMM for bf16, the skinny GEMM for fp8) in the same process,
+  interleaved, for every point of plan.ab_points (each setting its own jit); with the largest
+  logits difference and draft agreement."""
   cfg, window = plan.cfg, plan.window
   out, params = [], None
   default = P.BATCHED_FORMATS

@@ -419,13 +419,9 @@ def sweep_batched_gemm(rows: tuple[int, ...], fmts: tuple[str, ...]) -> list[dic
         us, err = _time(base, x, w, scale, r, iters=20)
         _emit(out, dict(kernel=label, fmt=fmt, shape=name, m=m, us=us, err=err,
                         TBps=_tbps(nbytes, us)))
-        mp = BG.padded_rows(min(m, BG.MAX_ROWS))
         for bn, bk, st, sk in itertools.product((64, 128, 256), (64, 128), (2, 3, 4, 6),
                                                 (1, 2, 4)):
-          n_acc = 2 if ep == "gate_up" else 1
-          if (n % bn or (k // bk) % sk or (sk > 1 and ep == "gate_up")
-              or (mp // (1 if mp == 64 else 2)) * bn * n_acc > BG.ACC_FLOATS
-              or BG.smem_bytes(m, ep, od, bn, bk, st, fmt) > BG.SMEM_BYTES - 2048):
+          if not BG.fits(m, n, k, ep, od, bn, bk, st, sk, fmt):
             continue
           f = jax.jit(lambda x, w, s, r, kn=dict(block_n=bn, block_k=bk,
                                                  max_concurrent_steps=st, split_k=sk):

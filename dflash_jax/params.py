@@ -118,10 +118,14 @@ class DrafterParams:
 
   @property
   def weight_format(self) -> str:
-    fc = self.fc.w if isinstance(self.fc, Reduced) else self.fc
-    if isinstance(fc, QuantWeight):
-      return fc.fmt
-    return "bf16" if fc.dtype == jnp.bfloat16 else "fp32"
+    return matrix_format(self.fc.w if isinstance(self.fc, Reduced) else self.fc)
+
+
+def matrix_format(w) -> str:
+  """A weight matrix's format: a QuantWeight's fmt, else 'bf16' or 'fp32' by dtype."""
+  if isinstance(w, QuantWeight):
+    return w.fmt
+  return "bf16" if w.dtype == jnp.bfloat16 else "fp32"
 
 
 def validate_weights(cfg: DFlashConfig, w: dict[str, np.ndarray]) -> int:
@@ -256,15 +260,17 @@ def _bf16_skinny(x: jax.Array, w: jax.Array) -> bool:
 BATCHED_FORMATS = ("bf16",)
 
 
-def _weight_format(w) -> str:
-  return w.fmt if isinstance(w, QuantWeight) else jnp.dtype(w.dtype).name
+def batched_gemm_runs(fmt: str, rows: int) -> bool:
+  """Whether weights of this format at this row count go to the batched GEMM (shapes that fit
+  its tiles; `_batched_knobs` checks those)."""
+  return (fmt in BATCHED_FORMATS and BATCHED_MIN_M <= rows <= BATCHED_MAX_M
+          and batched_gemm.available())
 
 
 def _batched_knobs(x: jax.Array, w, gate_up: bool, out_dtype) -> dict | None:
   """The batched GEMM's tiles when it runs this product, else None."""
-  fmt = "bf16" if _weight_format(w) == "bfloat16" else _weight_format(w)
-  if not (fmt in BATCHED_FORMATS and x.ndim == 2
-          and BATCHED_MIN_M <= x.shape[0] <= BATCHED_MAX_M and batched_gemm.available()):
+  fmt = matrix_format(w)
+  if x.ndim != 2 or not batched_gemm_runs(fmt, x.shape[0]):
     return None
   n, k = w.shape
   return batched_gemm.default_knobs(x.shape[0], n // 2 if gate_up else n, k,

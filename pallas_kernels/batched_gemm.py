@@ -49,13 +49,31 @@ def padded_rows(m: int) -> int:
   return 64 if m <= 64 else _round_up(m, 128)
 
 
+def warpgroups(mp: int) -> int:
+  """Compute warpgroups for mp padded rows: one for 64, else two over half the rows each."""
+  return 1 if mp == 64 else 2
+
+
+def fits(m: int, n: int, k: int, epilogue: str, out_dtype, block_n: int, block_k: int,
+         steps: int, split_k: int = 1, fmt: str = "bf16") -> bool:
+  """Whether these tiles run this product: whole tiles, a K split only without gate_up, the
+  accumulators within the registers and the pipeline within shared memory."""
+  mp = padded_rows(min(m, MAX_ROWS))
+  n_acc = 2 if epilogue == "gate_up" else 1
+  return (n % block_n == 0 and k % block_k == 0 and (k // block_k) % split_k == 0
+          and (split_k == 1 or epilogue != "gate_up")
+          and mp // warpgroups(mp) * block_n * n_acc <= ACC_FLOATS
+          and smem_bytes(m, epilogue, out_dtype, block_n, block_k, steps, fmt)
+          <= SMEM_BYTES - 2048)
+
+
 def smem_bytes(m: int, epilogue: str, out_dtype, block_n: int, block_k: int, steps: int,
                fmt: str = "bf16") -> int:
   """Shared memory of one program: the x and weight tiles of every pipeline stage, the
   compute warpgroups' epilogue tiles and, for fp8 weights, each warpgroup's bf16 copy of the
   stage's weight tiles and their scales (a small margin for barriers is left to the caller)."""
   mp = padded_rows(min(m, MAX_ROWS))
-  wgs = 1 if mp == 64 else 2
+  wgs = warpgroups(mp)
   n_w = 2 if epilogue == "gate_up" else 1
   w_item = 1 if fmt == "fp8" else 2
   stage = block_k * (mp * 2 + n_w * block_n * w_item)
@@ -69,13 +87,9 @@ def default_knobs(m: int, n: int, k: int, epilogue: str = "none", out_dtype=jnp.
                   fmt: str = "bf16") -> dict:
   """64-wide column tiles, no K split and the deepest K pipeline that fits (H200, RESULTS.md
   run 16, at 128 rows); None when N or K fits no tile (the caller then uses another GEMM)."""
-  block_n = 64
-  if n % block_n:
-    return None
   for block_k, steps in _DEPTHS:
-    if k % block_k == 0 and smem_bytes(m, epilogue, out_dtype, block_n, block_k, steps,
-                                       fmt) <= SMEM_BYTES - 2048:
-      return dict(block_n=block_n, block_k=block_k, max_concurrent_steps=steps, split_k=1)
+    if fits(m, n, k, epilogue, out_dtype, 64, block_k, steps, fmt=fmt):
+      return dict(block_n=64, block_k=block_k, max_concurrent_steps=steps, split_k=1)
   return None
 
 
@@ -122,10 +136,10 @@ def _check(x, w, scale, residual, epilogue, block_n, block_k, split_k, keep_spli
   if keep_splits and epilogue != "none":
     raise ValueError("batched_matmul: keep_splits is for epilogue='none'")
   mp = padded_rows(min(m, MAX_ROWS))
-  n_acc = 2 if epilogue == "gate_up" else 1
-  if (mp // (1 if mp == 64 else 2)) * block_n * n_acc > ACC_FLOATS:
-    raise ValueError(f"batched_matmul: {n_acc} accumulator(s) of {mp // (1 if mp == 64 else 2)}"
-                     f" rows x block_n {block_n} exceed {ACC_FLOATS} floats per warpgroup")
+  n_acc, rows = 2 if epilogue == "gate_up" else 1, mp // warpgroups(mp)
+  if rows * block_n * n_acc > ACC_FLOATS:
+    raise ValueError(f"batched_matmul: {n_acc} accumulator(s) of {rows} rows x block_n "
+                     f"{block_n} exceed {ACC_FLOATS} floats per warpgroup")
   if epilogue == "residual":
     if residual is None or residual.shape != (m, n) or residual.dtype != jnp.float32:
       raise ValueError(f"batched_matmul: the residual epilogue takes a float32 [{m}, {n}] "
@@ -173,8 +187,8 @@ def batched_matmul(x: jax.Array, w: jax.Array, residual: jax.Array | None = None
   if m > MAX_ROWS:
     parts = [batched_matmul(x[i:i + MAX_ROWS], w,
                             None if residual is None else residual[i:i + MAX_ROWS],
-                            scale=scale, epilogue=epilogue, out_dtype=out_dtype, keep_splits=keep_splits,
-                            **knobs)
+                            scale=scale, epilogue=epilogue, out_dtype=out_dtype,
+                            keep_splits=keep_splits, **knobs)
              for i in range(0, m, MAX_ROWS)]
     return jnp.concatenate(parts, axis=1 if keep_splits else 0)
   mp = padded_rows(m)
@@ -210,7 +224,7 @@ def _call(x, w, scale, residual, *, epilogue, out_dtype, n, block_n, block_k, st
   import jax.experimental.pallas.mosaic_gpu as plgpu
 
   m, k = x.shape
-  wgs = 1 if m == 64 else 2          # compute warpgroups, each over `rows` of the x tile
+  wgs = warpgroups(m)                # compute warpgroups, each over `rows` of the x tile
   rows = m // wgs
   k_steps = k // block_k // split_k  # per program
   k_len = k_steps * block_k
@@ -239,8 +253,6 @@ def _call(x, w, scale, residual, *, epilogue, out_dtype, n, block_n, block_k, st
       out_gmem = out_gmem.at[lax.axis_index("k")]
     wg = lax.axis_index("wg")
     wg_rows = pl.ds(wg * rows, rows)
-    cols = pl.ds(j * block_n, block_n)
-
     w_rows = [pl.ds(i * n + j * block_n, block_n) for i in range(n_w)]
 
     def compute_context(run_pipeline):

@@ -172,9 +172,8 @@ def test_linear_batched_branch_on_cpu(monkeypatch):
   """params.linear's batched branch (rounding to bf16, the residual and gate_up epilogues,
   the padding to 128 rows; the 256-row chunks of a direct call) with the kernel body replaced
   by the twin on the padded operands: it must give XLA's path to float32 rounding."""
-  calls = CALLS
+  calls, fake_call = CALLS, _fake_call
   calls.clear()
-  fake_call = _fake_call
   rng = np.random.default_rng(7)
   k, n = 256, 128
   w = jnp.asarray(rng.standard_normal((n, k)) / 16, jnp.bfloat16)
