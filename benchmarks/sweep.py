@@ -376,7 +376,10 @@ def sweep_mgpu(rows: tuple[int, ...]) -> list[dict]:
   return out
 
 
-def sweep_batched_gemm(rows: tuple[int, ...], fmts: tuple[str, ...]) -> list[dict]:
+def sweep_batched_gemm(rows: tuple[int, ...], fmts: tuple[str, ...],
+                       shapes_wanted: tuple[str, ...] = ("qkv", "o", "gate_up", "down"),
+                       block_ns: tuple[int, ...] = (64, 128, 256),
+                       split_ks: tuple[int, ...] = (1, 2, 4)) -> list[dict]:
   """pallas_kernels.batched_gemm on the seed's matrices with their round epilogues (qkv
   plain, o and down + residual, gate_up silu * up), bf16 or fp8 weights, block_n x block_k x
   stages x split_k (split partials summed by XLA, with the residual), next to today's path
@@ -389,6 +392,8 @@ def sweep_batched_gemm(rows: tuple[int, ...], fmts: tuple[str, ...]) -> list[dic
   out = []
   key = iter(jax.random.split(jax.random.key(8), 64))
   for name, (n, k, ep) in shapes.items():
+    if name not in shapes_wanted:
+      continue
     n_w = 2 * n if ep == "gate_up" else n
     w32 = jax.random.normal(next(key), (n_w, k), jnp.float32) / np.sqrt(k)
     od = jnp.bfloat16 if ep == "gate_up" else jnp.float32
@@ -419,8 +424,8 @@ def sweep_batched_gemm(rows: tuple[int, ...], fmts: tuple[str, ...]) -> list[dic
         us, err = _time(base, x, w, scale, r, iters=20)
         _emit(out, dict(kernel=label, fmt=fmt, shape=name, m=m, us=us, err=err,
                         TBps=_tbps(nbytes, us)))
-        for bn, bk, st, sk in itertools.product((64, 128, 256), (64, 128), (2, 3, 4, 6),
-                                                (1, 2, 4)):
+        for bn, bk, st, sk in itertools.product(block_ns, (64, 128), (2, 3, 4, 5, 6),
+                                                split_ks):
           if not BG.fits(m, n, k, ep, od, bn, bk, st, sk, fmt):
             continue
           f = jax.jit(lambda x, w, s, r, kn=dict(block_n=bn, block_k=bk,
@@ -472,7 +477,8 @@ def main(argv=None) -> int:
   p.add_argument("--wide", action="store_true", help="GEMM: the wide tile grid")
   p.add_argument("--rows", default="32,64,128", help="rows: the M values (comma list)")
   p.add_argument("--slots", default="2,8,32", help="battn: the S values (comma list)")
-  p.add_argument("--split-ks", default="", help="GEMM: these split_k values (comma list)")
+  p.add_argument("--split-ks", default="", help="GEMM, bgemm: these split_k values (comma list)")
+  p.add_argument("--block-ns", default="64,128,256", help="bgemm: these block_n values")
   args = p.parse_args(argv)
   bw = C.copy_bandwidth(1 << 30)
   print(f"copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
@@ -489,8 +495,11 @@ def main(argv=None) -> int:
     res["rows"] += sweep_shapes(bw)
   rows = tuple(int(v) for v in args.rows.split(","))
   if "bgemm" in args.what:
-    res["rows"] += sweep_batched_gemm(rows, tuple(f for f in args.fmts.split(",")
-                                                  if f != "q8_0"))
+    ints = lambda v: tuple(int(x) for x in v.split(","))
+    res["rows"] += sweep_batched_gemm(
+        rows, tuple(f for f in args.fmts.split(",") if f != "q8_0"),
+        tuple(s for s in args.shapes.split(",") if s in ("qkv", "o", "gate_up", "down")),
+        ints(args.block_ns), ints(args.split_ks) if args.split_ks else (1, 2, 4))
   if "mgpu" in args.what:
     res["rows"] += sweep_mgpu(rows)
   if "mixed" in args.what:
