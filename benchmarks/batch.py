@@ -17,8 +17,9 @@ Sections (each printed as it finishes, all written to DIR/batch.json and batch.m
   the device beside the bf16 weights, with one round over all 64 slots.
 - crossover: the skinny GEMM vs XLA's GEMM for each bf16 matrix of a seed round at M = 64 ..
   512 rows; prints the row count to set `dflash_jax.params.SKINNY_MAX_M` to.
-- batched_ab: rounds with the Mosaic GPU batched GEMM on vs off (`params.BATCHED_FORMATS`
-  emptied), interleaved in one process, at 32-128 rows for bf16 and fp8 weights: the numbers
+- batched_ab: rounds with the Mosaic GPU batched GEMM on (every row count past the skinny
+  GEMM's) vs off (`params.BATCHED_FORMATS` emptied), interleaved in one process, at 32-128
+  rows (bf16 weights; `Plan.ab_points` takes fp8 points too): the numbers
   `params.BATCHED_MIN_M` / `BATCHED_MAX_M` / `BATCHED_FORMATS` come from.
 
 On the H200 the whole run takes about 5 minutes, mostly compiles (one per point); a slower
@@ -76,8 +77,8 @@ GPU_PLAN = Plan(
     memory_slots=64, memory_width=16, crossover_rows=(16, 32, 48, 64, 128, 256, 512),
     crossover_gemms=None, compile_slots=8, compile_width=16, compile_rounds=40, iters=20,
     gemm_n=8192,
-    ab_points=tuple((d, w, s) for d in ("bf16", "fp8") for w, s in ((16, 8), (8, 16), (16, 4),
-                                                                     (8, 8), (16, 2))))
+    ab_points=tuple(("bf16", w, s) for w, s in ((16, 8), (8, 16), (16, 4), (8, 8), (16, 3),
+                                                 (16, 2), (8, 4))))
 # Interpret-mode Pallas compiles take seconds on a CPU: few points, the same code paths.
 SMOKE_PLAN = Plan(
     cfg=dataclasses.replace(dfj.TINY_CONFIG, window=64), n_vocab=512,
@@ -191,13 +192,13 @@ def bench_rounds(plan: Plan, rates: dict, out: list, save) -> None:
 
 
 def bench_batched_ab(plan: Plan, repeats: int = 2) -> list[dict]:
-  """The batched GEMM on (for bf16 and fp8 weights, whatever params.BATCHED_FORMATS holds)
-  vs off (it emptied: XLA's GEMM for bf16, the skinny GEMM for fp8) in the same process,
+  """The batched GEMM on (for bf16 and fp8 weights, whatever params.BATCHED_FORMATS holds,
+  from SKINNY_MAX_M + 1 rows) vs off (it emptied: XLA's GEMM for bf16, the skinny GEMM for fp8) in the same process,
   interleaved, for every point of plan.ab_points (each setting its own jit); with the largest
   logits difference and draft agreement."""
   cfg, window = plan.cfg, plan.window
   out, params = [], None
-  default = P.BATCHED_FORMATS
+  default, default_min = P.BATCHED_FORMATS, P.BATCHED_MIN_M
   on = default + tuple(f for f in ("bf16", "fp8") if f not in default)
   for dtype, width, n_slots in plan.ab_points:
     if params is None or params.weight_format != dtype:
@@ -210,13 +211,16 @@ def bench_batched_ab(plan: Plan, repeats: int = 2) -> list[dict]:
       for _ in range(repeats):
         for tag, fmts in (("off", ()), ("on", on)):
           P.BATCHED_FORMATS = fmts
+          # "on" takes every row count past the skinny GEMM's, so the A/B also says where
+          # the kernel's lower bound belongs.
+          P.BATCHED_MIN_M = P.SKINNY_MAX_M + 1 if fmts else default_min
           f = jax.jit(functools.partial(S.draft_round_batched, width=width, impl="pallas"))
           per = C.without_copies(C.cupti_kernels(f, params, ring, *inputs,
                                                  iterations=plan.iters))
           times[tag].append((C.device_ms(per), C.launches(per)))
           outs[tag] = f(params, ring, *inputs)
     finally:
-      P.BATCHED_FORMATS = default
+      P.BATCHED_FORMATS, P.BATCHED_MIN_M = default, default_min
     r = dict(dtype=dtype, width=width, slots=n_slots, rows=n_slots * width,
              off_ms=[t for t, _ in times["off"]], on_ms=[t for t, _ in times["on"]],
              off_launches=times["off"][0][1], on_launches=times["on"][0][1],

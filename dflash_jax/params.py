@@ -237,12 +237,12 @@ SKINNY_MAX_M = 16
 
 # From BATCHED_MIN_M to BATCHED_MAX_M rows, dense bf16 runs on the Mosaic GPU batched GEMM
 # (pallas_kernels/batched_gemm.py) where the GPU has one (Hopper) and the shape fits its tiles.
-# H200, seed round (RESULTS.md run 16): at 128 rows it streams the weights faster than XLA's
-# GEMM and finishes the residual add and silu(gate) * up in its epilogue (S = 8, w 16: 1.927 ->
-# 1.864 ms, 83 -> 57 launches); at 32 and 64 rows (padded to 128) and at 256 rows (a shallower
-# pipeline) XLA's GEMM is faster (1.560 vs 1.796 ms at 32 rows, 2.56 vs 3.00 at 256), so
-# those stay on XLA.
-BATCHED_MIN_M = 65
+# H200, seed round: at 128 rows (two compute warpgroups) it streams the weights faster than
+# XLA's GEMM and finishes the residual add and silu(gate) * up in its epilogue (RESULTS.md
+# run 16: S = 8, w 16 1.927 -> 1.864 ms, 83 -> 57 launches); up to 64 rows one warpgroup
+# runs them (run 17: every seed matrix at 64 rows 5-10% faster than XLA's GEMM); at 256 rows
+# (a shallower pipeline) XLA's GEMM is faster (2.56 vs 3.00 ms).
+BATCHED_MIN_M = 33
 BATCHED_MAX_M = 128
 
 
@@ -253,10 +253,10 @@ def _bf16_skinny(x: jax.Array, w: jax.Array) -> bool:
 
 
 # The weight formats the batched GEMM runs. The kernel also takes fp8 weights (tiles
-# converted to bf16 in shared memory, row scales in the epilogue), but that path has not run
-# on a GPU yet (written in session 11 without device time left): fp8 stays on the skinny GEMM
-# until `pytest -m gpu tests/test_kernels_batched_gemm.py` and `benchmarks.batch --only
-# batched_ab` say otherwise. q8_0's 32-wide block scales have no path there.
+# converted to bf16 in shared memory, row scales in the epilogue; GPU-tested), but at 128
+# rows that conversion makes it slower than the skinny fp8 GEMM (H200, RESULTS.md run 17:
+# S = 8, w 16 round 2.768 vs 2.641 ms), so fp8 stays on the skinny GEMM. q8_0's 32-wide block
+# scales have no path there.
 BATCHED_FORMATS = ("bf16",)
 
 

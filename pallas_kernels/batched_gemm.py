@@ -38,9 +38,11 @@ MAX_ROWS = 256      # two warpgroups x 128 accumulator rows; more rows run in ch
 ACC_FLOATS = 16384  # accumulator floats per warpgroup: 128 registers per thread
 EPI_N = 64          # the epilogue's column tile
 SMEM_BYTES = 232448   # the H200's shared memory per block (Mosaic GPU's limit)
-# (block_k, stages), deepest first: the weights stream at the rate of the bytes in flight
-# (RESULTS.md run 16), so the deepest pipeline that fits wins.
-_DEPTHS = ((128, 6), (128, 5), (128, 4), (128, 3), (64, 6), (64, 5), (64, 4), (64, 3), (64, 2))
+# (block_k, stages), deepest first, from 4 x 128: the weights stream at the rate of the bytes
+# in flight, up to 4 stages of 128-deep tiles (H200, RESULTS.md run 17: 64 and 128 rows, every
+# seed matrix: 4 x 128 the best or within 1 us of it; 5 or 6 stages 1-3 us slower at 64 rows
+# for down, at most 1 us faster for qkv and o).
+_DEPTHS = ((128, 4), (128, 3), (64, 6), (64, 5), (64, 4), (64, 3), (64, 2))
 
 
 def padded_rows(m: int) -> int:
@@ -85,8 +87,10 @@ def smem_bytes(m: int, epilogue: str, out_dtype, block_n: int, block_k: int, ste
 
 def default_knobs(m: int, n: int, k: int, epilogue: str = "none", out_dtype=jnp.float32,
                   fmt: str = "bf16") -> dict:
-  """64-wide column tiles, no K split and the deepest K pipeline that fits (H200, RESULTS.md
-  run 16, at 128 rows); None when N or K fits no tile (the caller then uses another GEMM)."""
+  """64-wide column tiles, no K split and the deepest K pipeline of `_DEPTHS` that fits
+  (H200, RESULTS.md runs 16-17, at 64 and 128 rows: 32- and 48-wide tiles, which fill more
+  SMs for qkv and o, and wider tiles with K splits were all slower); None when N or K fits no
+  tile (the caller then uses another GEMM)."""
   for block_k, steps in _DEPTHS:
     if fits(m, n, k, epilogue, out_dtype, 64, block_k, steps, fmt=fmt):
       return dict(block_n=64, block_k=block_k, max_concurrent_steps=steps, split_k=1)
