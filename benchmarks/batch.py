@@ -193,9 +193,9 @@ def bench_rounds(plan: Plan, rates: dict, out: list, save) -> None:
 
 def bench_batched_ab(plan: Plan, repeats: int = 2) -> list[dict]:
   """The batched GEMM on (for bf16 and fp8 weights, whatever params.BATCHED_FORMATS holds,
-  from SKINNY_MAX_M + 1 rows) vs off (it emptied: XLA's GEMM for bf16, the skinny GEMM for fp8) in the same process,
-  interleaved, for every point of plan.ab_points (each setting its own jit); with the largest
-  logits difference and draft agreement."""
+  from SKINNY_MAX_M + 1 rows) vs off (it emptied: XLA's GEMM for bf16, the skinny GEMM for
+  fp8) in the same process, interleaved, for every point of plan.ab_points (each setting its
+  own jit); with the largest logits difference and draft agreement."""
   cfg, window = plan.cfg, plan.window
   out, params = [], None
   default, default_min = P.BATCHED_FORMATS, P.BATCHED_MIN_M

@@ -496,10 +496,10 @@ def main(argv=None) -> int:
   rows = tuple(int(v) for v in args.rows.split(","))
   if "bgemm" in args.what:
     ints = lambda v: tuple(int(x) for x in v.split(","))
+    grid = dict(split_ks=ints(args.split_ks)) if args.split_ks else {}
     res["rows"] += sweep_batched_gemm(
         rows, tuple(f for f in args.fmts.split(",") if f != "q8_0"),
-        tuple(s for s in args.shapes.split(",") if s in ("qkv", "o", "gate_up", "down")),
-        ints(args.block_ns), ints(args.split_ks) if args.split_ks else (1, 2, 4))
+        tuple(args.shapes.split(",")), ints(args.block_ns), **grid)
   if "mgpu" in args.what:
     res["rows"] += sweep_mgpu(rows)
   if "mixed" in args.what:

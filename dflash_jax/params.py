@@ -240,8 +240,9 @@ SKINNY_MAX_M = 16
 # H200, seed round: at 128 rows (two compute warpgroups) it streams the weights faster than
 # XLA's GEMM and finishes the residual add and silu(gate) * up in its epilogue (RESULTS.md
 # run 16: S = 8, w 16 1.927 -> 1.864 ms, 83 -> 57 launches); up to 64 rows one warpgroup
-# runs them (run 17: every seed matrix at 64 rows 5-10% faster than XLA's GEMM); at 256 rows
-# (a shallower pipeline) XLA's GEMM is faster (2.56 vs 3.00 ms).
+# runs them (run 17: every seed matrix at 64 rows 5-10% faster than XLA's GEMM; rounds of 48
+# and 64 rows 29 and 94 us faster, of 32 rows, padded to 64, 23 us slower); at 256 rows (a
+# shallower pipeline) XLA's GEMM is faster (2.56 vs 3.00 ms).
 BATCHED_MIN_M = 33
 BATCHED_MAX_M = 128
 

@@ -173,8 +173,8 @@ def _fake_call(x, w, scale, residual, *, epilogue, out_dtype, n, split_k=1, **_)
 
 def test_linear_batched_branch_on_cpu(monkeypatch):
   """params.linear's batched branch (rounding to bf16, the residual and gate_up epilogues,
-  the padding to 64 or 128 rows; the 256-row chunks of a direct call) with the kernel body replaced
-  by the twin on the padded operands: it must give XLA's path to float32 rounding."""
+  the padding to 64 or 128 rows; the 256-row chunks of a direct call) with the kernel body
+  replaced by the twin on the padded operands: it must give XLA's path to float32 rounding."""
   calls, fake_call = CALLS, _fake_call
   calls.clear()
   rng = np.random.default_rng(7)
