@@ -1,13 +1,14 @@
 """Tuning sweeps on the GPU: ring attention knobs and skinny-GEMM tiles, CUPTI timed.
 
-  python -m benchmarks.sweep [attention] [battn] [mgpu_attn] [gemm] [gate_up] [shapes] [rows] [mixed] [mgpu] [bgemm] [--out FILE.json]
+  python -m benchmarks.sweep [attention] [battn] [mgpu_attn] [gemm] [gate_up] [shapes] [rows] [mixed] [mgpu] [bgemm] [norm] [--out FILE.json]
 
 Prints one line per configuration (device us, achieved TB/s) and writes all of them as JSON;
 the defaults in the kernels and step come from these numbers (see RESULTS.md). `shapes`
 times the kernels at published drafters' shapes the seed's tiles do not fit (block 10 and 7,
 GQA group 3, windows 3000 and 48, full-attention caches, head_dim 96 / 256, odd GEMM N / K)
 with their default knobs, next to the seed shape, plus alternative chunkings for the
-3000-slot window. `bgemm` times pallas_kernels.batched_gemm's tiles at --rows.
+3000-slot window. `bgemm` times pallas_kernels.batched_gemm's tiles at --rows, `norm` the RMS
+norm at --rows.
 """
 from __future__ import annotations
 
@@ -379,10 +380,14 @@ def sweep_mgpu(rows: tuple[int, ...]) -> list[dict]:
 def sweep_batched_gemm(rows: tuple[int, ...], fmts: tuple[str, ...],
                        shapes_wanted: tuple[str, ...] = ("qkv", "o", "gate_up", "down"),
                        block_ns: tuple[int, ...] = (64, 128, 256),
-                       split_ks: tuple[int, ...] = (1, 2, 4)) -> list[dict]:
+                       split_ks: tuple[int, ...] = (1, 2, 4),
+                       block_ks: tuple[int, ...] = (64, 128),
+                       stages: tuple[int, ...] = (2, 3, 4, 5, 6),
+                       clusters: tuple[int, ...] = (1,)) -> list[dict]:
   """pallas_kernels.batched_gemm on the seed's matrices with their round epilogues (qkv
   plain, o and down + residual, gate_up silu * up), bf16 or fp8 weights, block_n x block_k x
-  stages x split_k (split partials summed by XLA, with the residual), next to today's path
+  stages x split_k (split partials summed by XLA, with the residual) x cluster (column tiles
+  sharing each multicast x tile), next to today's path
   in one jit: XLA's dot + the same epilogue for bf16, the skinny GEMM for fp8 (err: max
   |kernel - twin|)."""
   from dflash_jax.params import gemm_knobs
@@ -424,21 +429,48 @@ def sweep_batched_gemm(rows: tuple[int, ...], fmts: tuple[str, ...],
         us, err = _time(base, x, w, scale, r, iters=20)
         _emit(out, dict(kernel=label, fmt=fmt, shape=name, m=m, us=us, err=err,
                         TBps=_tbps(nbytes, us)))
-        for bn, bk, st, sk in itertools.product(block_ns, (64, 128), (2, 3, 4, 5, 6),
-                                                split_ks):
-          if not BG.fits(m, n, k, ep, od, bn, bk, st, sk, fmt):
+        for bn, bk, st, sk, cl in itertools.product(block_ns, block_ks, stages, split_ks,
+                                                    clusters):
+          if not BG.fits(m, n, k, ep, od, bn, bk, st, sk, fmt, cl):
             continue
-          f = jax.jit(lambda x, w, s, r, kn=dict(block_n=bn, block_k=bk,
-                                                 max_concurrent_steps=st, split_k=sk):
+          f = jax.jit(lambda x, w, s, r, kn=dict(block_n=bn, block_k=bk, max_concurrent_steps=st,
+                                                 split_k=sk, cluster=cl):
                       BG.batched_matmul(x, w, r, scale=s, epilogue=ep, out_dtype=od, **kn))
           us, err = _time(f, x, w, scale, r, iters=20)
           if err is None:
             err = float(jnp.max(jnp.abs(f(x, w, scale, r).astype(jnp.float32)
                                         - want.astype(jnp.float32))))
           _emit(out, dict(kernel="batched_gemm", fmt=fmt, shape=name, m=m, block_n=bn,
-                          block_k=bk, steps=st, split_k=sk, us=us, err=err,
+                          block_k=bk, steps=st, split_k=sk, cluster=cl, us=us, err=err,
                           TBps=_tbps(nbytes, us)))
       del w, scale
+  return out
+
+
+def sweep_norm(rows: tuple[int, ...]) -> list[dict]:
+  """The RMS norm in front of a bf16 GEMM at the seed's n_embd: XLA's fusion (the step's
+  `params.rms_norm` + the bf16 rounding) next to pallas_kernels.rms_norm's rows x num_warps
+  (err: max |kernel - XLA|)."""
+  from dflash_jax.params import rms_norm as xla_norm
+  from pallas_kernels import rms_norm as RN
+  k, eps, out = dfj.SEED_CONFIG.n_embd, dfj.SEED_CONFIG.eps, []
+  key = iter(jax.random.split(jax.random.key(9), 16))
+  w = jax.random.normal(next(key), (k,), jnp.float32)
+  for m in rows:
+    x = 3 * jax.random.normal(next(key), (m, k), jnp.float32)
+    nbytes = m * k * 6 + k * 4
+    f_xla = lambda x, w: xla_norm(x, w, eps).astype(jnp.bfloat16)
+    want = jax.jit(f_xla)(x, w)
+    us, err = _time(f_xla, x, w)
+    _emit(out, dict(kernel="xla_norm", m=m, us=us, err=err, TBps=_tbps(nbytes, us)))
+    for r, nw in itertools.product((1, 2, 4), (4, 8, 16)):
+      f = lambda x, w, r=r, nw=nw: RN.rms_norm(x, w, eps=eps, rows=r, num_warps=nw)
+      us, err = _time(f, x, w)
+      if err is None:
+        err = float(jnp.max(jnp.abs(jax.jit(f)(x, w).astype(jnp.float32)
+                                    - want.astype(jnp.float32))))
+      _emit(out, dict(kernel="pallas_norm", m=m, rows=r, num_warps=nw, us=us, err=err,
+                      TBps=_tbps(nbytes, us)))
   return out
 
 
@@ -479,6 +511,9 @@ def main(argv=None) -> int:
   p.add_argument("--slots", default="2,8,32", help="battn: the S values (comma list)")
   p.add_argument("--split-ks", default="", help="GEMM, bgemm: these split_k values (comma list)")
   p.add_argument("--block-ns", default="64,128,256", help="bgemm: these block_n values")
+  p.add_argument("--block-ks", default="64,128", help="bgemm: these block_k values")
+  p.add_argument("--stages", default="2,3,4,5,6", help="bgemm: these pipeline depths")
+  p.add_argument("--clusters", default="1", help="bgemm: these cluster sizes")
   args = p.parse_args(argv)
   bw = C.copy_bandwidth(1 << 30)
   print(f"copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
@@ -499,7 +534,10 @@ def main(argv=None) -> int:
     grid = dict(split_ks=ints(args.split_ks)) if args.split_ks else {}
     res["rows"] += sweep_batched_gemm(
         rows, tuple(f for f in args.fmts.split(",") if f != "q8_0"),
-        tuple(args.shapes.split(",")), ints(args.block_ns), **grid)
+        tuple(args.shapes.split(",")), ints(args.block_ns), block_ks=ints(args.block_ks),
+        stages=ints(args.stages), clusters=ints(args.clusters), **grid)
+  if "norm" in args.what:
+    res["rows"] += sweep_norm(rows)
   if "mgpu" in args.what:
     res["rows"] += sweep_mgpu(rows)
   if "mixed" in args.what:
