@@ -1,6 +1,7 @@
 """Batched drafting (issue 14): S sequences in one draft round, in one command.
 
-  python -m benchmarks.batch --gpu [--only rounds,compiles,memory,crossover,batched_ab] [--out DIR]
+  python -m benchmarks.batch --gpu [--only rounds,compiles,memory,crossover,batched_ab,...]
+      [--out DIR]
   python -m benchmarks.batch --smoke        # tiny dims on any backend (CI): not results
 
 Sections (each printed as it finishes, all written to DIR/batch.json and batch.md):
@@ -17,10 +18,12 @@ Sections (each printed as it finishes, all written to DIR/batch.json and batch.m
   the device beside the bf16 weights, with one round over all 64 slots.
 - crossover: the skinny GEMM vs XLA's GEMM for each bf16 matrix of a seed round at M = 64 ..
   512 rows; prints the row count to set `dflash_jax.params.SKINNY_MAX_M` to.
-- batched_ab: rounds with the Mosaic GPU batched GEMM on (every row count past the skinny
-  GEMM's) vs off (`params.BATCHED_FORMATS` emptied), interleaved in one process, at 32-128
-  rows (bf16 weights; `Plan.ab_points` takes fp8 points too): the numbers
-  `params.BATCHED_MIN_M` / `BATCHED_MAX_M` / `BATCHED_FORMATS` come from.
+- batched_ab, norm_ab, cluster_ab: rounds under two or more routings, interleaved in one
+  process, at 32-128 rows (bf16 weights; `Plan.ab_points` takes fp8 points too; `ab_settings`
+  says what each compares): the batched GEMM on vs off (where `params.BATCHED_MIN_M` /
+  `BATCHED_MAX_M` / `BATCHED_FORMATS` come from), XLA's or the Pallas RMS norm in front of it
+  (`params.NORM_KERNEL`), its x tiles multicast over 1, 2 or 4 column tiles
+  (`batched_gemm.CLUSTER`). By default only batched_ab runs (each A/B takes minutes).
 
 On the H200 the whole run takes about 5 minutes, mostly compiles (one per point); a slower
 start can split it: `--only rounds`, then `--only compiles,memory,crossover`.
@@ -43,9 +46,10 @@ from benchmarks import common as C
 from dflash_jax import params as P
 from dflash_jax import step as S
 from dflash_jax.params import SKINNY_MAX_M, gemm_knobs, linear
-from pallas_kernels import skinny_gemm
+from pallas_kernels import batched_gemm, skinny_gemm
 
-SECTIONS = ("rounds", "compiles", "memory", "crossover", "batched_ab")   # rates always run
+AB_SECTIONS = ("batched_ab", "norm_ab", "cluster_ab")
+SECTIONS = ("rounds", "compiles", "memory", "crossover") + AB_SECTIONS   # rates always run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +67,7 @@ class Plan:
   compile_rounds: int
   iters: int
   gemm_n: int
-  ab_points: tuple[tuple[str, int, int], ...] = ()   # (weights, width, S) of batched_ab
+  ab_points: tuple[tuple[str, int, int], ...] = ()   # (weights, width, S) of the A/Bs
 
   @property
   def window(self) -> int:
@@ -191,46 +195,66 @@ def bench_rounds(plan: Plan, rates: dict, out: list, save) -> None:
     save()
 
 
-def bench_batched_ab(plan: Plan, repeats: int = 2) -> list[dict]:
-  """The batched GEMM on (for bf16 and fp8 weights, whatever params.BATCHED_FORMATS holds,
-  from SKINNY_MAX_M + 1 rows) vs off (it emptied: XLA's GEMM for bf16, the skinny GEMM for
-  fp8) in the same process, interleaved, for every point of plan.ab_points (each setting its
-  own jit); with the largest logits difference and draft agreement."""
+def ab_settings(section: str) -> list[tuple[str, dict]]:
+  """The settings one A/B section compares, the shipped routing's opposite first: (tag,
+  {(module, attribute): value}) patched in for that tag's jit.
+  batched_ab: the Mosaic GPU batched GEMM off (params.BATCHED_FORMATS emptied: XLA's GEMM for
+  bf16, the skinny GEMM for fp8) vs on for bf16 and fp8 from SKINNY_MAX_M + 1 rows (so the
+  A/B also says where BATCHED_MIN_M belongs). norm_ab: XLA's RMS norm vs the Pallas row norm
+  in front of the batched GEMM (params.NORM_KERNEL). cluster_ab: the batched GEMM's x tiles
+  multicast over 1, 2 or 4 column tiles (batched_gemm.CLUSTER)."""
+  if section == "batched_ab":
+    on = P.BATCHED_FORMATS + tuple(f for f in ("bf16", "fp8") if f not in P.BATCHED_FORMATS)
+    return [("off", {(P, "BATCHED_FORMATS"): ()}),
+            ("on", {(P, "BATCHED_FORMATS"): on, (P, "BATCHED_MIN_M"): P.SKINNY_MAX_M + 1})]
+  if section == "norm_ab":
+    return [("xla", {(P, "NORM_KERNEL"): False}), ("pallas", {(P, "NORM_KERNEL"): True})]
+  if section == "cluster_ab":
+    return [(f"cluster{c}", {(batched_gemm, "CLUSTER"): c}) for c in batched_gemm.CLUSTERS]
+  raise ValueError(section)
+
+
+def bench_ab(plan: Plan, section: str, repeats: int = 2) -> list[dict]:
+  """Rounds under each of `ab_settings(section)` in the same process, interleaved, for every
+  point of plan.ab_points (each setting its own jit; the defaults restored after); with the
+  largest logits difference and draft agreement of each setting against the first."""
   cfg, window = plan.cfg, plan.window
+  settings = ab_settings(section)
   out, params = [], None
-  default, default_min = P.BATCHED_FORMATS, P.BATCHED_MIN_M
-  on = default + tuple(f for f in ("bf16", "fp8") if f not in default)
   for dtype, width, n_slots in plan.ab_points:
     if params is None or params.weight_format != dtype:
       params = None
       params = C.random_params(cfg, plan.n_vocab, dtype)
     ring = C.filled_state(cfg, "bf16", window, window, n_seqs=n_slots)
     inputs = round_inputs(cfg, n_slots, width, window)
-    times, outs = {"off": [], "on": []}, {}
-    try:
-      for _ in range(repeats):
-        for tag, fmts in (("off", ()), ("on", on)):
-          P.BATCHED_FORMATS = fmts
-          # "on" takes every row count past the skinny GEMM's, so the A/B also says where
-          # the kernel's lower bound belongs.
-          P.BATCHED_MIN_M = P.SKINNY_MAX_M + 1 if fmts else default_min
+    times, outs = {tag: [] for tag, _ in settings}, {}
+    for _ in range(repeats):
+      for tag, patch in settings:
+        saved = {key: getattr(*key) for key in patch}
+        try:
+          for (mod, attr), v in patch.items():
+            setattr(mod, attr, v)
           f = jax.jit(functools.partial(S.draft_round_batched, width=width, impl="pallas"))
           per = C.without_copies(C.cupti_kernels(f, params, ring, *inputs,
                                                  iterations=plan.iters))
           times[tag].append((C.device_ms(per), C.launches(per)))
           outs[tag] = f(params, ring, *inputs)
-    finally:
-      P.BATCHED_FORMATS, P.BATCHED_MIN_M = default, default_min
+        finally:
+          for (mod, attr), v in saved.items():
+            setattr(mod, attr, v)
+    first = settings[0][0]
     r = dict(dtype=dtype, width=width, slots=n_slots, rows=n_slots * width,
-             off_ms=[t for t, _ in times["off"]], on_ms=[t for t, _ in times["on"]],
-             off_launches=times["off"][0][1], on_launches=times["on"][0][1],
-             max_logits_diff=float(jnp.max(jnp.abs(outs["on"][2] - outs["off"][2]))),
-             drafts_agree=float(jnp.mean(outs["on"][1] == outs["off"][1])))
+             ms={tag: [t for t, _ in ts] for tag, ts in times.items()},
+             launches={tag: ts[0][1] for tag, ts in times.items()},
+             max_logits_diff={tag: float(jnp.max(jnp.abs(o[2] - outs[first][2])))
+                              for tag, o in outs.items()},
+             drafts_agree={tag: float(jnp.mean(o[1] == outs[first][1]))
+                           for tag, o in outs.items()})
     out.append(r)
-    print(f"batched GEMM A/B {dtype} w{width} S{n_slots}: off {r['off_ms']} ms "
-          f"({r['off_launches']} launches), on {r['on_ms']} ms ({r['on_launches']}); "
-          f"max|dlogits| {r['max_logits_diff']:.3g}, drafts agree {r['drafts_agree']:.3f}",
-          flush=True)
+    print(f"{section} {dtype} w{width} S{n_slots}: " + "; ".join(
+        f"{tag} {r['ms'][tag]} ms ({r['launches'][tag]} launches, max|dlogits| "
+        f"{r['max_logits_diff'][tag]:.3g}, drafts agree {r['drafts_agree'][tag]:.3f})"
+        for tag, _ in settings), flush=True)
     del ring, inputs
   return out
 
@@ -416,15 +440,17 @@ def markdown(res: dict) -> str:
       lines.append(f"| {m} | {t['skinny_ms']:.3f} | {t['xla_ms']:.3f} |")
     lines.append(f"\nsuggested SKINNY_MAX_M = {x['suggested_skinny_max_m']} "
                  f"(current {x['current_skinny_max_m']})")
-  if "batched_ab" in res:
-    lines += ["", "| weights | w | S | rows | batched GEMM off ms | on ms | launches off / on | "
+  for section in AB_SECTIONS:
+    if section not in res:
+      continue
+    lines += ["", f"{section}:", "", "| weights | w | S | rows | setting | round ms | launches | "
               "max logits diff | drafts agree |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in res["batched_ab"]:
-      lines.append(f"| {r['dtype']} | {r['width']} | {r['slots']} | {r['rows']} | "
-                   + " / ".join(f"{t:.4f}" for t in r["off_ms"]) + " | "
-                   + " / ".join(f"{t:.4f}" for t in r["on_ms"])
-                   + f" | {r['off_launches']} / {r['on_launches']} | "
-                   f"{r['max_logits_diff']:.3g} | {r['drafts_agree']:.3f} |")
+    for r in res[section]:
+      for tag, ms in r["ms"].items():
+        lines.append(f"| {r['dtype']} | {r['width']} | {r['slots']} | {r['rows']} | {tag} | "
+                     + " / ".join(f"{t:.4f}" for t in ms)
+                     + f" | {r['launches'][tag]} | {r['max_logits_diff'][tag]:.3g} | "
+                     f"{r['drafts_agree'][tag]:.3f} |")
   return "\n".join(lines)
 
 
@@ -433,7 +459,8 @@ def main(argv=None) -> int:
   mode = p.add_mutually_exclusive_group(required=True)
   mode.add_argument("--gpu", action="store_true", help="seed dims on the GPU")
   mode.add_argument("--smoke", action="store_true", help="tiny dims on any backend (not results)")
-  p.add_argument("--only", default=",".join(SECTIONS), help=f"comma list of: {', '.join(SECTIONS)}")
+  p.add_argument("--only", default=",".join(SECTIONS[:5]),
+                 help=f"comma list of: {', '.join(SECTIONS)}")
   p.add_argument("--out", default=None, help="results folder (default results/batch-<UTC stamp>)")
   args = p.parse_args(argv)
   if args.gpu and not C.ON_GPU:
@@ -463,7 +490,7 @@ def main(argv=None) -> int:
                        ("compiles", lambda: bench_compiles(plan)),
                        ("memory", lambda: bench_memory(plan)),
                        ("crossover", lambda: bench_crossover(plan)),
-                       ("batched_ab", lambda: bench_batched_ab(plan))):
+                       *((ab, functools.partial(bench_ab, plan, ab)) for ab in AB_SECTIONS)):
     if section in only:
       t1 = time.perf_counter()
       out = run()

@@ -12,6 +12,7 @@ from dflash_jax import quant
 from dflash_jax.config import DFlashConfig, rope_inv_freq
 from dflash_jax.synthetic import drafter_tensor_shapes
 from pallas_kernels import batched_gemm, skinny_gemm
+from pallas_kernels import rms_norm as norm_k
 
 _DTYPE_NAMES = {"fp32": jnp.float32, "float32": jnp.float32, "f32": jnp.float32,
                 "bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16}
@@ -369,6 +370,23 @@ def linear(x: jax.Array, w, *, impl: str = "pallas", gate_up: bool = False,
       y = jax.nn.silu(y[..., :n_ff]) * y[..., n_ff:]
   # Unsplit here: one "partial" for a consumer that expects [S, M, N].
   return y[None] if partials else y.astype(out_dtype)
+
+
+# Whether the RMS norm in front of a batched-GEMM product runs as the Pallas row norm
+# (`gemm_input_norm`); False puts XLA's fusion back (`benchmarks.batch --only norm_ab`).
+NORM_KERNEL = True
+
+
+def gemm_input_norm(x: jax.Array, w_norm: jax.Array, eps: float, w, *, impl: str = "pallas",
+                    gate_up: bool = False) -> jax.Array:
+  """rms_norm(x, w_norm, eps) as the input of `linear(., w, gate_up=gate_up)`: where the
+  batched GEMM runs that product (it takes bf16 rows), the Pallas row norm writes them in bf16
+  in one launch, the value linear would round them to; elsewhere XLA's norm in float32."""
+  inner = w.w if isinstance(w, Reduced) else w
+  if (NORM_KERNEL and impl != "xla" and x.ndim == 2
+      and _batched_knobs(x, inner, gate_up, jnp.bfloat16 if gate_up else jnp.float32)):
+    return norm_k.rms_norm(x.astype(jnp.float32), w_norm, eps=eps, out_dtype=jnp.bfloat16)
+  return rms_norm(x, w_norm, eps)
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:

@@ -27,7 +27,7 @@ import numpy as np
 from jax import lax
 
 from dflash_jax.config import FULL, SLIDING, DFlashConfig
-from dflash_jax.params import DrafterParams, linear, resolve_dtype, rms_norm
+from dflash_jax.params import DrafterParams, gemm_input_norm, linear, resolve_dtype, rms_norm
 from pallas_kernels import accept as accept_k
 from pallas_kernels import inject as inject_k
 from pallas_kernels import norm_rope as norm_rope_k
@@ -248,7 +248,7 @@ def _block(params: DrafterParams, ring: RingState, id_last: jax.Array, n_past: j
                                out_dtype=act_dtype, **knobs[kind])
     with jax.named_scope(f"layer{l}"):
       with jax.named_scope("attn_norm"):
-        xn = rms_norm(x, lp.attn_norm, cfg.eps)
+        xn = gemm_input_norm(x, lp.attn_norm, cfg.eps, lp.wqkv, impl=impl)
       with jax.named_scope("qkv"):
         # The split-K partials are summed inside qk_norm_rope (no extra launch).
         qkv = linear(xn, lp.wqkv, impl=impl, partials=True)
@@ -271,13 +271,13 @@ def _block(params: DrafterParams, ring: RingState, id_last: jax.Array, n_past: j
       with jax.named_scope("o"):
         x = linear(o, lp.wo, impl=impl, residual=x)
       with jax.named_scope("ffn/norm"):
-        xn = rms_norm(x, lp.ffn_norm, cfg.eps)
+        xn = gemm_input_norm(x, lp.ffn_norm, cfg.eps, lp.wgu, impl=impl, gate_up=True)
       with jax.named_scope("ffn/gate_up"):
         hidden = linear(xn, lp.wgu, impl=impl, gate_up=True, out_dtype=act_dtype)
       with jax.named_scope("ffn/down"):
         x = linear(hidden, lp.wd, impl=impl, residual=x)
   with jax.named_scope("out_norm"):
-    xn = rms_norm(x, params.out_norm, cfg.eps)
+    xn = gemm_input_norm(x, params.out_norm, cfg.eps, params.lm_head, impl=impl)
   with jax.named_scope("lm_head"):
     return linear(xn, params.lm_head, impl=impl)
 

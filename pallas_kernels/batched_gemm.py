@@ -39,6 +39,7 @@ ACC_FLOATS = 16384  # accumulator floats per warpgroup: 128 registers per thread
 EPI_N = 64          # the epilogue's column tile
 SMEM_BYTES = 232448   # the H200's shared memory per block (Mosaic GPU's limit)
 CLUSTERS = (1, 2, 4)  # programs sharing each x tile (one TMA multicast load)
+CLUSTER = 1           # default_knobs' cluster where the column tiles divide into it
 # (block_k, stages), deepest first, from 4 x 128: the weights stream at the rate of the bytes
 # in flight, up to 4 stages of 128-deep tiles (H200, RESULTS.md run 17: 64 and 128 rows, every
 # seed matrix: 4 x 128 the best or within 1 us of it; 5 or 6 stages 1-3 us slower at 64 rows
@@ -94,9 +95,11 @@ def default_knobs(m: int, n: int, k: int, epilogue: str = "none", out_dtype=jnp.
   (H200, RESULTS.md runs 16-17, at 64 and 128 rows: 32- and 48-wide tiles, which fill more
   SMs for qkv and o, and wider tiles with K splits were all slower); None when N or K fits no
   tile (the caller then uses another GEMM)."""
+  cluster = CLUSTER if (n // 64) % CLUSTER == 0 else 1
   for block_k, steps in _DEPTHS:
-    if fits(m, n, k, epilogue, out_dtype, 64, block_k, steps, fmt=fmt):
-      return dict(block_n=64, block_k=block_k, max_concurrent_steps=steps, split_k=1)
+    if fits(m, n, k, epilogue, out_dtype, 64, block_k, steps, fmt=fmt, cluster=cluster):
+      return dict(block_n=64, block_k=block_k, max_concurrent_steps=steps, split_k=1,
+                  cluster=cluster)
   return None
 
 

@@ -45,7 +45,8 @@ def test_batch_benchmark_smoke_run(tmp_path):
   assert P.BATCHED_FORMATS == formats   # the A/B section puts the default back
   res = json.loads((tmp_path / "batch.json").read_text())
   [ab] = res["batched_ab"]
-  assert (ab["dtype"], ab["width"], ab["slots"]) == ("bf16", 4, 2) and ab["drafts_agree"] == 1.0
+  assert (ab["dtype"], ab["width"], ab["slots"]) == ("bf16", 4, 2)
+  assert set(ab["ms"]) == {"off", "on"} and ab["drafts_agree"] == {"off": 1.0, "on": 1.0}
   assert res["smoke"] and res["rates"]["copy_Bps"] > 0 and res["rates"]["gemm_flops"] > 0
   [r] = res["rounds"]
   assert (r["slots"], r["width"], r["rows"]) == (2, 4, 8)

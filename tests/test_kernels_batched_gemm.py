@@ -100,9 +100,9 @@ def test_default_knobs_fit_shared_memory():
   # At most 4 stages of 128-deep K tiles (the measured best), fewer where they do not fit.
   for m in (64, 128):
     assert BG.default_knobs(m, 6144, 6656) == dict(block_n=64, block_k=128,
-                                                   max_concurrent_steps=4, split_k=1)
+                                                   max_concurrent_steps=4, split_k=1, cluster=1)
   assert BG.default_knobs(128, 19968, 6656, "gate_up", jnp.bfloat16) == dict(
-      block_n=64, block_k=128, max_concurrent_steps=3, split_k=1)
+      block_n=64, block_k=128, max_concurrent_steps=3, split_k=1, cluster=1)
 
 
 def test_linear_keeps_xla_off_hopper():

@@ -1,0 +1,99 @@
+"""pallas_kernels.rms_norm against a float64 numpy oracle and its jnp twin: CPU interpret at small
+and odd widths, the GPU at the seed's n_embd and batched row counts.
+
+The output is a fresh buffer the kernel must write in full; every element is compared, so an
+unwritten row or a lane past a power-of-2 tile's masked end would miss the tolerance.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import rms_norm as RN
+
+BF16_EPS = 2.0 ** -8
+EPS = 1e-6
+
+
+def _inputs(seed: int, m: int, k: int):
+  rng = np.random.default_rng(seed)
+  # Rows over ~e^+-2 in scale: a row normalised with another row's scale shows.
+  x = rng.standard_normal((m, k)) * np.exp(2 * rng.normal(size=(m, 1)))
+  w = rng.standard_normal(k) + 1.0
+  return x.astype(np.float32), w.astype(np.float32)
+
+
+def _oracle(x, w):
+  x64 = np.asarray(x, np.float64)
+  return x64 / np.sqrt(np.mean(x64 * x64, axis=1, keepdims=True) + EPS) * np.asarray(w, np.float64)
+
+
+def _check(m, k, rows, num_warps=4, out_dtype=jnp.bfloat16, seed=0):
+  x, w = _inputs(seed, m, k)
+  got = RN.rms_norm(jnp.asarray(x), jnp.asarray(w), eps=EPS, rows=rows, num_warps=num_warps,
+                    out_dtype=out_dtype)
+  assert got.shape == (m, k) and got.dtype == out_dtype
+  got = np.asarray(got.astype(jnp.float32), np.float64)
+  want = _oracle(x, w)
+  # float32 arithmetic (a few eps_f32 relative) then one rounding to out_dtype.
+  ulp = BF16_EPS if out_dtype == jnp.bfloat16 else 2.0 ** -23
+  assert np.all(np.abs(got - want) <= (ulp + 1e-5) * np.abs(want) + 1e-30)
+  twin = np.asarray(RN.rms_norm_reference(jnp.asarray(x), jnp.asarray(w), eps=EPS,
+                                          out_dtype=out_dtype).astype(jnp.float32), np.float64)
+  # Kernel and twin sum the squares in other orders (float32: ~1e-6 relative apart), so
+  # after the rounding to out_dtype they may land a rounding step apart.
+  assert np.all(np.abs(got - twin) <= (2 * ulp + 1e-5) * np.abs(want) + 1e-30)
+
+
+@pytest.mark.parametrize("m, k, rows", [(8, 64, 1), (12, 100, 4), (3, 6656 // 8, 1),
+                                        (16, 48, 16)])
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+def test_matches_oracle_interpret(m, k, rows, out_dtype):
+  _check(m, k, rows, out_dtype=out_dtype, seed=m * k + rows)
+
+
+@pytest.mark.parametrize("bad, msg", [
+    (dict(x=np.zeros((4, 8), np.float16)), "must be float32"),
+    (dict(w=np.zeros((7,), np.float32)), "w must be \\[8\\]"),
+    (dict(x=np.zeros((8,), np.float32)), "x must be \\[M, K\\]"),
+    (dict(rows=3), "power of 2 dividing M"),
+    (dict(rows=8), "power of 2 dividing M"),
+])
+def test_limits(bad, msg):
+  args = dict(x=np.ones((4, 8), np.float32), w=np.ones((8,), np.float32), rows=1) | bad
+  with pytest.raises(ValueError, match=msg):
+    RN.rms_norm(jnp.asarray(args["x"]), jnp.asarray(args["w"]), eps=EPS, rows=args["rows"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, rows, num_warps", [(128, 1, 8), (64, 2, 8), (100, 4, 16),
+                                                (48, 1, 4)])
+def test_gpu_seed_width(m, rows, num_warps):
+  _check(m, 6656, rows, num_warps, seed=m + rows)
+
+
+def test_gemm_input_norm_routes_with_the_batched_gemm(monkeypatch):
+  """params.gemm_input_norm: the Pallas norm (bf16 out, interpret mode here) exactly where the
+  batched GEMM would run the consuming product, XLA's float32 norm elsewhere or with
+  NORM_KERNEL off; both round to the same bf16 GEMM input up to one rounding step."""
+  from dflash_jax import params as P
+  from pallas_kernels import batched_gemm as BG
+  k, n = 256, 128
+  rng = np.random.default_rng(3)
+  w = jnp.asarray(rng.standard_normal((n, k)), jnp.bfloat16)
+  wn = jnp.asarray(rng.standard_normal(k) + 1, jnp.float32)
+  monkeypatch.setattr(BG, "available", lambda: True)
+  for rows, kernel in ((P.BATCHED_MIN_M - 1, False), (P.BATCHED_MIN_M, True),
+                       (P.BATCHED_MAX_M, True), (P.BATCHED_MAX_M + 1, False)):
+    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.float32)
+    got = P.gemm_input_norm(x, wn, EPS, w)
+    assert got.dtype == (jnp.bfloat16 if kernel else jnp.float32), rows
+    xla = P.rms_norm(x, wn, EPS)
+    assert P.gemm_input_norm(x, wn, EPS, w, impl="xla").dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got, np.float32),
+                               np.asarray(xla.astype(jnp.bfloat16), np.float32),
+                               rtol=2 * BF16_EPS, atol=1e-30)
+  monkeypatch.setattr(P, "NORM_KERNEL", False)
+  assert P.gemm_input_norm(x[:P.BATCHED_MAX_M], wn, EPS, w).dtype == jnp.float32
