@@ -462,6 +462,8 @@ def main(argv=None) -> int:
   p.add_argument("--only", default=",".join(SECTIONS[:5]),
                  help=f"comma list of: {', '.join(SECTIONS)}")
   p.add_argument("--out", default=None, help="results folder (default results/batch-<UTC stamp>)")
+  p.add_argument("--ab-points", default=None,
+                 help="A/B points as WEIGHTSxWIDTHxS, comma list (default: the plan's)")
   args = p.parse_args(argv)
   if args.gpu and not C.ON_GPU:
     p.error("--gpu needs a GPU backend")
@@ -470,6 +472,9 @@ def main(argv=None) -> int:
   if unknown:
     p.error(f"unknown sections {unknown}; choose from {SECTIONS}")
   plan = GPU_PLAN if args.gpu else SMOKE_PLAN
+  if args.ab_points:
+    pts = [v.split("x") for v in args.ab_points.split(",")]
+    plan = dataclasses.replace(plan, ab_points=tuple((d, int(w), int(n)) for d, w, n in pts))
   res = C.run_header("python -m benchmarks.batch " + " ".join(argv or sys.argv[1:]), args.smoke)
   out_dir = args.out or os.path.join("results", f"batch-{res['date']}")
   os.makedirs(out_dir, exist_ok=True)
