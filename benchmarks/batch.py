@@ -18,12 +18,11 @@ Sections (each printed as it finishes, all written to DIR/batch.json and batch.m
   the device beside the bf16 weights, with one round over all 64 slots.
 - crossover: the skinny GEMM vs XLA's GEMM for each bf16 matrix of a seed round at M = 64 ..
   512 rows; prints the row count to set `dflash_jax.params.SKINNY_MAX_M` to.
-- batched_ab, norm_ab, cluster_ab: rounds under two or more routings, interleaved in one
+- batched_ab, norm_ab: rounds under two or more routings, interleaved in one
   process, at 32-128 rows (bf16 weights; `Plan.ab_points` takes fp8 points too; `ab_settings`
   says what each compares): the batched GEMM on vs off (where `params.BATCHED_MIN_M` /
   `BATCHED_MAX_M` / `BATCHED_FORMATS` come from), XLA's or the Pallas RMS norm in front of it
-  (`params.NORM_KERNEL`), its x tiles multicast over 1, 2 or 4 column tiles
-  (`batched_gemm.CLUSTER`). By default only batched_ab runs (each A/B takes minutes).
+  (`params.NORM_KERNEL`). By default only batched_ab runs (each A/B takes minutes).
 
 On the H200 the whole run takes about 5 minutes, mostly compiles (one per point); a slower
 start can split it: `--only rounds`, then `--only compiles,memory,crossover`.
@@ -46,9 +45,9 @@ from benchmarks import common as C
 from dflash_jax import params as P
 from dflash_jax import step as S
 from dflash_jax.params import SKINNY_MAX_M, gemm_knobs, linear
-from pallas_kernels import batched_gemm, skinny_gemm
+from pallas_kernels import skinny_gemm
 
-AB_SECTIONS = ("batched_ab", "norm_ab", "cluster_ab")
+AB_SECTIONS = ("batched_ab", "norm_ab")
 SECTIONS = ("rounds", "compiles", "memory", "crossover") + AB_SECTIONS   # rates always run
 
 
@@ -201,16 +200,13 @@ def ab_settings(section: str) -> list[tuple[str, dict]]:
   batched_ab: the Mosaic GPU batched GEMM off (params.BATCHED_FORMATS emptied: XLA's GEMM for
   bf16, the skinny GEMM for fp8) vs on for bf16 and fp8 from SKINNY_MAX_M + 1 rows (so the
   A/B also says where BATCHED_MIN_M belongs). norm_ab: XLA's RMS norm vs the Pallas row norm
-  in front of the batched GEMM (params.NORM_KERNEL). cluster_ab: the batched GEMM's x tiles
-  multicast over 1, 2 or 4 column tiles (batched_gemm.CLUSTER)."""
+  in front of the batched GEMM (params.NORM_KERNEL)."""
   if section == "batched_ab":
     on = P.BATCHED_FORMATS + tuple(f for f in ("bf16", "fp8") if f not in P.BATCHED_FORMATS)
     return [("off", {(P, "BATCHED_FORMATS"): ()}),
             ("on", {(P, "BATCHED_FORMATS"): on, (P, "BATCHED_MIN_M"): P.SKINNY_MAX_M + 1})]
   if section == "norm_ab":
     return [("xla", {(P, "NORM_KERNEL"): False}), ("pallas", {(P, "NORM_KERNEL"): True})]
-  if section == "cluster_ab":
-    return [(f"cluster{c}", {(batched_gemm, "CLUSTER"): c}) for c in batched_gemm.CLUSTERS]
   raise ValueError(section)
 
 

@@ -382,18 +382,18 @@ def sweep_batched_gemm(rows: tuple[int, ...], fmts: tuple[str, ...],
                        block_ns: tuple[int, ...] = (64, 128, 256),
                        split_ks: tuple[int, ...] = (1, 2, 4),
                        block_ks: tuple[int, ...] = (64, 128),
-                       stages: tuple[int, ...] = (2, 3, 4, 5, 6),
-                       clusters: tuple[int, ...] = (1,)) -> list[dict]:
+                       stages: tuple[int, ...] = (2, 3, 4, 5, 6)) -> list[dict]:
   """pallas_kernels.batched_gemm on the seed's matrices with their round epilogues (qkv
-  plain, o and down + residual, gate_up silu * up), bf16 or fp8 weights, block_n x block_k x
-  stages x split_k (split partials summed by XLA, with the residual) x cluster (column tiles
-  sharing each multicast x tile), next to today's path
+  plain, o and down + residual, gate_up silu * up; encode's fc and the inject GEMM plain), bf16
+  or fp8 weights, block_n x block_k x
+  stages x split_k (split partials summed by XLA, with the residual), next to today's path
   in one jit: XLA's dot + the same epilogue for bf16, the skinny GEMM for fp8 (err: max
   |kernel - twin|)."""
   from dflash_jax.params import gemm_knobs
   from pallas_kernels import batched_gemm as BG
   shapes = {"qkv": (6144, 6656, "none"), "o": (6656, 4096, "residual"),
-            "gate_up": (19968, 6656, "gate_up"), "down": (6656, 19968, "residual")}
+            "gate_up": (19968, 6656, "gate_up"), "down": (6656, 19968, "residual"),
+            "fc": (6656, 33280, "none"), "inject": (10240, 6656, "none")}
   out = []
   key = iter(jax.random.split(jax.random.key(8), 64))
   for name, (n, k, ep) in shapes.items():
@@ -429,19 +429,21 @@ def sweep_batched_gemm(rows: tuple[int, ...], fmts: tuple[str, ...],
         us, err = _time(base, x, w, scale, r, iters=20)
         _emit(out, dict(kernel=label, fmt=fmt, shape=name, m=m, us=us, err=err,
                         TBps=_tbps(nbytes, us)))
-        for bn, bk, st, sk, cl in itertools.product(block_ns, block_ks, stages, split_ks,
-                                                    clusters):
-          if not BG.fits(m, n, k, ep, od, bn, bk, st, sk, fmt, cl):
+        for bn, bk, st, sk in itertools.product(block_ns, block_ks, stages, split_ks):
+          if not BG.fits(m, n, k, ep, od, bn, bk, st, sk, fmt):
             continue
+          # qkv's consumer (qk_norm_rope) sums K splits itself: time the partials alone.
+          keep = name == "qkv" and sk > 1
           f = jax.jit(lambda x, w, s, r, kn=dict(block_n=bn, block_k=bk, max_concurrent_steps=st,
-                                                 split_k=sk, cluster=cl):
+                                                 split_k=sk, keep_splits=keep):
                       BG.batched_matmul(x, w, r, scale=s, epilogue=ep, out_dtype=od, **kn))
           us, err = _time(f, x, w, scale, r, iters=20)
           if err is None:
-            err = float(jnp.max(jnp.abs(f(x, w, scale, r).astype(jnp.float32)
+            got = f(x, w, scale, r).astype(jnp.float32)
+            err = float(jnp.max(jnp.abs((got.sum(0) if keep else got)
                                         - want.astype(jnp.float32))))
           _emit(out, dict(kernel="batched_gemm", fmt=fmt, shape=name, m=m, block_n=bn,
-                          block_k=bk, steps=st, split_k=sk, cluster=cl, us=us, err=err,
+                          block_k=bk, steps=st, split_k=sk, us=us, err=err,
                           TBps=_tbps(nbytes, us)))
       del w, scale
   return out
@@ -513,7 +515,6 @@ def main(argv=None) -> int:
   p.add_argument("--block-ns", default="64,128,256", help="bgemm: these block_n values")
   p.add_argument("--block-ks", default="64,128", help="bgemm: these block_k values")
   p.add_argument("--stages", default="2,3,4,5,6", help="bgemm: these pipeline depths")
-  p.add_argument("--clusters", default="1", help="bgemm: these cluster sizes")
   args = p.parse_args(argv)
   bw = C.copy_bandwidth(1 << 30)
   print(f"copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
@@ -535,7 +536,7 @@ def main(argv=None) -> int:
     res["rows"] += sweep_batched_gemm(
         rows, tuple(f for f in args.fmts.split(",") if f != "q8_0"),
         tuple(args.shapes.split(",")), ints(args.block_ns), block_ks=ints(args.block_ks),
-        stages=ints(args.stages), clusters=ints(args.clusters), **grid)
+        stages=ints(args.stages), **grid)
   if "norm" in args.what:
     res["rows"] += sweep_norm(rows)
   if "mgpu" in args.what:

@@ -38,8 +38,6 @@ MAX_ROWS = 256      # two warpgroups x 128 accumulator rows; more rows run in ch
 ACC_FLOATS = 16384  # accumulator floats per warpgroup: 128 registers per thread
 EPI_N = 64          # the epilogue's column tile
 SMEM_BYTES = 232448   # the H200's shared memory per block (Mosaic GPU's limit)
-CLUSTERS = (1, 2, 4)  # programs sharing each x tile (one TMA multicast load)
-CLUSTER = 1           # default_knobs' cluster where the column tiles divide into it
 # (block_k, stages), deepest first, from 4 x 128: the weights stream at the rate of the bytes
 # in flight, up to 4 stages of 128-deep tiles (H200, RESULTS.md run 17: 64 and 128 rows, every
 # seed matrix: 4 x 128 the best or within 1 us of it; 5 or 6 stages 1-3 us slower at 64 rows
@@ -59,14 +57,12 @@ def warpgroups(mp: int) -> int:
 
 
 def fits(m: int, n: int, k: int, epilogue: str, out_dtype, block_n: int, block_k: int,
-         steps: int, split_k: int = 1, fmt: str = "bf16", cluster: int = 1) -> bool:
-  """Whether these tiles run this product: whole tiles (column tiles in whole clusters), a K
-  split only without gate_up, the accumulators within the registers and the pipeline within
-  shared memory."""
+         steps: int, split_k: int = 1, fmt: str = "bf16") -> bool:
+  """Whether these tiles run this product: whole tiles, a K split only without gate_up, the
+  accumulators within the registers and the pipeline within shared memory."""
   mp = padded_rows(min(m, MAX_ROWS))
   n_acc = 2 if epilogue == "gate_up" else 1
-  return (cluster in CLUSTERS and n % (block_n * cluster) == 0 and k % block_k == 0
-          and (k // block_k) % split_k == 0
+  return (n % block_n == 0 and k % block_k == 0 and (k // block_k) % split_k == 0
           and (split_k == 1 or epilogue != "gate_up")
           and mp // warpgroups(mp) * block_n * n_acc <= ACC_FLOATS
           and smem_bytes(m, epilogue, out_dtype, block_n, block_k, steps, fmt)
@@ -95,11 +91,9 @@ def default_knobs(m: int, n: int, k: int, epilogue: str = "none", out_dtype=jnp.
   (H200, RESULTS.md runs 16-17, at 64 and 128 rows: 32- and 48-wide tiles, which fill more
   SMs for qkv and o, and wider tiles with K splits were all slower); None when N or K fits no
   tile (the caller then uses another GEMM)."""
-  cluster = CLUSTER if (n // 64) % CLUSTER == 0 else 1
   for block_k, steps in _DEPTHS:
-    if fits(m, n, k, epilogue, out_dtype, 64, block_k, steps, fmt=fmt, cluster=cluster):
-      return dict(block_n=64, block_k=block_k, max_concurrent_steps=steps, split_k=1,
-                  cluster=cluster)
+    if fits(m, n, k, epilogue, out_dtype, 64, block_k, steps, fmt=fmt):
+      return dict(block_n=64, block_k=block_k, max_concurrent_steps=steps, split_k=1)
   return None
 
 
@@ -111,7 +105,7 @@ def available() -> bool:
   return float(cc) >= 9.0
 
 
-def _check(x, w, scale, residual, epilogue, block_n, block_k, split_k, keep_splits, cluster):
+def _check(x, w, scale, residual, epilogue, block_n, block_k, split_k, keep_splits):
   if epilogue not in EPILOGUES:
     raise ValueError(f"batched_matmul: epilogue must be one of {EPILOGUES}, got {epilogue!r}")
   if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
@@ -138,9 +132,6 @@ def _check(x, w, scale, residual, epilogue, block_n, block_k, split_k, keep_spli
           or (block_n % EPI_N == 0 and block_n <= 256)):
     raise ValueError(f"batched_matmul: block_n must be a multiple of 8 up to {EPI_N} or of "
                      f"{EPI_N} up to 256 (one wgmma, whole epilogue tiles), got {block_n}")
-  if cluster not in CLUSTERS or (n // block_n) % cluster:
-    raise ValueError(f"batched_matmul: cluster must be one of {CLUSTERS} dividing the "
-                     f"{n // block_n} column tiles, got {cluster!r}")
   if not isinstance(split_k, int) or split_k < 1 or (k // block_k) % split_k:
     raise ValueError(f"batched_matmul: split_k must be an int >= 1 dividing the {k // block_k} "
                      f"K tiles, got {split_k}")
@@ -186,20 +177,17 @@ def batched_matmul(x: jax.Array, w: jax.Array, residual: jax.Array | None = None
                    scale: jax.Array | None = None,
                    epilogue: str = "none", out_dtype=jnp.float32, block_n: int = 64,
                    block_k: int = 128, max_concurrent_steps: int = 4, split_k: int = 1,
-                   cluster: int = 1, keep_splits: bool = False) -> jax.Array:
+                   keep_splits: bool = False) -> jax.Array:
   """y [M, N] = the epilogue of x [M, K] @ w [N, K]^T (module docstring). GPU only.
 
   split_k > 1 cuts K into that many programs per column tile, each writing a float32 partial
   sum; keep_splits returns them ([split_k, M, N], for a consumer that adds them up), else they
-  are summed here in order (with the residual, for that epilogue: an XLA fusion). cluster > 1
-  runs that many neighbouring column tiles as one cluster, each x tile loaded once from L2 and
-  multicast to all of them."""
-  m, n, k = _check(x, w, scale, residual, epilogue, block_n, block_k, split_k, keep_splits,
-                   cluster)
+  are summed here in order (with the residual, for that epilogue: an XLA fusion)."""
+  m, n, k = _check(x, w, scale, residual, epilogue, block_n, block_k, split_k, keep_splits)
   if epilogue != "gate_up":
     out_dtype = jnp.float32
   knobs = dict(block_n=block_n, block_k=block_k, max_concurrent_steps=max_concurrent_steps,
-               split_k=split_k, cluster=cluster)
+               split_k=split_k)
   if m > MAX_ROWS:
     parts = [batched_matmul(x[i:i + MAX_ROWS], w,
                             None if residual is None else residual[i:i + MAX_ROWS],
@@ -215,7 +203,7 @@ def batched_matmul(x: jax.Array, w: jax.Array, residual: jax.Array | None = None
   fused_residual = residual if split_k == 1 else None
   y = _call(x, w, scale, fused_residual, epilogue=epilogue if split_k == 1 else "none",
             out_dtype=jnp.dtype(out_dtype), n=n, block_n=block_n, block_k=block_k,
-            steps=max_concurrent_steps, split_k=split_k, cluster=cluster)
+            steps=max_concurrent_steps, split_k=split_k)
   if split_k > 1:
     y = y[:, :m]
     if keep_splits:
@@ -233,9 +221,9 @@ def _transforms(minor: int, dtype):
 
 
 @functools.partial(jax.jit, static_argnames=("epilogue", "out_dtype", "n", "block_n", "block_k",
-                                             "steps", "split_k", "cluster"))
+                                             "steps", "split_k"))
 def _call(x, w, scale, residual, *, epilogue, out_dtype, n, block_n, block_k, steps,
-          split_k, cluster):
+          split_k):
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -264,8 +252,6 @@ def _call(x, w, scale, residual, *, epilogue, out_dtype, n, block_n, block_k, st
     # fp8: each compute warpgroup's bf16 copy of the stage's weight tiles, their scales
     w_bf16, s_smem, s_barrier = (next(it), next(it), next(it)) if fp8 else (None,) * 3
     j = lax.axis_index("n")
-    if cluster > 1:
-      j = j * cluster + lax.axis_index("cluster")
     ks = pl.ds(lax.axis_index("k") * k_len, k_len)
     if split_k > 1:
       out_gmem = out_gmem.at[lax.axis_index("k")]
@@ -328,8 +314,7 @@ def _call(x, w, scale, residual, *, epilogue, out_dtype, n, block_n, block_k, st
     w_spec = plgpu.BlockSpec((block_n, block_k), lambda kk: (0, kk), transforms=w_t)
     pipeline = plgpu.emit_pipeline_warp_specialized(
         body, grid=(k_steps,), memory_registers=40,
-        in_specs=[plgpu.BlockSpec((m, block_k), lambda kk: (0, kk), transforms=in_t,
-                                  collective_axes=("cluster",) if cluster > 1 else ())]
+        in_specs=[plgpu.BlockSpec((m, block_k), lambda kk: (0, kk), transforms=in_t)]
         + [w_spec] * n_w,
         wg_axis="wg", num_compute_wgs=wgs, max_concurrent_steps=steps,
         compute_context=compute_context)
@@ -345,9 +330,7 @@ def _call(x, w, scale, residual, *, epilogue, out_dtype, n, block_n, block_k, st
   out_shape = (split_k, m, n) if split_k > 1 else (m, n)
   f = plgpu.kernel(
       kernel, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
-      grid=(n // block_n // cluster, split_k), grid_names=("n", "k"),
-      cluster=(cluster,) if cluster > 1 else (), cluster_names=("cluster",) if cluster > 1 else (),
-      num_threads=wgs + 1,
+      grid=(n // block_n, split_k), grid_names=("n", "k"), num_threads=wgs + 1,
       thread_name="wg", scratch_types=scratch,
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup))

@@ -76,10 +76,6 @@ def test_twin_matches_the_oracle():
      dict(epilogue="residual", block_k=64), "float32 \\[8, 64\\] residual"),
     ((jnp.zeros((8, 64), jnp.bfloat16), jnp.zeros((64, 64), jnp.bfloat16),
       jnp.zeros((8, 64), jnp.float32)), dict(block_k=64), "only taken by"),
-    ((jnp.zeros((8, 64), jnp.bfloat16), jnp.zeros((192, 64), jnp.bfloat16)),
-     dict(block_k=64, cluster=2), "cluster must be one of .* dividing the 3 column tiles"),
-    ((jnp.zeros((8, 64), jnp.bfloat16), jnp.zeros((384, 64), jnp.bfloat16)),
-     dict(block_k=64, cluster=3), "cluster must be one of"),
 ])
 def test_limits(args, kw, msg):
   with pytest.raises(ValueError, match=msg):
@@ -100,9 +96,9 @@ def test_default_knobs_fit_shared_memory():
   # At most 4 stages of 128-deep K tiles (the measured best), fewer where they do not fit.
   for m in (64, 128):
     assert BG.default_knobs(m, 6144, 6656) == dict(block_n=64, block_k=128,
-                                                   max_concurrent_steps=4, split_k=1, cluster=1)
+                                                   max_concurrent_steps=4, split_k=1)
   assert BG.default_knobs(128, 19968, 6656, "gate_up", jnp.bfloat16) == dict(
-      block_n=64, block_k=128, max_concurrent_steps=3, split_k=1, cluster=1)
+      block_n=64, block_k=128, max_concurrent_steps=3, split_k=1)
 
 
 def test_linear_keeps_xla_off_hopper():
@@ -273,11 +269,6 @@ KNOB_VARIANTS = {   # beyond the defaults: wide column tiles (epilogue in 64-wid
     "wide256": dict(block_n=256, block_k=64, max_concurrent_steps=2, split_k=1),
     "split2": dict(block_n=128, block_k=64, max_concurrent_steps=3, split_k=2),
     "split4": dict(block_n=64, block_k=64, max_concurrent_steps=4, split_k=4),
-    # clusters: each x tile multicast to 2 or 4 column tiles' programs
-    "cluster2": dict(block_n=64, block_k=64, max_concurrent_steps=4, split_k=1, cluster=2),
-    "cluster4": dict(block_n=64, block_k=128, max_concurrent_steps=3, split_k=1, cluster=4),
-    "cluster2split2": dict(block_n=64, block_k=64, max_concurrent_steps=3, split_k=2,
-                           cluster=2),
 }
 
 
