@@ -22,8 +22,7 @@ Sections (each printed as it finishes, all written to DIR/batch.json and batch.m
   process, at 32-128 rows (bf16 weights; `Plan.ab_points` takes fp8 points too; `ab_settings`
   says what each compares): the batched GEMM on vs off (where `params.BATCHED_MIN_M` /
   `BATCHED_MAX_M` / `BATCHED_FORMATS` come from), XLA's or the Pallas RMS norm in front of it
-  (`params.NORM_KERNEL`), its K split to balance the SMs or not (`params.BALANCED_SPLIT`).
-  By default only batched_ab runs (each A/B takes minutes).
+  (`params.NORM_KERNEL`). By default only batched_ab runs (each A/B takes minutes).
 
 On the H200 the whole run takes about 5 minutes, mostly compiles (one per point); a slower
 start can split it: `--only rounds`, then `--only compiles,memory,crossover`.
@@ -48,7 +47,7 @@ from dflash_jax import step as S
 from dflash_jax.params import SKINNY_MAX_M, gemm_knobs, linear
 from pallas_kernels import skinny_gemm
 
-AB_SECTIONS = ("batched_ab", "norm_ab", "split_ab")
+AB_SECTIONS = ("batched_ab", "norm_ab")
 SECTIONS = ("rounds", "compiles", "memory", "crossover") + AB_SECTIONS   # rates always run
 
 
@@ -201,14 +200,11 @@ def ab_settings(section: str) -> list[tuple[str, dict]]:
   batched_ab: the Mosaic GPU batched GEMM off (params.BATCHED_FORMATS emptied: XLA's GEMM for
   bf16, the skinny GEMM for fp8) vs on for bf16 and fp8 from SKINNY_MAX_M + 1 rows (so the
   A/B also says where BATCHED_MIN_M belongs). norm_ab: XLA's RMS norm vs the Pallas row norm
-  in front of the batched GEMM (params.NORM_KERNEL). split_ab: the batched GEMM's K unsplit vs
-  split to balance its grid over the SMs (params.BALANCED_SPLIT)."""
+  in front of the batched GEMM (params.NORM_KERNEL)."""
   if section == "batched_ab":
     on = P.BATCHED_FORMATS + tuple(f for f in ("bf16", "fp8") if f not in P.BATCHED_FORMATS)
     return [("off", {(P, "BATCHED_FORMATS"): ()}),
             ("on", {(P, "BATCHED_FORMATS"): on, (P, "BATCHED_MIN_M"): P.SKINNY_MAX_M + 1})]
-  if section == "split_ab":
-    return [("unsplit", {(P, "BALANCED_SPLIT"): False}), ("balanced", {(P, "BALANCED_SPLIT"): True})]
   if section == "norm_ab":
     return [("xla", {(P, "NORM_KERNEL"): False}), ("pallas", {(P, "NORM_KERNEL"): True})]
   raise ValueError(section)

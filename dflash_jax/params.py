@@ -269,22 +269,14 @@ def batched_gemm_runs(fmt: str, rows: int) -> bool:
           and batched_gemm.available())
 
 
-# Whether the batched GEMM splits K to balance its grid over the SMs
-# (`batched_gemm.balanced_split`; `benchmarks.batch --only split_ab`).
-BALANCED_SPLIT = False
-
-
-def _batched_knobs(x: jax.Array, w, gate_up: bool, out_dtype,
-                   consumer_sums: bool = False) -> dict | None:
+def _batched_knobs(x: jax.Array, w, gate_up: bool, out_dtype) -> dict | None:
   """The batched GEMM's tiles when it runs this product, else None."""
   fmt = matrix_format(w)
   if x.ndim != 2 or not batched_gemm_runs(fmt, x.shape[0]):
     return None
   n, k = w.shape
-  n_sm = jax.devices()[0].core_count if BALANCED_SPLIT else None
   return batched_gemm.default_knobs(x.shape[0], n // 2 if gate_up else n, k,
-                                    "gate_up" if gate_up else "none", out_dtype, fmt,
-                                    n_sm=n_sm, consumer_sums=consumer_sums)
+                                    "gate_up" if gate_up else "none", out_dtype, fmt)
 
 
 def _batched_operands(w) -> tuple[jax.Array, jax.Array | None]:
@@ -341,7 +333,7 @@ def linear(x: jax.Array, w, *, impl: str = "pallas", gate_up: bool = False,
       raise ValueError("linear: a Reduced (column-split) weight takes neither partials nor "
                        "gate_up (its partial sums must be added before any epilogue)")
     return jax.lax.psum(linear(x, w.w, impl=impl), w.axis).astype(out_dtype)
-  knobs = None if impl == "xla" else _batched_knobs(x, w, gate_up, out_dtype, partials)
+  knobs = None if impl == "xla" else _batched_knobs(x, w, gate_up, out_dtype)
   if knobs is not None:
     split = knobs["split_k"] > 1
     data, scale = _batched_operands(w)

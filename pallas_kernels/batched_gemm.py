@@ -85,46 +85,15 @@ def smem_bytes(m: int, epilogue: str, out_dtype, block_n: int, block_k: int, ste
   return stage * steps + mp * epi_n * out_item * min(2, block_n // epi_n) + extra
 
 
-# Bytes a separate launch summing K-split partials costs beyond their own traffic (~2 us at
-# the H200's ~4 TB/s).
-SUM_LAUNCH_BYTES = 8 << 20
-
-
-def balanced_split(m: int, n: int, k: int, block_n: int, block_k: int, n_sm: int,
-                   weight_bytes: int, consumer_sums: bool = False, max_split: int = 8) -> int:
-  """The K split that best balances the grid over n_sm SMs (one program per SM at a time):
-  with T column tiles split s ways the last wave holds T s mod n_sm programs, so the weights
-  stream at about e(s) = T s / (ceil(T s / n_sm) n_sm) of the rate of full waves; a split
-  costs its float32 partials' write and read (2 s M N 4 bytes) and, unless the consumer adds
-  them up itself, one more launch (SUM_LAUNCH_BYTES). Minimises weight_bytes / e(s) + that
-  over the s <= max_split dividing the K tiles."""
-  tiles, k_tiles = n // block_n, k // block_k
-
-  def cost(sp: int) -> float:
-    progs = tiles * sp
-    eff = progs / (-(-progs // n_sm) * n_sm)
-    extra = 0 if sp == 1 else 8 * sp * m * n + (0 if consumer_sums else SUM_LAUNCH_BYTES)
-    return weight_bytes / eff + extra
-
-  return min((sp for sp in range(1, max_split + 1) if k_tiles % sp == 0), key=cost)
-
-
 def default_knobs(m: int, n: int, k: int, epilogue: str = "none", out_dtype=jnp.float32,
-                  fmt: str = "bf16", *, n_sm: int | None = None,
-                  consumer_sums: bool = False) -> dict:
+                  fmt: str = "bf16") -> dict:
   """64-wide column tiles, no K split and the deepest K pipeline of `_DEPTHS` that fits
   (H200, RESULTS.md runs 16-17, at 64 and 128 rows: 32- and 48-wide tiles, which fill more
   SMs for qkv and o, and wider tiles with K splits were all slower); None when N or K fits no
-  tile (the caller then uses another GEMM). Given n_sm, a product without the gate_up
-  epilogue takes `balanced_split`'s K split (consumer_sums: the caller adds the partials)."""
+  tile (the caller then uses another GEMM)."""
   for block_k, steps in _DEPTHS:
     if fits(m, n, k, epilogue, out_dtype, 64, block_k, steps, fmt=fmt):
-      split = 1
-      if n_sm is not None and epilogue != "gate_up":
-        w_bytes = n * k * (1 if fmt == "fp8" else 2)
-        split = balanced_split(padded_rows(min(m, MAX_ROWS)), n, k, 64, block_k, n_sm,
-                               w_bytes, consumer_sums)
-      return dict(block_n=64, block_k=block_k, max_concurrent_steps=steps, split_k=split)
+      return dict(block_n=64, block_k=block_k, max_concurrent_steps=steps, split_k=1)
   return None
 
 

@@ -317,21 +317,3 @@ def test_gpu_fp8_matches_oracle(m, n, k, epilogue):
   want, scale = _oracle(x, wd, r, epilogue)
   bound = ACC_RTOL * scale + 1e-6 + (BF16_EPS * np.abs(want) if epilogue == "gate_up" else 0)
   assert got.shape == want.shape and not (np.abs(got - want) > bound).any()
-
-
-def test_balanced_split_fills_the_last_wave():
-  """balanced_split by hand: 66 column tiles on 132 SMs fill them at 2 splits (e = 1 vs 0.5);
-  132 tiles are one full wave already (1); 96 tiles (e = 0.73) fill 97% at 4 splits, worth it
-  for 80 MB of weights when the consumer sums the 4 x 6 MB partials, not for 4 MB of weights;
-  a split must divide the K tiles (52 = 4 x 13: no 3 or 8)."""
-  mb = 1 << 20
-  assert BG.balanced_split(64, 66 * 64, 1024, 64, 128, 132, 100 * mb) == 2
-  assert BG.balanced_split(64, 132 * 64, 1024, 64, 128, 132, 100 * mb) == 1
-  qkv = dict(m=128, n=6144, k=6656, block_n=64, block_k=128, n_sm=132)
-  assert BG.balanced_split(**qkv, weight_bytes=80 * mb, consumer_sums=True) == 4
-  assert BG.balanced_split(**qkv, weight_bytes=4 * mb, consumer_sums=True) == 1
-  assert BG.balanced_split(**qkv, weight_bytes=80 * mb, max_split=3) in (1, 2)
-  # default_knobs splits only when given the SM count, and never the gate_up epilogue
-  assert BG.default_knobs(128, 6144, 6656)["split_k"] == 1
-  assert BG.default_knobs(128, 6144, 6656, n_sm=132, consumer_sums=True)["split_k"] == 4
-  assert BG.default_knobs(128, 19968, 6656, "gate_up", jnp.bfloat16, n_sm=132)["split_k"] == 1
