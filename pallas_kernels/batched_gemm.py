@@ -58,12 +58,13 @@ def warpgroups(mp: int) -> int:
 
 def fits(m: int, n: int, k: int, epilogue: str, out_dtype, block_n: int, block_k: int,
          steps: int, split_k: int = 1, fmt: str = "bf16") -> bool:
-  """Whether these tiles run this product: whole tiles, a K split only without gate_up, the
-  accumulators within the registers and the pipeline within shared memory."""
+  """Whether these tiles run this product: whole tiles, a K split only without gate_up, fp8
+  only in 64-row weight tiles, the accumulators within the registers and the pipeline within
+  shared memory."""
   mp = padded_rows(min(m, MAX_ROWS))
   n_acc = 2 if epilogue == "gate_up" else 1
   return (n % block_n == 0 and k % block_k == 0 and (k // block_k) % split_k == 0
-          and (split_k == 1 or epilogue != "gate_up")
+          and (split_k == 1 or epilogue != "gate_up") and (fmt != "fp8" or block_n == 64)
           and mp // warpgroups(mp) * block_n * n_acc <= ACC_FLOATS
           and smem_bytes(m, epilogue, out_dtype, block_n, block_k, steps, fmt)
           <= SMEM_BYTES - 2048)
@@ -72,8 +73,8 @@ def fits(m: int, n: int, k: int, epilogue: str, out_dtype, block_n: int, block_k
 def smem_bytes(m: int, epilogue: str, out_dtype, block_n: int, block_k: int, steps: int,
                fmt: str = "bf16") -> int:
   """Shared memory of one program: the x and weight tiles of every pipeline stage, the
-  compute warpgroups' epilogue tiles and, for fp8 weights, each warpgroup's bf16 copy of the
-  stage's weight tiles and their scales (a small margin for barriers is left to the caller)."""
+  compute warpgroups' epilogue tiles and, for fp8 weights, their scales (a small margin for
+  barriers is left to the caller)."""
   mp = padded_rows(min(m, MAX_ROWS))
   wgs = warpgroups(mp)
   n_w = 2 if epilogue == "gate_up" else 1
@@ -81,8 +82,9 @@ def smem_bytes(m: int, epilogue: str, out_dtype, block_n: int, block_k: int, ste
   stage = block_k * (mp * 2 + n_w * block_n * w_item)
   out_item = jnp.dtype(out_dtype if epilogue == "gate_up" else jnp.float32).itemsize
   epi_n = min(block_n, EPI_N)
-  extra = wgs * n_w * block_n * (block_k * 2 + 4) if fmt == "fp8" else 0
-  return stage * steps + mp * epi_n * out_item * min(2, block_n // epi_n) + extra
+  if fmt == "fp8":   # one [block_n, rows] y^T tile per warpgroup, and the scales
+    return stage * steps + mp * block_n * out_item + wgs * n_w * block_n * 4
+  return stage * steps + mp * epi_n * out_item * min(2, block_n // epi_n)
 
 
 def default_knobs(m: int, n: int, k: int, epilogue: str = "none", out_dtype=jnp.float32,
@@ -114,6 +116,9 @@ def _check(x, w, scale, residual, epilogue, block_n, block_k, split_k, keep_spli
   if x.dtype != jnp.bfloat16 or w.dtype not in (jnp.bfloat16, jnp.float8_e4m3fn):
     raise ValueError(f"batched_matmul: bf16 x and bf16 or float8_e4m3fn w expected, got "
                      f"{x.dtype}, {w.dtype}")
+  if w.dtype == jnp.float8_e4m3fn and block_n != 64:
+    raise ValueError(f"batched_matmul: float8_e4m3fn weights run 64-row weight tiles (the "
+                     f"wgmma register operand), block_n 64; got {block_n}")
   if (w.dtype == jnp.float8_e4m3fn) != (scale is not None):
     raise ValueError("batched_matmul: float8_e4m3fn weights take their per-row scale (and "
                      "bf16 weights none)")
@@ -200,8 +205,19 @@ def batched_matmul(x: jax.Array, w: jax.Array, residual: jax.Array | None = None
     x = jnp.pad(x, ((0, mp - m), (0, 0)))
     if residual is not None:
       residual = jnp.pad(residual, ((0, mp - m), (0, 0)))
+  if scale is not None:
+    y = _call_fp8(x, w, scale, gate_up=epilogue == "gate_up", out_dtype=jnp.dtype(out_dtype),
+                  n=n, block_n=block_n, block_k=block_k, steps=max_concurrent_steps,
+                  split_k=split_k)
+    # An XLA transpose (with the residual add or the split sum): the kernel writes y^T.
+    y = jnp.swapaxes(y, -1, -2)[..., :m, :]
+    if split_k > 1:
+      if keep_splits:
+        return y
+      y = jnp.sum(y, axis=0)
+    return y if residual is None else residual[:m] + y
   fused_residual = residual if split_k == 1 else None
-  y = _call(x, w, scale, fused_residual, epilogue=epilogue if split_k == 1 else "none",
+  y = _call(x, w, fused_residual, epilogue=epilogue if split_k == 1 else "none",
             out_dtype=jnp.dtype(out_dtype), n=n, block_n=block_n, block_k=block_k,
             steps=max_concurrent_steps, split_k=split_k)
   if split_k > 1:
@@ -222,7 +238,7 @@ def _transforms(minor: int, dtype):
 
 @functools.partial(jax.jit, static_argnames=("epilogue", "out_dtype", "n", "block_n", "block_k",
                                              "steps", "split_k"))
-def _call(x, w, scale, residual, *, epilogue, out_dtype, n, block_n, block_k, steps,
+def _call(x, w, residual, *, epilogue, out_dtype, n, block_n, block_k, steps,
           split_k):
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -234,7 +250,6 @@ def _call(x, w, scale, residual, *, epilogue, out_dtype, n, block_n, block_k, st
   k_len = k_steps * block_k
   gate_up = epilogue == "gate_up"
   n_w = 2 if gate_up else 1           # weight tiles per stage (gate and up)
-  fp8 = scale is not None
   in_t = _transforms(block_k, jnp.bfloat16)
   w_t = _transforms(block_k, w.dtype)
   epi_n = min(block_n, EPI_N)
@@ -245,12 +260,9 @@ def _call(x, w, scale, residual, *, epilogue, out_dtype, n, block_n, block_k, st
   def kernel(*refs):
     it = iter(refs)
     x_gmem, w_gmem = next(it), next(it)
-    s_gmem = next(it) if fp8 else None
     r_gmem = next(it) if epilogue == "residual" else None
     out_gmem, out_smem = next(it), next(it)
     r_barrier = next(it) if epilogue == "residual" else None
-    # fp8: each compute warpgroup's bf16 copy of the stage's weight tiles, their scales
-    w_bf16, s_smem, s_barrier = (next(it), next(it), next(it)) if fp8 else (None,) * 3
     j = lax.axis_index("n")
     ks = pl.ds(lax.axis_index("k") * k_len, k_len)
     if split_k > 1:
@@ -261,16 +273,8 @@ def _call(x, w, scale, residual, *, epilogue, out_dtype, n, block_n, block_k, st
 
     def compute_context(run_pipeline):
       def scope(*accs):
-        if fp8:   # the scales arrive while the pipeline runs
-          for i in range(n_w):
-            plgpu.copy_gmem_to_smem(s_gmem.at[w_rows[i]], s_smem.at[wg, i],
-                                    s_barrier.at[wg * n_w + i])
         accs = run_pipeline(accs)
         vals = [acc[...] for acc in accs]
-        if fp8:
-          for i in range(n_w):
-            plgpu.barrier_wait(s_barrier.at[wg * n_w + i])
-            vals[i] = vals[i] * lax.broadcast_in_dim(s_smem[wg, i], (rows, block_n), [1])
         if gate_up:
           g, u = vals
           y = (g * (1.0 / (1.0 + jnp.exp(-g))) * u).astype(out_dtype)
@@ -298,14 +302,6 @@ def _call(x, w, scale, residual, *, epilogue, out_dtype, n, block_n, block_k, st
 
     def body(_, x_smem, *w_and_carry):
       *w_smems, accs = w_and_carry
-      if fp8:   # wgmma takes bf16 B from shared memory only: convert the tiles there
-        for i, w_smem in enumerate(w_smems):
-          # No direct e4m3 -> bf16 convert on this ptxas; e4m3 -> f16 -> f32 -> bf16 is
-          # exact (every e4m3 value is an f16 and a bf16).
-          w_bf16[wg, i] = (w_smem[...].astype(jnp.float16).astype(jnp.float32)
-                           .astype(jnp.bfloat16))
-        plgpu.commit_smem()
-        w_smems = [w_bf16.at[wg, i] for i in range(n_w)]
       for acc, w_smem in zip(accs, w_smems):
         plgpu.wgmma(acc, x_smem.at[wg_rows], w_smem.transpose((1, 0)))
       plgpu.wgmma_wait(0)
@@ -323,10 +319,6 @@ def _call(x, w, scale, residual, *, epilogue, out_dtype, n, block_n, block_k, st
   scratch = [plgpu.SMEM((wgs, n_slots, rows, epi_n), out_dtype, transforms=out_t)]
   if epilogue == "residual":
     scratch.append(plgpu.Barrier(num_barriers=wgs * n_slots))
-  if fp8:
-    scratch += [plgpu.SMEM((wgs, n_w, block_n, block_k), jnp.bfloat16, transforms=in_t),
-                plgpu.SMEM((wgs, n_w, block_n), jnp.float32),
-                plgpu.Barrier(num_barriers=wgs * n_w)]
   out_shape = (split_k, m, n) if split_k > 1 else (m, n)
   f = plgpu.kernel(
       kernel, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
@@ -334,5 +326,89 @@ def _call(x, w, scale, residual, *, epilogue, out_dtype, n, block_n, block_k, st
       thread_name="wg", scratch_types=scratch,
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-  args = (x, w) + ((scale,) if fp8 else ()) + (() if residual is None else (residual,))
-  return f(*args)
+  return f(x, w) if residual is None else f(x, w, residual)
+
+
+@functools.partial(jax.jit, static_argnames=("gate_up", "out_dtype", "n", "block_n", "block_k",
+                                             "steps", "split_k"))
+def _call_fp8(x, w, scale, *, gate_up, out_dtype, n, block_n, block_k, steps, split_k):
+  """fp8 weights, the product transposed: y^T [N, M] (or [split_k, N, M] partials). Each
+  compute warpgroup loads the stage's e4m3 weight tile [block_n, block_k] into registers,
+  widens it to bf16 there and runs wgmma with it as the register A operand against its rows of
+  the x tile (B from shared memory, read transposed): the tile never goes back to shared
+  memory. The row scales apply to the accumulator's rows."""
+  import jax.experimental.pallas as pl
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+
+  m, k = x.shape
+  wgs = warpgroups(m)
+  rows = m // wgs
+  k_steps = k // block_k // split_k
+  k_len = k_steps * block_k
+  n_w = 2 if gate_up else 1
+  in_t = _transforms(block_k, jnp.bfloat16)
+  w_t = _transforms(block_k, w.dtype)
+  out_t = _transforms(rows, out_dtype)
+
+  def kernel(x_gmem, w_gmem, s_gmem, out_gmem, out_smem, s_smem, s_barrier):
+    j = lax.axis_index("n")
+    ks = pl.ds(lax.axis_index("k") * k_len, k_len)
+    if split_k > 1:
+      out_gmem = out_gmem.at[lax.axis_index("k")]
+    wg = lax.axis_index("wg")
+    wg_rows = pl.ds(wg * rows, rows)
+    w_rows = [pl.ds(i * n + j * block_n, block_n) for i in range(n_w)]
+
+    def compute_context(run_pipeline):
+      def scope(*accs):
+        for i in range(n_w):   # the scales arrive while the pipeline runs
+          plgpu.copy_gmem_to_smem(s_gmem.at[w_rows[i]], s_smem.at[wg, i],
+                                  s_barrier.at[wg * n_w + i])
+        accs = run_pipeline(accs)
+        vals = []
+        for i, acc in enumerate(accs):
+          plgpu.barrier_wait(s_barrier.at[wg * n_w + i])
+          vals.append(acc[...] * lax.broadcast_in_dim(s_smem[wg, i], (block_n, rows), [0]))
+        if gate_up:
+          g, u = vals
+          y = (g * (1.0 / (1.0 + jnp.exp(-g))) * u).astype(out_dtype)
+        else:
+          y = vals[0]
+        out_smem[wg] = y
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem.at[wg],
+                                out_gmem.at[pl.ds(j * block_n, block_n), wg_rows])
+        plgpu.wait_smem_to_gmem(0)
+
+      pl.run_scoped(scope, *[plgpu.ACC((block_n, rows), jnp.float32)] * n_w)
+
+    def body(_, x_smem, *w_and_carry):
+      *w_smems, accs = w_and_carry
+      for acc, w_smem in zip(accs, w_smems):
+        # No direct e4m3 -> bf16 convert on this ptxas; e4m3 -> f16 -> f32 -> bf16 is exact
+        # (every e4m3 value is an f16 and a bf16).
+        w_reg = w_smem[...].astype(jnp.float16).astype(jnp.float32).astype(jnp.bfloat16)
+        plgpu.wgmma(acc, w_reg, x_smem.at[wg_rows].transpose((1, 0)))
+      plgpu.wgmma_wait(0)
+      return accs
+
+    w_spec = plgpu.BlockSpec((block_n, block_k), lambda kk: (0, kk), transforms=w_t)
+    pipeline = plgpu.emit_pipeline_warp_specialized(
+        body, grid=(k_steps,), memory_registers=40,
+        in_specs=[plgpu.BlockSpec((m, block_k), lambda kk: (0, kk), transforms=in_t)]
+        + [w_spec] * n_w,
+        wg_axis="wg", num_compute_wgs=wgs, max_concurrent_steps=steps,
+        compute_context=compute_context)
+    pipeline(x_gmem.at[:, ks], *[w_gmem.at[r, ks] for r in w_rows])
+
+  scratch = [plgpu.SMEM((wgs, block_n, rows), out_dtype, transforms=out_t),
+             plgpu.SMEM((wgs, n_w, block_n), jnp.float32),
+             plgpu.Barrier(num_barriers=wgs * n_w)]
+  out_shape = (split_k, n, m) if split_k > 1 else (n, m)
+  f = plgpu.kernel(
+      kernel, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
+      grid=(n // block_n, split_k), grid_names=("n", "k"), num_threads=wgs + 1,
+      thread_name="wg", scratch_types=scratch,
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+  return f(x, w, scale)

@@ -157,7 +157,14 @@ def test_gpu_linear_routes_batched_rows_to_the_kernel():
 CALLS = []   # (rows, epilogue) of every kernel launch the stand-in below saw
 
 
-def _fake_call(x, w, scale, residual, *, epilogue, out_dtype, n, split_k=1, **_):
+def _fake_call_fp8(x, w, scale, *, gate_up, out_dtype, n, split_k=1, **_):
+  """The fp8 kernel's stand-in on CPU: the twin's y^T (per K split), as the kernel writes it."""
+  y = _fake_call(x, w, None, epilogue="gate_up" if gate_up else "none", out_dtype=out_dtype,
+                 n=n, split_k=split_k, scale=scale)
+  return jnp.swapaxes(y, -1, -2)
+
+
+def _fake_call(x, w, residual, *, epilogue, out_dtype, n, split_k=1, scale=None, **_):
   """The kernel body's stand-in on CPU: the twin on the padded operands (per K split)."""
   assert x.dtype == jnp.bfloat16 and x.shape[0] == BG.padded_rows(x.shape[0])
   assert x.shape[0] <= BG.MAX_ROWS
@@ -168,6 +175,7 @@ def _fake_call(x, w, scale, residual, *, epilogue, out_dtype, n, split_k=1, **_)
   kl = x.shape[1] // split_k
   return jnp.stack([BG.batched_matmul_reference(x[:, i * kl:(i + 1) * kl],
                                                 w[:, i * kl:(i + 1) * kl], scale=scale)
+                    .astype(out_dtype)
                     for i in range(split_k)])
 
 
@@ -188,6 +196,7 @@ def test_linear_batched_branch_on_cpu(monkeypatch):
             P.linear(x, wgu, impl="xla", gate_up=True, out_dtype=jnp.bfloat16)]
     monkeypatch.setattr(BG, "available", lambda: True)
     monkeypatch.setattr(BG, "_call", fake_call)
+    monkeypatch.setattr(BG, "_call_fp8", _fake_call_fp8)
     got = [P.linear(x, w, residual=r), P.linear(x, w, partials=True),
            P.linear(x, wgu, gate_up=True, out_dtype=jnp.bfloat16)]
     monkeypatch.undo()
@@ -206,6 +215,7 @@ def test_linear_batched_branch_on_cpu(monkeypatch):
     want = P.linear(x, qw, impl="xla", gate_up=gu, out_dtype=jnp.bfloat16 if gu else jnp.float32)
     monkeypatch.setattr(BG, "available", lambda: True)
     monkeypatch.setattr(BG, "_call", fake_call)
+    monkeypatch.setattr(BG, "_call_fp8", _fake_call_fp8)
     monkeypatch.setattr(P, "BATCHED_FORMATS", ("bf16", "fp8"))
     got = P.linear(x, qw, gate_up=gu, out_dtype=jnp.bfloat16 if gu else jnp.float32)
     monkeypatch.undo()
@@ -215,6 +225,7 @@ def test_linear_batched_branch_on_cpu(monkeypatch):
   # By default fp8 stays on the skinny GEMM (its batched path measured slower on the H200).
   monkeypatch.setattr(BG, "available", lambda: True)
   monkeypatch.setattr(BG, "_call", fake_call)
+  monkeypatch.setattr(BG, "_call_fp8", _fake_call_fp8)
   assert P._batched_knobs(x, qw, True, jnp.bfloat16) is None
   assert P._batched_knobs(x, wgu, True, jnp.bfloat16) is not None
   monkeypatch.undo()
@@ -225,6 +236,7 @@ def test_linear_batched_branch_on_cpu(monkeypatch):
   calls.clear()
   x = jnp.asarray(rng.standard_normal((300, k)), jnp.bfloat16)
   monkeypatch.setattr(BG, "_call", fake_call)
+  monkeypatch.setattr(BG, "_call_fp8", _fake_call_fp8)
   got = BG.batched_matmul(x, w, block_n=64, block_k=64)
   monkeypatch.undo()
   assert calls == [(256, "none"), (64, "none")]
