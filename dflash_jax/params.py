@@ -254,12 +254,12 @@ def _bf16_skinny(x: jax.Array, w: jax.Array) -> bool:
   return w.dtype == jnp.bfloat16 and x.ndim == 2 and x.shape[0] <= SKINNY_MAX_M
 
 
-# The weight formats the batched GEMM runs. The kernel also takes fp8 weights (tiles
-# converted to bf16 in shared memory, row scales in the epilogue; GPU-tested), but at 128
-# rows that conversion makes it slower than the skinny fp8 GEMM (H200, RESULTS.md run 17:
-# S = 8, w 16 round 2.768 vs 2.641 ms), so fp8 stays on the skinny GEMM. q8_0's 32-wide block
-# scales have no path there.
-BATCHED_FORMATS = ("bf16",)
+# The weight formats the batched GEMM runs. fp8: each weight tile widened to bf16 in
+# registers as wgmma's A operand, the row scales on the accumulator (H200, RESULTS.md run 18:
+# w 16 rounds of S = 8 2.625 -> 2.034 ms, S = 4 1.960 -> 1.503 against the skinny fp8 GEMM;
+# run 17's version, which widened the tiles through shared memory, was slower than the skinny
+# GEMM). q8_0's 32-wide block scales have no path there.
+BATCHED_FORMATS = ("bf16", "fp8")
 
 
 def batched_gemm_runs(fmt: str, rows: int) -> bool:

@@ -18,7 +18,9 @@ ranges, writing a float32 partial sum): a memory warpgroup streams the x and w t
 through shared memory (TMA, max_concurrent_steps deep) while the compute warpgroups multiply
 the rows on the tensor cores (wgmma, w's tile read transposed): one warpgroup for up to 64
 rows, else two, each over half of the rows (padded to 64 or a multiple of 128 by the wrapper).
-The epilogue leaves through shared memory in 64-column tiles. At 128 rows the x tile is twice
+The epilogue leaves through shared memory in 64-column tiles. fp8 (e4m3) weights with
+per-row scales run a second body (`_call_fp8`): the weight tile is widened in registers and
+is wgmma's A operand, so the kernel writes y^T and XLA transposes it, adding the residual there. At 128 rows the x tile is twice
 a 64-wide weight tile, so shared memory, not the weights, bounds the pipeline's depth: wider
 column tiles with K splits (the partials summed by their consumer) trade that for more
 partial traffic (`benchmarks.sweep bgemm`). GPU only (Mosaic GPU has no interpreter): the jnp

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from dflash_jax import params as P
-from dflash_jax.quant import quantize_fp8
+from dflash_jax.quant import quantize_fp8, quantize_q8_0
 from pallas_kernels import batched_gemm as BG
 
 # float32 accumulation in another order than the float64 oracle's: K-term sums err by a small
@@ -222,12 +222,15 @@ def test_linear_batched_branch_on_cpu(monkeypatch):
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
                                rtol=1e-5, atol=1e-5)
   assert len(calls) == n_bf16 + 2
-  # By default fp8 stays on the skinny GEMM (its batched path measured slower on the H200).
+  # By default fp8 runs there too (measured faster than the skinny fp8 GEMM on the H200); q8_0
+  # never does.
   monkeypatch.setattr(BG, "available", lambda: True)
   monkeypatch.setattr(BG, "_call", fake_call)
   monkeypatch.setattr(BG, "_call_fp8", _fake_call_fp8)
-  assert P._batched_knobs(x, qw, True, jnp.bfloat16) is None
+  assert P._batched_knobs(x, qw, True, jnp.bfloat16) is not None
   assert P._batched_knobs(x, wgu, True, jnp.bfloat16) is not None
+  q8 = P.QuantWeight(*map(jnp.asarray, quantize_q8_0(np.asarray(wgu, np.float32))), "q8_0")
+  assert P._batched_knobs(x, q8, True, jnp.bfloat16) is None
   monkeypatch.undo()
   calls[:] = calls[:n_bf16]
   # BATCHED_MIN_M = 33 rows pad to one warpgroup's 64, BATCHED_MAX_M = 128 to two.
