@@ -332,3 +332,35 @@ def test_gpu_fp8_matches_oracle(m, n, k, epilogue):
   want, scale = _oracle(x, wd, r, epilogue)
   bound = ACC_RTOL * scale + 1e-6 + (BF16_EPS * np.abs(want) if epilogue == "gate_up" else 0)
   assert got.shape == want.shape and not (np.abs(got - want) > bound).any()
+
+
+@pytest.mark.parametrize("fmt, name, m", [
+    ("bf16", "qkv", 128), ("bf16", "gate_up", 128), ("bf16", "down", 64),
+    ("fp8", "qkv", 128), ("fp8", "gate_up", 128), ("fp8", "o", 64)])
+def test_seed_shapes_lower_for_hopper_on_cpu(fmt, name, m):
+  """Mosaic GPU lowers the kernel at the seed's matrices with the default tiles for an sm90
+  target without a GPU (layouts, the register A operand of the fp8 body, shared memory within
+  the H200's): what would otherwise first fail on the GPU."""
+  n, k, epilogue = {"qkv": (6144, 6656, "none"), "o": (6656, 4096, "residual"),
+                    "gate_up": (19968, 6656, "gate_up"), "down": (6656, 19968, "residual")}[name]
+  out_dtype = jnp.bfloat16 if epilogue == "gate_up" else jnp.float32
+  kn = BG.default_knobs(m, n, k, epilogue, out_dtype, fmt)
+  n_w = 2 * n if epilogue == "gate_up" else n
+  x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+  if fmt == "fp8":
+    w = jax.ShapeDtypeStruct((n_w, k), jnp.float8_e4m3fn)
+    f = lambda x, w, s: BG._call_fp8(
+        x, w, s, gate_up=epilogue == "gate_up", out_dtype=jnp.dtype(out_dtype), n=n,
+        block_n=kn["block_n"], block_k=kn["block_k"], steps=kn["max_concurrent_steps"],
+        split_k=kn["split_k"])
+    args = (x, w, jax.ShapeDtypeStruct((n_w,), jnp.float32))
+  else:
+    w = jax.ShapeDtypeStruct((n_w, k), jnp.bfloat16)
+    r = jax.ShapeDtypeStruct((m, n), jnp.float32) if epilogue == "residual" else None
+    f = lambda x, w, r: BG._call(
+        x, w, r, epilogue=epilogue, out_dtype=jnp.dtype(out_dtype), n=n,
+        block_n=kn["block_n"], block_k=kn["block_k"], steps=kn["max_concurrent_steps"],
+        split_k=kn["split_k"])
+    args = (x, w, r)
+  text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
