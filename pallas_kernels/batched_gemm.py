@@ -1,4 +1,5 @@
-"""Batched-row bf16 GEMM on Hopper tensor cores (Mosaic GPU): y = x @ w^T for 65-256+ rows.
+"""Batched-row GEMM of bf16 rows and bf16 or fp8 weights on Hopper tensor cores (Mosaic GPU):
+y = x @ w^T for 33-256+ rows.
 
 The skinny GEMM (skinny_gemm.py) streams the weights through CUDA-core-sized MMAs and wins up
 to one block of rows; a batched round (issue 14) puts S x w rows through every GEMM, where
@@ -20,10 +21,10 @@ the rows on the tensor cores (wgmma, w's tile read transposed): one warpgroup fo
 rows, else two, each over half of the rows (padded to 64 or a multiple of 128 by the wrapper).
 The epilogue leaves through shared memory in 64-column tiles. fp8 (e4m3) weights with
 per-row scales run a second body (`_call_fp8`): the weight tile is widened in registers and
-is wgmma's A operand, so the kernel writes y^T and XLA transposes it, adding the residual there. At 128 rows the x tile is twice
-a 64-wide weight tile, so shared memory, not the weights, bounds the pipeline's depth: wider
-column tiles with K splits (the partials summed by their consumer) trade that for more
-partial traffic (`benchmarks.sweep bgemm`). GPU only (Mosaic GPU has no interpreter): the jnp
+is wgmma's A operand, so the kernel writes y^T and XLA transposes it, adding the residual
+there. At 128 rows the x tile is twice a 64-wide weight tile, so shared memory, not the
+weights, bounds the pipeline's depth: wider column tiles with K splits (the partials summed
+by their consumer) trade that for more partial traffic (`benchmarks.sweep bgemm`). GPU only (Mosaic GPU has no interpreter): the jnp
 twin `batched_matmul_reference` is the contract, and the CPU tests check the wrapper's
 validation, padding and split bookkeeping with the twin in the kernel body's place.
 """
