@@ -31,6 +31,7 @@ validation, padding and split bookkeeping with the twin in the kernel body's pla
 from __future__ import annotations
 
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -239,10 +240,24 @@ def _transforms(minor: int, dtype):
   return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
 
 
-@functools.partial(jax.jit, static_argnames=("epilogue", "out_dtype", "n", "block_n", "block_k",
-                                             "steps", "split_k"))
-def _call(x, w, residual, *, epilogue, out_dtype, n, block_n, block_k, steps,
-          split_k):
+class _Program(NamedTuple):
+  """One program's place (`_streamed`): its column tile j, its compute warpgroup wg and that
+  warpgroup's rows of the x tile, the weight rows of its n_w tiles (gate, up), and the output
+  (this K split's partials when split)."""
+  j: Any
+  wg: Any
+  wg_rows: Any
+  w_rows: list
+  out: Any
+
+
+def _streamed(program, x, w, extra, *, n, n_w, block_n, block_k, steps, split_k, out_shape,
+              out_dtype, scratch):
+  """What both kernel bodies share: the grid (one program per column tile and K split), the
+  compute warpgroups over the x rows, and the K pipeline in which a memory warpgroup streams
+  the x tile [M, block_k] and the n_w weight tiles [block_n, block_k] of the program's
+  columns. program(p, rows, refs) -> (body, compute_context) of the pipeline, given the
+  `_Program` p, the rows per warpgroup and the refs of `extra`'s inputs then `scratch`."""
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -251,21 +266,11 @@ def _call(x, w, residual, *, epilogue, out_dtype, n, block_n, block_k, steps,
   rows = m // wgs
   k_steps = k // block_k // split_k  # per program
   k_len = k_steps * block_k
-  gate_up = epilogue == "gate_up"
-  n_w = 2 if gate_up else 1           # weight tiles per stage (gate and up)
   in_t = _transforms(block_k, jnp.bfloat16)
   w_t = _transforms(block_k, w.dtype)
-  epi_n = min(block_n, EPI_N)
-  n_epi = block_n // epi_n
-  n_slots = min(2, n_epi)
-  out_t = _transforms(epi_n, out_dtype)
 
-  def kernel(*refs):
-    it = iter(refs)
-    x_gmem, w_gmem = next(it), next(it)
-    r_gmem = next(it) if epilogue == "residual" else None
-    out_gmem, out_smem = next(it), next(it)
-    r_barrier = next(it) if epilogue == "residual" else None
+  def kernel(x_gmem, w_gmem, *refs):
+    extra_refs, (out_gmem, *scratch_refs) = refs[:len(extra)], refs[len(extra):]
     j = lax.axis_index("n")
     ks = pl.ds(lax.axis_index("k") * k_len, k_len)
     if split_k > 1:
@@ -273,43 +278,8 @@ def _call(x, w, residual, *, epilogue, out_dtype, n, block_n, block_k, steps,
     wg = lax.axis_index("wg")
     wg_rows = pl.ds(wg * rows, rows)
     w_rows = [pl.ds(i * n + j * block_n, block_n) for i in range(n_w)]
-
-    def compute_context(run_pipeline):
-      def scope(*accs):
-        accs = run_pipeline(accs)
-        vals = [acc[...] for acc in accs]
-        if gate_up:
-          g, u = vals
-          y = (g * (1.0 / (1.0 + jnp.exp(-g))) * u).astype(out_dtype)
-        else:
-          y = vals[0]
-        # Out through shared memory in EPI_N-wide column tiles, two slots in turn, so that
-        # a wide block_n's epilogue does not take the pipeline's shared memory.
-        for c in range(n_epi):
-          slot, sub = c % 2, pl.ds(j * block_n + c * epi_n, epi_n)
-          yc = y if n_epi == 1 else y[:, c * epi_n:(c + 1) * epi_n]
-          if c >= 2:   # the slot's previous copy out must have read it
-            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-          if r_gmem is not None:
-            bar = r_barrier.at[wg * n_slots + slot]
-            plgpu.copy_gmem_to_smem(r_gmem.at[wg_rows, sub], out_smem.at[wg, slot], bar)
-            plgpu.barrier_wait(bar)
-            out_smem[wg, slot] += yc
-          else:
-            out_smem[wg, slot] = yc
-          plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], out_gmem.at[wg_rows, sub])
-        plgpu.wait_smem_to_gmem(0)
-
-      pl.run_scoped(scope, *[plgpu.ACC((rows, block_n), jnp.float32)] * n_w)
-
-    def body(_, x_smem, *w_and_carry):
-      *w_smems, accs = w_and_carry
-      for acc, w_smem in zip(accs, w_smems):
-        plgpu.wgmma(acc, x_smem.at[wg_rows], w_smem.transpose((1, 0)))
-      plgpu.wgmma_wait(0)
-      return accs
-
+    p = _Program(j, wg, wg_rows, w_rows, out_gmem)
+    body, compute_context = program(p, rows, (*extra_refs, *scratch_refs))
     w_spec = plgpu.BlockSpec((block_n, block_k), lambda kk: (0, kk), transforms=w_t)
     pipeline = plgpu.emit_pipeline_warp_specialized(
         body, grid=(k_steps,), memory_registers=40,
@@ -319,17 +289,84 @@ def _call(x, w, residual, *, epilogue, out_dtype, n, block_n, block_k, steps,
         compute_context=compute_context)
     pipeline(x_gmem.at[:, ks], *[w_gmem.at[r, ks] for r in w_rows])
 
-  scratch = [plgpu.SMEM((wgs, n_slots, rows, epi_n), out_dtype, transforms=out_t)]
-  if epilogue == "residual":
-    scratch.append(plgpu.Barrier(num_barriers=wgs * n_slots))
-  out_shape = (split_k, m, n) if split_k > 1 else (m, n)
   f = plgpu.kernel(
       kernel, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
       grid=(n // block_n, split_k), grid_names=("n", "k"), num_threads=wgs + 1,
       thread_name="wg", scratch_types=scratch,
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-  return f(x, w) if residual is None else f(x, w, residual)
+  return f(x, w, *extra)
+
+
+def _silu_gate(vals, gate_up: bool, out_dtype):
+  """silu(gate) * up of the gate and up accumulators' values (gate_up), else the one value."""
+  if not gate_up:
+    return vals[0]
+  g, u = vals
+  return (g * (1.0 / (1.0 + jnp.exp(-g))) * u).astype(out_dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("epilogue", "out_dtype", "n", "block_n", "block_k",
+                                             "steps", "split_k"))
+def _call(x, w, residual, *, epilogue, out_dtype, n, block_n, block_k, steps, split_k):
+  import jax.experimental.pallas as pl
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+
+  m = x.shape[0]
+  wgs = warpgroups(m)
+  gate_up = epilogue == "gate_up"
+  n_w = 2 if gate_up else 1           # weight tiles per stage (gate and up)
+  epi_n = min(block_n, EPI_N)
+  n_epi = block_n // epi_n
+  n_slots = min(2, n_epi)
+
+  def program(p, rows, refs):
+    if epilogue == "residual":
+      r_gmem, out_smem, r_barrier = refs
+    else:
+      (out_smem,), r_gmem = refs, None
+
+    def compute_context(run_pipeline):
+      def scope(*accs):
+        accs = run_pipeline(accs)
+        y = _silu_gate([acc[...] for acc in accs], gate_up, out_dtype)
+        # Out through shared memory in EPI_N-wide column tiles, two slots in turn, so that
+        # a wide block_n's epilogue does not take the pipeline's shared memory.
+        for c in range(n_epi):
+          slot, sub = c % 2, pl.ds(p.j * block_n + c * epi_n, epi_n)
+          yc = y if n_epi == 1 else y[:, c * epi_n:(c + 1) * epi_n]
+          if c >= 2:   # the slot's previous copy out must have read it
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+          if r_gmem is not None:
+            bar = r_barrier.at[p.wg * n_slots + slot]
+            plgpu.copy_gmem_to_smem(r_gmem.at[p.wg_rows, sub], out_smem.at[p.wg, slot], bar)
+            plgpu.barrier_wait(bar)
+            out_smem[p.wg, slot] += yc
+          else:
+            out_smem[p.wg, slot] = yc
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(out_smem.at[p.wg, slot], p.out.at[p.wg_rows, sub])
+        plgpu.wait_smem_to_gmem(0)
+
+      pl.run_scoped(scope, *[plgpu.ACC((rows, block_n), jnp.float32)] * n_w)
+
+    def body(_, x_smem, *w_and_carry):
+      *w_smems, accs = w_and_carry
+      for acc, w_smem in zip(accs, w_smems):
+        plgpu.wgmma(acc, x_smem.at[p.wg_rows], w_smem.transpose((1, 0)))
+      plgpu.wgmma_wait(0)
+      return accs
+
+    return body, compute_context
+
+  scratch = [plgpu.SMEM((wgs, n_slots, m // wgs, epi_n), out_dtype,
+                        transforms=_transforms(epi_n, out_dtype))]
+  if epilogue == "residual":
+    scratch.append(plgpu.Barrier(num_barriers=wgs * n_slots))
+  return _streamed(program, x, w, () if residual is None else (residual,), n=n, n_w=n_w,
+                   block_n=block_n, block_k=block_k, steps=steps, split_k=split_k,
+                   out_shape=(split_k, m, n) if split_k > 1 else (m, n), out_dtype=out_dtype,
+                   scratch=scratch)
 
 
 @functools.partial(jax.jit, static_argnames=("gate_up", "out_dtype", "n", "block_n", "block_k",
@@ -343,44 +380,27 @@ def _call_fp8(x, w, scale, *, gate_up, out_dtype, n, block_n, block_k, steps, sp
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
 
-  m, k = x.shape
+  m = x.shape[0]
   wgs = warpgroups(m)
-  rows = m // wgs
-  k_steps = k // block_k // split_k
-  k_len = k_steps * block_k
   n_w = 2 if gate_up else 1
-  in_t = _transforms(block_k, jnp.bfloat16)
-  w_t = _transforms(block_k, w.dtype)
-  out_t = _transforms(rows, out_dtype)
 
-  def kernel(x_gmem, w_gmem, s_gmem, out_gmem, out_smem, s_smem, s_barrier):
-    j = lax.axis_index("n")
-    ks = pl.ds(lax.axis_index("k") * k_len, k_len)
-    if split_k > 1:
-      out_gmem = out_gmem.at[lax.axis_index("k")]
-    wg = lax.axis_index("wg")
-    wg_rows = pl.ds(wg * rows, rows)
-    w_rows = [pl.ds(i * n + j * block_n, block_n) for i in range(n_w)]
+  def program(p, rows, refs):
+    s_gmem, out_smem, s_smem, s_barrier = refs
 
     def compute_context(run_pipeline):
       def scope(*accs):
         for i in range(n_w):   # the scales arrive while the pipeline runs
-          plgpu.copy_gmem_to_smem(s_gmem.at[w_rows[i]], s_smem.at[wg, i],
-                                  s_barrier.at[wg * n_w + i])
+          plgpu.copy_gmem_to_smem(s_gmem.at[p.w_rows[i]], s_smem.at[p.wg, i],
+                                  s_barrier.at[p.wg * n_w + i])
         accs = run_pipeline(accs)
         vals = []
         for i, acc in enumerate(accs):
-          plgpu.barrier_wait(s_barrier.at[wg * n_w + i])
-          vals.append(acc[...] * lax.broadcast_in_dim(s_smem[wg, i], (block_n, rows), [0]))
-        if gate_up:
-          g, u = vals
-          y = (g * (1.0 / (1.0 + jnp.exp(-g))) * u).astype(out_dtype)
-        else:
-          y = vals[0]
-        out_smem[wg] = y
+          plgpu.barrier_wait(s_barrier.at[p.wg * n_w + i])
+          vals.append(acc[...] * lax.broadcast_in_dim(s_smem[p.wg, i], (block_n, rows), [0]))
+        out_smem[p.wg] = _silu_gate(vals, gate_up, out_dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem.at[wg],
-                                out_gmem.at[pl.ds(j * block_n, block_n), wg_rows])
+        plgpu.copy_smem_to_gmem(out_smem.at[p.wg],
+                                p.out.at[pl.ds(p.j * block_n, block_n), p.wg_rows])
         plgpu.wait_smem_to_gmem(0)
 
       pl.run_scoped(scope, *[plgpu.ACC((block_n, rows), jnp.float32)] * n_w)
@@ -391,27 +411,17 @@ def _call_fp8(x, w, scale, *, gate_up, out_dtype, n, block_n, block_k, steps, sp
         # No direct e4m3 -> bf16 convert on this ptxas; e4m3 -> f16 -> f32 -> bf16 is exact
         # (every e4m3 value is an f16 and a bf16).
         w_reg = w_smem[...].astype(jnp.float16).astype(jnp.float32).astype(jnp.bfloat16)
-        plgpu.wgmma(acc, w_reg, x_smem.at[wg_rows].transpose((1, 0)))
+        plgpu.wgmma(acc, w_reg, x_smem.at[p.wg_rows].transpose((1, 0)))
       plgpu.wgmma_wait(0)
       return accs
 
-    w_spec = plgpu.BlockSpec((block_n, block_k), lambda kk: (0, kk), transforms=w_t)
-    pipeline = plgpu.emit_pipeline_warp_specialized(
-        body, grid=(k_steps,), memory_registers=40,
-        in_specs=[plgpu.BlockSpec((m, block_k), lambda kk: (0, kk), transforms=in_t)]
-        + [w_spec] * n_w,
-        wg_axis="wg", num_compute_wgs=wgs, max_concurrent_steps=steps,
-        compute_context=compute_context)
-    pipeline(x_gmem.at[:, ks], *[w_gmem.at[r, ks] for r in w_rows])
+    return body, compute_context
 
-  scratch = [plgpu.SMEM((wgs, block_n, rows), out_dtype, transforms=out_t),
+  rows = m // wgs
+  scratch = [plgpu.SMEM((wgs, block_n, rows), out_dtype, transforms=_transforms(rows, out_dtype)),
              plgpu.SMEM((wgs, n_w, block_n), jnp.float32),
              plgpu.Barrier(num_barriers=wgs * n_w)]
-  out_shape = (split_k, n, m) if split_k > 1 else (n, m)
-  f = plgpu.kernel(
-      kernel, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
-      grid=(n // block_n, split_k), grid_names=("n", "k"), num_threads=wgs + 1,
-      thread_name="wg", scratch_types=scratch,
-      compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-  return f(x, w, scale)
+  return _streamed(program, x, w, (scale,), n=n, n_w=n_w, block_n=block_n, block_k=block_k,
+                   steps=steps, split_k=split_k,
+                   out_shape=(split_k, n, m) if split_k > 1 else (n, m), out_dtype=out_dtype,
+                   scratch=scratch)
