@@ -49,6 +49,7 @@ from pallas_kernels import skinny_gemm
 
 AB_SECTIONS = ("batched_ab", "norm_ab")
 SECTIONS = ("rounds", "compiles", "memory", "crossover") + AB_SECTIONS   # rates always run
+DEFAULT_SECTIONS = ("rounds", "compiles", "memory", "crossover", "batched_ab")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -455,7 +456,7 @@ def main(argv=None) -> int:
   mode = p.add_mutually_exclusive_group(required=True)
   mode.add_argument("--gpu", action="store_true", help="seed dims on the GPU")
   mode.add_argument("--smoke", action="store_true", help="tiny dims on any backend (not results)")
-  p.add_argument("--only", default=",".join(SECTIONS[:5]),
+  p.add_argument("--only", default=",".join(DEFAULT_SECTIONS),
                  help=f"comma list of: {', '.join(SECTIONS)}")
   p.add_argument("--out", default=None, help="results folder (default results/batch-<UTC stamp>)")
   p.add_argument("--ab-points", default=None,

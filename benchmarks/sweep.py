@@ -385,9 +385,8 @@ def sweep_batched_gemm(rows: tuple[int, ...], fmts: tuple[str, ...],
                        stages: tuple[int, ...] = (2, 3, 4, 5, 6)) -> list[dict]:
   """pallas_kernels.batched_gemm on the seed's matrices with their round epilogues (qkv
   plain, o and down + residual, gate_up silu * up; encode's fc and the inject GEMM plain), bf16
-  or fp8 weights, block_n x block_k x
-  stages x split_k (split partials summed by XLA, with the residual), next to today's path
-  in one jit: XLA's dot + the same epilogue for bf16, the skinny GEMM for fp8 (err: max
+  or fp8 weights, block_n x block_k x stages x split_k (split partials summed by XLA, with the
+  residual; qkv's left to its consumer), next to today's path in one jit: XLA's dot + the same epilogue for bf16, the skinny GEMM for fp8 (err: max
   |kernel - twin|)."""
   from dflash_jax.params import gemm_knobs
   from pallas_kernels import batched_gemm as BG
