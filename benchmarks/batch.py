@@ -18,11 +18,13 @@ Sections (each printed as it finishes, all written to DIR/batch.json and batch.m
   the device beside the bf16 weights, with one round over all 64 slots.
 - crossover: the skinny GEMM vs XLA's GEMM for each bf16 matrix of a seed round at M = 64 ..
   512 rows; prints the row count to set `dflash_jax.params.SKINNY_MAX_M` to.
-- batched_ab, norm_ab: rounds under two or more routings, interleaved in one
+- batched_ab, norm_ab, attn_ab: rounds under two or more routings, interleaved in one
   process, at 32-128 rows (bf16 weights; `Plan.ab_points` takes fp8 points too; `ab_settings`
   says what each compares): the batched GEMM on vs off (where `params.BATCHED_MIN_M` /
   `BATCHED_MAX_M` / `BATCHED_FORMATS` come from), XLA's or the Pallas RMS norm in front of it
-  (`params.NORM_KERNEL`). By default only batched_ab runs (each A/B takes minutes).
+  (`params.NORM_KERNEL`), the block's own keys in a program of their own or folded into
+  chunk 0's (`ring_attention.FOLD_OWN_MIN_SEQS`). By default only batched_ab runs (each A/B
+  takes minutes).
 
 On the H200 the whole run takes about 5 minutes, mostly compiles (one per point); a slower
 start can split it: `--only rounds`, then `--only compiles,memory,crossover`.
@@ -45,9 +47,10 @@ from benchmarks import common as C
 from dflash_jax import params as P
 from dflash_jax import step as S
 from dflash_jax.params import SKINNY_MAX_M, gemm_knobs, linear
+from pallas_kernels import ring_attention as A
 from pallas_kernels import skinny_gemm
 
-AB_SECTIONS = ("batched_ab", "norm_ab")
+AB_SECTIONS = ("batched_ab", "norm_ab", "attn_ab")
 SECTIONS = ("rounds", "compiles", "memory", "crossover") + AB_SECTIONS   # rates always run
 DEFAULT_SECTIONS = ("rounds", "compiles", "memory", "crossover", "batched_ab")
 
@@ -208,6 +211,9 @@ def ab_settings(section: str) -> list[tuple[str, dict]]:
             ("on", {(P, "BATCHED_FORMATS"): on, (P, "BATCHED_MIN_M"): P.SKINNY_MAX_M + 1})]
   if section == "norm_ab":
     return [("xla", {(P, "NORM_KERNEL"): False}), ("pallas", {(P, "NORM_KERNEL"): True})]
+  if section == "attn_ab":
+    return [("own_program", {(A, "FOLD_OWN_MIN_SEQS"): None}),
+            ("own_folded", {(A, "FOLD_OWN_MIN_SEQS"): 2})]
   raise ValueError(section)
 
 

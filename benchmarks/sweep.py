@@ -80,8 +80,9 @@ def sweep_attention(bw: float) -> list[dict]:
 
 def sweep_batch_attention(bw: float, slots: tuple[int, ...]) -> list[dict]:
   """Ring attention vmapped over S sequence slots (the batched step's launch), seed dims,
-  full bf16 rings, next to the ring-read floor of S rings: splits x block_k per S at 4 warps
-  and 2 stages, then warps x stages x query-row tiles around the best two of those."""
+  full bf16 rings, next to the ring-read floor of S rings: splits x block_k x the own keys'
+  program (own or folded into chunk 0) per S at 4 warps and 2 stages, then warps x stages x
+  query-row tiles around the best two of those."""
   cfg = dfj.SEED_CONFIG
   w, hkv, d, b, g = 2048, cfg.n_head_kv, cfg.head_dim, cfg.block_size, cfg.group
   out = []
@@ -102,14 +103,15 @@ def sweep_batch_attention(bw: float, slots: tuple[int, ...]) -> list[dict]:
       return us
 
     timed = []
-    for splits, bk in itertools.product((1, 2, 4, 8, 16), (64, 128, 256)):
+    for splits, bk, fold in itertools.product((1, 2, 4, 8, 16), (64, 128, 256), (False, True)):
       if splits * bk <= w:
-        timed.append((run(splits=splits, block_k=bk), splits, bk))
+        timed.append((run(splits=splits, block_k=bk, fold_own=fold), splits, bk, fold))
     best = sorted((t for t in timed if t[0] is not None))[:2]
-    for _, splits, bk in best:
+    for _, splits, bk, fold in best:
       for nw, ns, bq in itertools.product((4, 8), (1, 2, 3, 4), (None, 32)):
         if (nw, ns, bq) != (4, 2, None):
-          run(splits=splits, block_k=bk, num_warps=nw, num_stages=ns, block_q=bq)
+          run(splits=splits, block_k=bk, fold_own=fold, num_warps=nw, num_stages=ns,
+              block_q=bq)
   return out
 
 

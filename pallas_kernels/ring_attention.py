@@ -84,7 +84,7 @@ def _split_dot(a_parts: list[jax.Array], b: jax.Array, contract_b: int) -> jax.A
 def _partial_kernel(n_past_ref, pos_ref, q_ref, k_ref, v_ref, rk_ref, rv_ref,
                     o_ref, m_ref, l_ref, *, rows: int, t: int, d: int, n_slots: int, group: int,
                     window: int | None, block_k: int, terms: int, n_chunks: int,
-                    n_row_tiles: int):
+                    n_row_tiles: int, fold_own: bool):
   block_q, dp = q_ref.shape
   tp = k_ref.shape[0]
   chunk = pos_ref.shape[0]
@@ -149,19 +149,26 @@ def _partial_kernel(n_past_ref, pos_ref, q_ref, k_ref, v_ref, rk_ref, rv_ref,
     return lax.cond(any_vis, lambda c: lax.fori_loop(0, chunk // block_k, ring_tile, c),
                     lambda c: c, carry)
 
-  acc, m, l = lax.cond(pl.program_id(1) == n_chunks, own_block, ring_chunk, init)
+  if fold_own:   # chunk 0's program starts from the block's own keys
+    acc, m, l = ring_chunk(lax.cond(pl.program_id(1) == 0, own_block, lambda c: c, init))
+  else:
+    acc, m, l = lax.cond(pl.program_id(1) == n_chunks, own_block, ring_chunk, init)
   store_tile(o_ref, (0, 0), acc, (row_lim, col_lim))
   store_tile(m_ref, (0,), m, (row_lim,))
   store_tile(l_ref, (0,), l, (row_lim,))
 
 
-def _combine_kernel(o_ref, m_ref, l_ref, own_o_ref, own_m_ref, own_l_ref, out_ref, *,
-                    rows: int, d: int, group: int, n_chunks: int, split_group: int,
-                    hq: int, token_aligned: bool):
-  # Blocks: o [C, RB, D'], m and l [C, RB] (the ring chunks, C >= chunks) and own_o [RB, D'],
-  # own_m and own_l [RB] (the block's own keys) for RB packed query rows of one kv head. The
-  # chunks are merged in groups of `split_group` (one group, hence one load, up to 16).
-  rb, dp = own_o_ref.shape
+def _combine_kernel(*refs, rows: int, d: int, group: int, n_chunks: int, split_group: int,
+                    hq: int, token_aligned: bool, fold_own: bool):
+  # Blocks: o [C, RB, D'], m and l [C, RB] (the ring chunks, C >= chunks) and, unless folded
+  # into chunk 0, own_o [RB, D'], own_m and own_l [RB] (the block's own keys) for RB packed
+  # query rows of one kv head. The chunks are merged in groups of `split_group` (one group,
+  # hence one load, up to 16).
+  if fold_own:
+    o_ref, m_ref, l_ref, out_ref = refs
+  else:
+    o_ref, m_ref, l_ref, own_o_ref, own_m_ref, own_l_ref, out_ref = refs
+  rb, dp = o_ref.shape[-2:]
   col_lim = None if dp == d else d
   i = pl.program_id(1)
   row_lim = None if rows % rb == 0 else rows - i * rb
@@ -171,13 +178,14 @@ def _combine_kernel(o_ref, m_ref, l_ref, own_o_ref, own_m_ref, own_l_ref, out_re
   ms = [load_tile(m_ref, (gi * split_group, 0), (split_group, rb),
                   (chunk_lim if gi == n_groups - 1 else None, row_lim), other=MASK)
         for gi in range(n_groups)]
-  own_m = load_tile(own_m_ref, (0,), (rb,), (row_lim,), other=MASK)
   top = jnp.max(ms[0], axis=0)
   for m in ms[1:]:
     top = jnp.maximum(top, jnp.max(m, axis=0))
-  top = jnp.maximum(top, own_m)
+  if not fold_own:
+    own_m = load_tile(own_m_ref, (0,), (rb,), (row_lim,), other=MASK)
+    top = jnp.maximum(top, own_m)
+    own_w = jnp.exp(own_m - top)
   ws = [jnp.exp(m - top[None, :]) for m in ms]
-  own_w = jnp.exp(own_m - top)
 
   def lims(gi, *tail):
     return (chunk_lim if gi == n_groups - 1 else None, row_lim) + tail
@@ -189,12 +197,13 @@ def _combine_kernel(o_ref, m_ref, l_ref, own_o_ref, own_m_ref, own_l_ref, out_re
     return acc
 
   denom = group_sum(lambda gi, w: jnp.sum(
-      w * load_tile(l_ref, (gi * split_group, 0), (split_group, rb), lims(gi)), axis=0)
-  ) + own_w * load_tile(own_l_ref, (0,), (rb,), (row_lim,))
+      w * load_tile(l_ref, (gi * split_group, 0), (split_group, rb), lims(gi)), axis=0))
   num = group_sum(lambda gi, w: jnp.sum(
       w[:, :, None] * load_tile(o_ref, (gi * split_group, 0, 0), (split_group, rb, dp),
-                                lims(gi, col_lim)), axis=0)
-  ) + own_w[:, None] * load_tile(own_o_ref, (0, 0), (rb, dp), (row_lim, col_lim))
+                                lims(gi, col_lim)), axis=0))
+  if not fold_own:
+    denom = denom + own_w * load_tile(own_l_ref, (0,), (rb,), (row_lim,))
+    num = num + own_w[:, None] * load_tile(own_o_ref, (0, 0), (rb, dp), (row_lim, col_lim))
   out = (num / denom[:, None]).astype(out_ref.dtype)
   if token_aligned:
     # The RB rows are RB query heads of one token: one contiguous [RB, D] block of the output.
@@ -261,6 +270,11 @@ def chunking(n_slots: int, splits: int, block_k: int) -> tuple[int, int]:
   return chunk, pl.cdiv(n_slots, chunk)
 
 
+# Launches vmapped over at least this many sequence slots fold the block's own keys into
+# chunk 0's program (`fold_own`); None: never.
+FOLD_OWN_MIN_SEQS: int | None = None
+
+
 def default_knobs(capacity: int, window: int | None, ring_dtype, head_dim: int = 128,
                   n_seqs: int = 1, n_head_kv: int = 8) -> dict:
   """Launch shape and dot precision for a ring / cache of `capacity` slots (H200 sweeps,
@@ -289,7 +303,10 @@ def default_knobs(capacity: int, window: int | None, ring_dtype, head_dim: int =
   splits = max(1, min(16 if window is not None else 32, pl.cdiv(capacity, block_k)))
   if n_seqs > 1:
     splits = max(1, min(splits, 256 // (n_seqs * n_head_kv)))
-  return dict(splits=splits, block_k=block_k, terms=2 if bf16 else 3)
+  knobs = dict(splits=splits, block_k=block_k, terms=2 if bf16 else 3)
+  if FOLD_OWN_MIN_SEQS is not None and n_seqs >= FOLD_OWN_MIN_SEQS:
+    knobs["fold_own"] = True
+  return knobs
 
 
 def _default_block_q(rows: int, dp: int) -> int:
@@ -300,12 +317,12 @@ def _default_block_q(rows: int, dp: int) -> int:
 
 @functools.partial(jax.jit, static_argnames=["layer", "window", "splits", "block_k",
                                              "block_q", "num_warps", "num_stages", "terms",
-                                             "out_dtype", "interpret"])
+                                             "fold_own", "out_dtype", "interpret"])
 def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, ring_k: jax.Array,
                    ring_v: jax.Array, ring_pos: jax.Array, n_past: jax.Array, *,
                    layer: int, window: int | None, splits: int = 16, block_k: int = 128,
                    block_q: int | None = None, num_warps: int = 4, num_stages: int = 2,
-                   terms: int = 3, out_dtype=jnp.float32,
+                   terms: int = 3, fold_own: bool = False, out_dtype=jnp.float32,
                    interpret: bool | None = None) -> jax.Array:
   """Attention of the block's queries over its own keys and ring layer `layer`.
 
@@ -318,7 +335,9 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, ring_k: jax.Array,
   Knobs (`default_knobs`): the ring is cut into at most `splits` chunks of a power-of-2
   number of `block_k`-slot tiles (`chunking`); `block_q` query rows per program (None: all
   T*G rows up to 64 at D = 128); `num_warps` and `num_stages` of the partial kernel; `terms`
-  bf16 parts per float32 dot operand (3: fp32 accuracy; 2: ~16 mantissa bits, fewer MMAs).
+  bf16 parts per float32 dot operand (3: fp32 accuracy; 2: ~16 mantissa bits, fewer MMAs);
+  `fold_own`: chunk 0's program also attends the block's own keys (one program fewer per kv
+  head and no own partial to combine) instead of a program of their own.
   """
   name = "ring_attention"
   _check_shapes(name, q, k, v, ring_k, ring_v, ring_pos, n_past, layer, window)
@@ -335,7 +354,7 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, ring_k: jax.Array,
   tp = max(16, next_pow2(t))
   kernel = functools.partial(_partial_kernel, rows=rows, t=t, d=d, n_slots=n_slots,
                              group=group, window=window, block_k=block_k, terms=terms,
-                             n_chunks=n_chunks, n_row_tiles=n_rt)
+                             n_chunks=n_chunks, n_row_tiles=n_rt, fold_own=fold_own)
   # Grid axis 0 runs over (kv head, query row tile) pairs; one row tile: the kv head.
   if n_rt == 1:
     head, rt = (lambda p: p), (lambda p: 0)
@@ -348,7 +367,7 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, ring_k: jax.Array,
   ring_spec = pl.BlockSpec((None, None, chunk, dp),
                            lambda p, c: (layer, head(p), chunk_of(c), 0))
   own_spec = pl.BlockSpec((None, tp, dp), lambda p, c: (head(p), 0, 0))
-  n_part = n_chunks + 1
+  n_part = n_chunks + (0 if fold_own else 1)
   o, m, l = pl.pallas_call(
       kernel, grid=(hkv * n_rt, n_part),
       in_specs=[pl.BlockSpec((1,), lambda p, c: (0,)),
@@ -401,35 +420,39 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, ring_k: jax.Array,
     out_shape = (t * hq, d)
     out_spec = pl.BlockSpec(out_shape, lambda h, i: (0, 0))
   combine = functools.partial(_combine_kernel, rows=rows, d=d, group=group, n_chunks=n_chunks,
-                              split_group=split_group, hq=hq, token_aligned=token_aligned)
+                              split_group=split_group, hq=hq, token_aligned=token_aligned,
+                              fold_own=fold_own)
+  own_specs, own_args = [own_o_spec, own_stat_spec, own_stat_spec], [o, m, l]
+  if fold_own:
+    own_specs, own_args = [], []
   out = pl.pallas_call(
       combine, grid=(hkv, n_ct),
-      in_specs=[o_spec, stat_spec, stat_spec, own_o_spec, own_stat_spec, own_stat_spec],
+      in_specs=[o_spec, stat_spec, stat_spec, *own_specs],
       out_specs=out_spec,
       out_shape=jax.ShapeDtypeStruct(out_shape, out_dtype),
       # No loop to pipeline: one load of the whole [chunks, RB, D] block per program; 8 warps
       # measured 3.0 vs 4.0 us with 4 (H200).
       compiler_params=plt.CompilerParams(num_warps=8, num_stages=1),
       interpret=interpret, name="ring_attn_combine",
-  )(o, m, l, o, m, l)
+  )(o, m, l, *own_args)
   return out.reshape(t, hq * d)
 
 
 @functools.partial(jax.jit, static_argnames=["layer", "window", "splits", "block_k",
-                                             "num_warps", "num_stages", "terms", "out_dtype",
-                                             "interpret"])
+                                             "num_warps", "num_stages", "terms", "fold_own",
+                                             "out_dtype", "interpret"])
 def ring_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, ring_k: jax.Array,
                              ring_v: jax.Array, ring_pos: jax.Array, n_past: jax.Array, *,
                              layer: int, window: int | None, splits: int = 16,
                              block_k: int = 128, num_warps: int = 4, num_stages: int = 2,
-                             terms: int = 3, out_dtype=jnp.float32,
-                             interpret: bool | None = None) -> jax.Array:
+                             terms: int = 3, fold_own: bool = False,
+                             out_dtype=jnp.float32, interpret: bool | None = None) -> jax.Array:
   """Pure-jnp twin of `ring_attention`: the full score matrix, float32, precision HIGHEST.
 
   Any shape. Takes the kernel's knobs so that it is a drop-in replacement; they do not
   affect it.
   """
-  del splits, block_k, num_warps, num_stages, terms, interpret
+  del splits, block_k, num_warps, num_stages, terms, fold_own, interpret
   _check_shapes("ring_attention_reference", q, k, v, ring_k, ring_v, ring_pos, n_past, layer,
                 window)
   hkv, rows, d = q.shape

@@ -222,6 +222,23 @@ def test_any_shape_matches_twin_and_float64(name):
   check_against_both(args, layer=1, window=window, interpret=True, **knobs)
 
 
+@pytest.mark.parametrize("case", ["empty", "window_edge", "random", "g6_t5_window_lt_slots",
+                                  "full_s37_t10_g1"])
+def test_fold_own(case):
+  """fold_own: chunk 0's program attends the block's own keys too (no own partial); the
+  empty ring leaves only the own keys, the SHAPES cases add row tiles and a ragged chunk."""
+  if case in SHAPES:
+    hkv, t, g, d, s, window, n_written, wrap, n_past, knobs = SHAPES[case]
+    args = make_inputs(60, pos=ring_pos_after(n_written, s, wrap), n_past=n_past, hkv=hkv,
+                       t_len=t, g=g, d=d, n_layer=2, ring_dtype=jnp.bfloat16, window=window)
+    check_against_both(args, layer=1, window=window, interpret=True, fold_own=True, **knobs)
+  else:
+    pos, n_past = scenario(case)
+    args = make_inputs(61, pos=pos, n_past=n_past, ring_dtype=jnp.bfloat16)
+    check_against_both(args, layer=2, window=W, splits=4, block_k=16, interpret=True,
+                       fold_own=True)
+
+
 def test_twin_takes_shapes_the_kernel_does_not():
   """The jnp twin has no Triton limits: head_dim 24, a 5-slot ring, block 3, G 3."""
   for window, wrap in ((None, False), (2, True)):
@@ -314,12 +331,14 @@ def test_gpu_real_dims(n_written, n_past, ring_dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("splits,block_k", [(8, 64), (16, 32), (16, 128), (32, 64)])
-def test_gpu_knobs(splits, block_k):
+@pytest.mark.parametrize("splits,block_k,fold_own", [(8, 64, False), (16, 32, False),
+                                                    (16, 128, False), (32, 64, False),
+                                                    (4, 64, True), (16, 128, True)])
+def test_gpu_knobs(splits, block_k, fold_own):
   args = make_inputs(6, pos=ring_pos_after(3000, 2048), n_past=2990, hkv=8, t_len=16, g=4,
                      d=128, n_layer=5, ring_dtype=jnp.bfloat16)
   out = np.asarray(ring_attention(*args, layer=4, window=2048, splits=splits,
-                                  block_k=block_k, interpret=False))
+                                  block_k=block_k, fold_own=fold_own, interpret=False))
   twin = np.asarray(ring_attention_reference(*args, layer=4, window=2048))
   np.testing.assert_allclose(out, twin, rtol=TOL_TWIN, atol=TOL_TWIN)
 
