@@ -271,8 +271,11 @@ def chunking(n_slots: int, splits: int, block_k: int) -> tuple[int, int]:
 
 
 # Launches vmapped over at least this many sequence slots fold the block's own keys into
-# chunk 0's program (`fold_own`); None: never.
-FOLD_OWN_MIN_SEQS: int | None = None
+# chunk 0's program (`fold_own`; None: never). H200, seed dims, full bf16 rings (RESULTS.md
+# run 19): S = 8 partial + combine 44.3 -> 39.4 us per layer (256 instead of 320 programs),
+# rounds w16 S8 1.892 -> 1.866 ms, w16 S4 1.663 -> 1.647, w8 S8 unchanged; S = 1 11.76 vs
+# 11.73 us, so one sequence keeps the own keys' program.
+FOLD_OWN_MIN_SEQS: int | None = 4
 
 
 def default_knobs(capacity: int, window: int | None, ring_dtype, head_dim: int = 128,
@@ -384,6 +387,20 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, ring_k: jax.Array,
       interpret=interpret, name="ring_attn_partial",
   )(n_past.reshape(1), ring_pos, q, k, v, ring_k, ring_v)
 
+  return combine_partials(o, m, l, t=t, d=d, n_chunks=n_chunks, fold_own=fold_own,
+                          out_dtype=out_dtype, interpret=interpret)
+
+
+def combine_partials(o: jax.Array, m: jax.Array, l: jax.Array, *, t: int, d: int,
+                     n_chunks: int, fold_own: bool, out_dtype,
+                     interpret: bool | None = None) -> jax.Array:
+  """The combine launch: merges the chunks' (o [Hkv, P, T*G, D], m and l [Hkv, P, T*G])
+  partials, P = n_chunks (+ 1: the own keys' partial last, unless folded into chunk 0), into
+  the token-major [T, Hq*D] output."""
+  interpret = resolve_interpret(interpret)
+  hkv, n_part, rows = m.shape
+  group = rows // t
+  dp = next_pow2(d)
   # The combine merges RB packed rows per program: one token's G heads when G is a power of
   # 2 (as many as fit: the [chunks, RB, D'] block stays <= 32K floats), else RB = the power
   # of 2 >= G rows that cross token boundaries and are scattered to their output rows.

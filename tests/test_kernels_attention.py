@@ -278,10 +278,13 @@ def test_default_knobs():
   # one sequence and S = 2 keep the unbatched knobs.
   assert default_knobs(2048, 2048, jnp.bfloat16, n_seqs=1) == seed_bf16
   assert default_knobs(2048, 2048, jnp.bfloat16, n_seqs=2) == seed_bf16
+  # From 4 slots the block's own keys fold into chunk 0's program (FOLD_OWN_MIN_SEQS).
   assert default_knobs(2048, 2048, jnp.bfloat16, n_seqs=8) == dict(splits=4, block_k=64,
-                                                                   terms=2)
+                                                                   terms=2, fold_own=True)
   assert default_knobs(2048, 2048, jnp.bfloat16, n_seqs=32) == dict(splits=1, block_k=64,
-                                                                    terms=2)
+                                                                    terms=2, fold_own=True)
+  assert "fold_own" not in default_knobs(2048, 2048, jnp.bfloat16, n_seqs=3)
+  assert default_knobs(2048, 2048, jnp.bfloat16, n_seqs=4)["fold_own"]
   assert default_knobs(2048, 2048, jnp.bfloat16, n_seqs=4, n_head_kv=4)["splits"] == 16
 
 

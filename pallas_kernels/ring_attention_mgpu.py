@@ -1,0 +1,204 @@
+"""Ring attention partials of a batched bf16 ring on Hopper tensor cores (Mosaic GPU).
+
+The batched step (issue 14) attends S sequences' blocks over their rings in one launch. The
+Triton partial (`ring_attention`) runs each (slot, kv head, chunk) program as one warpgroup
+that waits on every load and every MMA in turn. Here a memory warpgroup streams the chunk's
+K, V and position tiles by TMA while the compute warpgroup runs wgmma on the one before, the
+same arithmetic: float32 operands split into two bf16 parts (`ring_attention._split`, ~16
+mantissa bits), bf16 ring tiles exact as one part, float32 accumulation, smallest products
+first. Program (b, h, c) attends kv head h's packed query rows of slot b over ring chunk c
+and, in every chunk, the block's own keys (visible only in chunk 0), and writes the
+unnormalised partial (o, m, l) that `ring_attention.combine_partials` merges.
+
+The shapes it takes (`fits`): 64 packed query rows (T*G; the seed drafter's 16 x 4), T a
+multiple of 16, head_dim 64 or 128, a bf16 ring whose chunks are whole 64-slot tiles. GPU
+only (Mosaic GPU has no interpreter): `ring_attention_reference` is the contract; the CPU
+tests check the wrapper and lower the kernel for the GPU.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels import ring_attention as RA
+
+ROWS = 64        # one wgmma M: the packed query rows of one (slot, kv head)
+BLOCK_K = 64     # ring slots per tile
+
+
+def fits(rows: int, t: int, d: int, n_slots: int, ring_dtype, splits: int) -> bool:
+  """Whether this kernel takes the shape: see the module docstring."""
+  chunk, n_chunks = RA.chunking(n_slots, splits, BLOCK_K)
+  return (rows == ROWS and t % 16 == 0 and d in (64, 128)
+          and jnp.dtype(ring_dtype) == jnp.bfloat16 and n_slots % chunk == 0
+          and chunk * n_chunks == n_slots)
+
+
+def _parts(x: jax.Array) -> jax.Array:
+  """x float32 [..., R, D] -> its two bf16 parts stacked [..., 2, R, D]."""
+  return jnp.stack(RA._split(x, 2), axis=-3)
+
+
+def _transforms(minor: int, dtype):
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  bits = jnp.dtype(dtype).itemsize * 8
+  swizzle = plgpu.find_swizzle(minor * bits)
+  return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
+
+
+@functools.partial(jax.jit, static_argnames=("layer", "window", "chunk", "steps", "alias_out"))
+def _partials(qp, kp, vp, ring_k, ring_v, ring_pos, n_past, *, layer, window, chunk, steps,
+              alias_out=True):
+  import jax.experimental.pallas as pl
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+
+  b_n, hkv, _, rows, d = qp.shape
+  t = kp.shape[3]
+  group = rows // t
+  n_slots = ring_k.shape[3]
+  n_chunks = n_slots // chunk
+  mask = RA.MASK
+  bf16_t, f32_t = _transforms(d, jnp.bfloat16), _transforms(d, jnp.float32)
+  # The own values are a K = T operand of p.v: wgmma takes K in whole swizzle groups, so
+  # they are swizzled in 16-element (32-byte) groups.
+  own_v_t = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
+
+  def kernel(n_past_gmem, pos_gmem, qp_gmem, kp_gmem, vp_gmem, rk_gmem, rv_gmem,
+             o_gmem, m_gmem, l_gmem, *scratch):
+    if alias_out:   # the partial's buffers reuse the query parts' memory once they are read
+      ((q0, q1), (o_smem, m_smem, l_smem)), ko0, ko1, vo0, vo1, bars = scratch
+    else:
+      q0, q1, o_smem, m_smem, l_smem, ko0, ko1, vo0, vo1, bars = scratch
+    # Each bf16 part in a buffer of its own (a constant index into a stacked buffer does not
+    # lower inside the MMA's state scope).
+    q_smem = (q0, q1)
+    b, h, c = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("c")
+    n_past = n_past_gmem[b]
+
+    def update(carry, s, v_parts):
+      # v_parts: the (A register operand, B smem) products of p.v, smallest first
+      acc, m, l = carry
+      m_new = jnp.maximum(m, s.max(axis=1))
+      corr = jnp.exp(m - m_new)
+      p = jnp.exp(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+      l = l * corr + p.sum(axis=1)
+      acc = acc * lax.broadcast_in_dim(corr, acc.shape, [0])
+      p0 = p.astype(jnp.bfloat16)
+      p1 = (p - p0.astype(jnp.float32)).astype(jnp.bfloat16)
+      ps = (p0, p1)
+
+      def pv(acc_ref):
+        for i, v_smem in v_parts:
+          plgpu.wgmma(acc_ref, ps[i], v_smem)
+
+      return pl.run_state(pv)(plgpu.ACC.init(acc)), m_new, l
+
+    def scores(pairs, keys):
+      def qk(acc_ref):
+        for i, k_smem in pairs:
+          plgpu.wgmma(acc_ref, q_smem[i], k_smem.transpose((1, 0)))
+        return acc_ref[...]
+      return pl.run_scoped(qk, plgpu.ACC((rows, keys), jnp.float32))
+
+    def compute_context(run_pipeline):
+      copies = ((qp_gmem, 0, q0), (qp_gmem, 1, q1), (kp_gmem, 0, ko0), (kp_gmem, 1, ko1),
+                (vp_gmem, 0, vo0), (vp_gmem, 1, vo1))
+      for i, (src, part, dst) in enumerate(copies):
+        plgpu.copy_gmem_to_smem(src.at[b, h, part], dst, bars.at[i])
+      for i in range(len(copies)):
+        plgpu.barrier_wait(bars.at[i])
+      acc = plgpu.layout_cast(jnp.zeros((rows, d), jnp.float32), plgpu.Layout.WGMMA)
+      m = plgpu.layout_cast(jnp.full((rows,), mask, jnp.float32),
+                            plgpu.Layout.WGMMA.reduce(1))
+      l = plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+      # The block's own keys (float32, so both operands in parts: 3 products), visible in
+      # chunk 0 only: the other chunks' programs mask them out and skip no branch.
+      s = scores(((0, ko1), (1, ko0), (0, ko0)), t)
+      key = plgpu.broadcasted_iota(jnp.int32, (rows, t), 1, layout=plgpu.Layout.WGMMA)
+      own_lim = jnp.where(c == 0, t, 0)
+      s = jnp.where(key < own_lim, s, mask)
+      carry = update((acc, m, l), s,
+                     ((0, vo1), (1, vo0), (0, vo0)))
+      acc, m, l = run_pipeline(carry)
+      o_smem[...] = acc
+      m_smem[...] = m
+      l_smem[...] = l
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[b, h, c])
+      plgpu.copy_smem_to_gmem(m_smem, m_gmem.at[b, h, c])
+      plgpu.copy_smem_to_gmem(l_smem, l_gmem.at[b, h, c])
+      plgpu.wait_smem_to_gmem(0)
+
+    def body(_, k_smem, v_smem, pos_smem, carry):
+      s = scores(((1, k_smem), (0, k_smem)), BLOCK_K)
+      pos = lax.broadcast_in_dim(plgpu.load(pos_smem, layout=plgpu.Layout.WGMMA.reduce(0)),
+                                 s.shape, [1])
+      vis = (pos >= 0) & (pos < n_past)
+      if window is not None:
+        row = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
+        vis &= pos > n_past - window + row // group
+      return update(carry, jnp.where(vis, s, mask), ((1, v_smem), (0, v_smem)))
+
+    sl = pl.ds(c * chunk, chunk)
+    kv_spec = plgpu.BlockSpec((BLOCK_K, d), lambda i: (i, 0), transforms=bf16_t)
+    pipeline = plgpu.emit_pipeline_warp_specialized(
+        body, grid=(chunk // BLOCK_K,), memory_registers=40,
+        in_specs=[kv_spec, kv_spec, plgpu.BlockSpec((BLOCK_K,), lambda i: (i,))],
+        wg_axis="wg", num_compute_wgs=1, max_concurrent_steps=steps,
+        compute_context=compute_context)
+    pipeline(rk_gmem.at[b, layer, h, sl], rv_gmem.at[b, layer, h, sl], pos_gmem.at[b, sl])
+
+  q_parts = [plgpu.SMEM((rows, d), jnp.bfloat16, transforms=bf16_t)] * 2
+  out_bufs = [plgpu.SMEM((rows, d), jnp.float32, transforms=f32_t),
+              plgpu.SMEM((rows,), jnp.float32), plgpu.SMEM((rows,), jnp.float32)]
+  q_and_out = ([plgpu.RefUnion(tuple(q_parts), tuple(out_bufs))] if alias_out
+               else q_parts + out_bufs)
+  f = plgpu.kernel(
+      kernel,
+      out_type=(jax.ShapeDtypeStruct((b_n, hkv, n_chunks, rows, d), jnp.float32),
+                jax.ShapeDtypeStruct((b_n, hkv, n_chunks, rows), jnp.float32),
+                jax.ShapeDtypeStruct((b_n, hkv, n_chunks, rows), jnp.float32)),
+      grid=(b_n, hkv, n_chunks), grid_names=("b", "h", "c"), num_threads=2,
+      thread_name="wg",
+      scratch_types=[*q_and_out, *[plgpu.SMEM((t, d), jnp.bfloat16, transforms=bf16_t)] * 2,
+                     *[plgpu.SMEM((t, d), jnp.bfloat16, transforms=own_v_t)] * 2,
+                     plgpu.Barrier(num_barriers=6)],
+      compiler_params=plgpu.CompilerParams(
+          approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+  return f(n_past, ring_pos, qp, kp, vp, ring_k, ring_v)
+
+
+@functools.partial(jax.jit, static_argnames=("layer", "window", "splits", "steps", "out_dtype"))
+def ring_attention_batched(q: jax.Array, k: jax.Array, v: jax.Array, ring_k: jax.Array,
+                           ring_v: jax.Array, ring_pos: jax.Array, n_past: jax.Array, *,
+                           layer: int, window: int | None, splits: int = 4, steps: int = 2,
+                           out_dtype=jnp.float32) -> jax.Array:
+  """`ring_attention` of B sequences at once: q [B, Hkv, T*G, D], k, v [B, Hkv, T, D]
+  float32; ring_k, ring_v [B, L, Hkv, S, D] bf16; ring_pos [B, S] int32; n_past [B] int32.
+  Returns [B, T, Hq*D] as out_dtype. The ring is cut into `splits` chunks (`RA.chunking`
+  with 64-slot tiles), `steps` tiles in flight. GPU only; shapes as `fits` says."""
+  name = "ring_attention_batched"
+  b_n, hkv, rows, d = q.shape
+  t = k.shape[2]
+  RA.check(ring_k.ndim == 5 and ring_k.shape[0] == b_n, name,
+           "ring_k must be [B, L, Hkv, S, D]", ring_k.shape)
+  RA.check(n_past.shape == (b_n,) and ring_pos.shape == (b_n, ring_k.shape[3]), name,
+           "n_past must be [B] and ring_pos [B, S]", (n_past.shape, ring_pos.shape))
+  # Every slot has slot 0's shapes: its view is checked.
+  RA._check_shapes(name, q[0], k[0], v[0], ring_k[0], ring_v[0], ring_pos[0], n_past[0],
+                   layer, window)
+  n_slots = ring_k.shape[3]
+  RA.check(fits(rows, t, d, n_slots, ring_k.dtype, splits), name,
+           "shape outside this kernel (64 packed rows, T % 16, D 64 / 128, bf16 ring of whole "
+           "64-slot chunks)", (rows, t, d, n_slots, ring_k.dtype, splits))
+  chunk, n_chunks = RA.chunking(n_slots, splits, BLOCK_K)
+  qp = _parts(q * (1.0 / math.sqrt(d)))
+  o, m, l = _partials(qp, _parts(k), _parts(v), ring_k, ring_v, ring_pos, n_past,
+                      layer=layer, window=window, chunk=chunk, steps=steps)
+  combine = functools.partial(RA.combine_partials, t=t, d=d, n_chunks=n_chunks, fold_own=True,
+                              out_dtype=out_dtype, interpret=False)
+  return jax.vmap(combine)(o, m, l)
