@@ -30,6 +30,32 @@ ROWS = 64        # one wgmma M: the packed query rows of one (slot, kv head)
 BLOCK_K = 64     # ring slots per tile
 
 
+# The batched step runs this kernel for launches of MIN_SEQS..MAX_SEQS sequence slots, about
+# 128 programs (one per SM: the compute warpgroup's registers allow one per SM), the Triton
+# kernel otherwise (H200, seed dims, full bf16 rings, RESULTS.md run 19, partial + combine
+# + the XLA split of the float32 operands, us: S = 2 Triton 15.6 vs 16.2 here; S = 4 31.3 vs
+# 23.3; S = 8 39.5 vs 37.1; S = 32 110.6 vs 120.7).
+MIN_SEQS, MAX_SEQS = 4, 8
+
+
+def available() -> bool:
+  """Mosaic GPU on a Hopper-class GPU (wgmma, TMA)."""
+  if jax.default_backend() != "gpu":
+    return False
+  return float(getattr(jax.devices()[0], "compute_capability", "0")) >= 9.0
+
+
+def batched_splits(n_seqs: int, n_head_kv: int, rows: int, t: int, d: int, n_slots: int,
+                   ring_dtype) -> int | None:
+  """Ring chunks per (slot, kv head) for the batched step's launch of n_seqs slots, or None
+  where the Triton kernel runs it (outside MIN_SEQS..MAX_SEQS, a shape `fits` refuses, no
+  Hopper GPU)."""
+  if not (MIN_SEQS <= n_seqs <= MAX_SEQS) or not available():
+    return None
+  splits = max(1, 128 // (n_seqs * n_head_kv))
+  return splits if fits(rows, t, d, n_slots, ring_dtype, splits) else None
+
+
 def fits(rows: int, t: int, d: int, n_slots: int, ring_dtype, splits: int) -> bool:
   """Whether this kernel takes the shape: see the module docstring."""
   chunk, n_chunks = RA.chunking(n_slots, splits, BLOCK_K)
@@ -38,9 +64,12 @@ def fits(rows: int, t: int, d: int, n_slots: int, ring_dtype, splits: int) -> bo
           and chunk * n_chunks == n_slots)
 
 
-def _parts(x: jax.Array) -> jax.Array:
-  """x float32 [..., R, D] -> its two bf16 parts stacked [..., 2, R, D]."""
-  return jnp.stack(RA._split(x, 2), axis=-3)
+def _parts(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """x float32 -> its two bf16 parts (hi, lo), x = hi + lo to ~16 mantissa bits. The rounding
+  is `reduce_precision`: XLA may drop a float32 -> bf16 -> float32 round trip (excess
+  precision is allowed), which would leave lo = 0."""
+  hi = lax.reduce_precision(x, exponent_bits=8, mantissa_bits=7)
+  return hi.astype(jnp.bfloat16), (x - hi).astype(jnp.bfloat16)
 
 
 def _transforms(minor: int, dtype):
@@ -51,13 +80,13 @@ def _transforms(minor: int, dtype):
 
 
 @functools.partial(jax.jit, static_argnames=("layer", "window", "chunk", "steps", "alias_out"))
-def _partials(qp, kp, vp, ring_k, ring_v, ring_pos, n_past, *, layer, window, chunk, steps,
-              alias_out=True):
+def _partials(q0, q1, k0, k1, v0, v1, ring_k, ring_v, ring_pos, n_past, *, layer, window,
+              chunk, steps, alias_out=True):
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
 
-  b_n, hkv, _, rows, d = qp.shape
-  t = kp.shape[3]
+  b_n, hkv, rows, d = q0.shape
+  t = k0.shape[2]
   group = rows // t
   n_slots = ring_k.shape[3]
   n_chunks = n_slots // chunk
@@ -67,8 +96,8 @@ def _partials(qp, kp, vp, ring_k, ring_v, ring_pos, n_past, *, layer, window, ch
   # they are swizzled in 16-element (32-byte) groups.
   own_v_t = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
 
-  def kernel(n_past_gmem, pos_gmem, qp_gmem, kp_gmem, vp_gmem, rk_gmem, rv_gmem,
-             o_gmem, m_gmem, l_gmem, *scratch):
+  def kernel(n_past_gmem, pos_gmem, q0_gmem, q1_gmem, k0_gmem, k1_gmem, v0_gmem, v1_gmem,
+             rk_gmem, rv_gmem, o_gmem, m_gmem, l_gmem, *scratch):
     if alias_out:   # the partial's buffers reuse the query parts' memory once they are read
       ((q0, q1), (o_smem, m_smem, l_smem)), ko0, ko1, vo0, vo1, bars = scratch
     else:
@@ -105,10 +134,10 @@ def _partials(qp, kp, vp, ring_k, ring_v, ring_pos, n_past, *, layer, window, ch
       return pl.run_scoped(qk, plgpu.ACC((rows, keys), jnp.float32))
 
     def compute_context(run_pipeline):
-      copies = ((qp_gmem, 0, q0), (qp_gmem, 1, q1), (kp_gmem, 0, ko0), (kp_gmem, 1, ko1),
-                (vp_gmem, 0, vo0), (vp_gmem, 1, vo1))
-      for i, (src, part, dst) in enumerate(copies):
-        plgpu.copy_gmem_to_smem(src.at[b, h, part], dst, bars.at[i])
+      copies = ((q0_gmem, q0), (q1_gmem, q1), (k0_gmem, ko0), (k1_gmem, ko1), (v0_gmem, vo0),
+                (v1_gmem, vo1))
+      for i, (src, dst) in enumerate(copies):
+        plgpu.copy_gmem_to_smem(src.at[b, h], dst, bars.at[i])
       for i in range(len(copies)):
         plgpu.barrier_wait(bars.at[i])
       acc = plgpu.layout_cast(jnp.zeros((rows, d), jnp.float32), plgpu.Layout.WGMMA)
@@ -169,7 +198,7 @@ def _partials(qp, kp, vp, ring_k, ring_v, ring_pos, n_past, *, layer, window, ch
                      plgpu.Barrier(num_barriers=6)],
       compiler_params=plgpu.CompilerParams(
           approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-  return f(n_past, ring_pos, qp, kp, vp, ring_k, ring_v)
+  return f(n_past, ring_pos, q0, q1, k0, k1, v0, v1, ring_k, ring_v)
 
 
 @functools.partial(jax.jit, static_argnames=("layer", "window", "splits", "steps", "out_dtype"))
@@ -196,9 +225,9 @@ def ring_attention_batched(q: jax.Array, k: jax.Array, v: jax.Array, ring_k: jax
            "shape outside this kernel (64 packed rows, T % 16, D 64 / 128, bf16 ring of whole "
            "64-slot chunks)", (rows, t, d, n_slots, ring_k.dtype, splits))
   chunk, n_chunks = RA.chunking(n_slots, splits, BLOCK_K)
-  qp = _parts(q * (1.0 / math.sqrt(d)))
-  o, m, l = _partials(qp, _parts(k), _parts(v), ring_k, ring_v, ring_pos, n_past,
-                      layer=layer, window=window, chunk=chunk, steps=steps)
+  o, m, l = _partials(*_parts(q * (1.0 / math.sqrt(d))), *_parts(k), *_parts(v), ring_k,
+                      ring_v, ring_pos, n_past, layer=layer, window=window, chunk=chunk,
+                      steps=steps)
   combine = functools.partial(RA.combine_partials, t=t, d=d, n_chunks=n_chunks, fold_own=True,
                               out_dtype=out_dtype, interpret=False)
   return jax.vmap(combine)(o, m, l)

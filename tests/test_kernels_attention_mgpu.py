@@ -52,14 +52,25 @@ def test_rejects_shapes_outside_the_kernel():
     M.ring_attention_batched(*args[:6], args[6][:1], layer=0, window=64)
 
 
+def test_parts_keep_16_bits_under_jit():
+  """hi + lo recovers x to ~16 mantissa bits inside a jit (where XLA could otherwise fold the
+  float32 -> bf16 -> float32 round trip away and leave lo = 0)."""
+  x = jax.random.normal(jax.random.key(3), (64, 128), jnp.float32) * 3.0
+  hi, lo = jax.jit(M._parts)(x)
+  assert hi.dtype == lo.dtype == jnp.bfloat16
+  err = np.abs(np.asarray(hi, np.float32) + np.asarray(lo, np.float32) - np.asarray(x))
+  assert err.max() <= 2.0 ** -15 * np.abs(np.asarray(x)).max()
+  assert np.abs(np.asarray(lo, np.float32)).max() > 0
+
+
 @pytest.mark.parametrize("window,splits,steps", [(2048, 4, 2), (2048, 2, 3), (None, 8, 2)])
 def test_lowers_for_hopper_on_cpu(window, splits, steps):
   """Mosaic GPU lowers the partial kernel for sm90 at the seed's dims without a GPU (layouts,
   the register A operand of p.v, the own values' 32-byte swizzle, the aliased buffers)."""
   sd = jax.ShapeDtypeStruct
   b, s = 8, 2048
-  args = (sd((b, HKV, 2, T * G, D), jnp.bfloat16), sd((b, HKV, 2, T, D), jnp.bfloat16),
-          sd((b, HKV, 2, T, D), jnp.bfloat16), sd((b, 5, HKV, s, D), jnp.bfloat16),
+  args = (*[sd((b, HKV, T * G, D), jnp.bfloat16)] * 2, *[sd((b, HKV, T, D), jnp.bfloat16)] * 4,
+          sd((b, 5, HKV, s, D), jnp.bfloat16),
           sd((b, 5, HKV, s, D), jnp.bfloat16), sd((b, s), jnp.int32), sd((b,), jnp.int32))
   chunk, _ = RA.chunking(s, splits, M.BLOCK_K)
   f = lambda *a: M._partials(*a, layer=3, window=window, chunk=chunk, steps=steps)
