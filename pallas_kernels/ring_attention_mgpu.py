@@ -30,12 +30,13 @@ ROWS = 64        # one wgmma M: the packed query rows of one (slot, kv head)
 BLOCK_K = 64     # ring slots per tile
 
 
-# The batched step runs this kernel for launches of MIN_SEQS..MAX_SEQS sequence slots, about
-# 128 programs (one per SM: the compute warpgroup's registers allow one per SM), the Triton
-# kernel otherwise (H200, seed dims, full bf16 rings, RESULTS.md run 19, partial + combine
-# + the XLA split of the float32 operands, us: S = 2 Triton 15.6 vs 16.2 here; S = 4 31.3 vs
-# 23.3; S = 8 39.5 vs 37.1; S = 32 110.6 vs 120.7).
-MIN_SEQS, MAX_SEQS = 4, 8
+# The batched step runs this kernel for launches of MIN_SEQS..MAX_SEQS sequence slots in about
+# 128 programs (the compute warpgroup's registers allow one per SM), the Triton kernel
+# otherwise (H200, seed dims, full bf16 rings, RESULTS.md run 19, us per layer: partial +
+# combine + the XLA split of the float32 operands; Triton with its own knobs): S = 2 15.6
+# vs 16.2 here; S = 4 31.8 vs 23.1 (4 chunks); S = 8 39.3 vs 36.5 (2); S = 16 65.5 vs 60.5
+# (1); S = 32 110.6 vs 120.7.
+MIN_SEQS, MAX_SEQS = 4, 16
 
 
 def available() -> bool:
