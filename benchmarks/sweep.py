@@ -1,6 +1,7 @@
 """Tuning sweeps on the GPU: ring attention knobs and skinny-GEMM tiles, CUPTI timed.
 
-  python -m benchmarks.sweep [attention] [battn] [mgpu_attn] [gemm] [gate_up] [shapes] [rows] [mixed] [mgpu] [bgemm] [norm] [--out FILE.json]
+  python -m benchmarks.sweep [attention] [battn] [mgpu_battn] [mgpu_attn] [gemm] [gate_up]
+      [shapes] [rows] [mixed] [mgpu] [bgemm] [norm] [--out FILE.json]
 
 Prints one line per configuration (device us, achieved TB/s) and writes all of them as JSON;
 the defaults in the kernels and step come from these numbers (see RESULTS.md). `shapes`
@@ -8,7 +9,8 @@ times the kernels at published drafters' shapes the seed's tiles do not fit (blo
 GQA group 3, windows 3000 and 48, full-attention caches, head_dim 96 / 256, odd GEMM N / K)
 with their default knobs, next to the seed shape, plus alternative chunkings for the
 3000-slot window. `bgemm` times pallas_kernels.batched_gemm's tiles at --rows, `norm` the RMS
-norm at --rows.
+norm at --rows, `battn` / `mgpu_battn` the Triton / Mosaic GPU ring attention of --slots
+sequences.
 """
 from __future__ import annotations
 
@@ -503,6 +505,47 @@ def sweep_mgpu_attention(bw: float) -> list[dict]:
   return out
 
 
+def sweep_mgpu_batch_attention(bw: float, slots: tuple[int, ...]) -> list[dict]:
+  """The Mosaic GPU batched ring attention (ring_attention_mgpu) next to the vmapped Triton
+  kernel with its default knobs, S slots at the seed's dims, full bf16 rings, bf16 out:
+  chunks x pipeline stages, each timed from the bf16 parts (as qk_norm_rope emits them) and
+  split per launch (partials, combine)."""
+  from pallas_kernels import ring_attention_mgpu as M
+  cfg = dfj.SEED_CONFIG
+  w, hkv, d, b, g = 2048, cfg.n_head_kv, cfg.head_dim, cfg.block_size, cfg.group
+  layer = cfg.n_layer - 1
+  out = []
+  for n in slots:
+    key = iter(jax.random.split(jax.random.key(n), 4))
+    rnd = lambda s: jax.random.normal(next(key), s, jnp.float32)
+    q, k, v = rnd((n, hkv, b * g, d)), rnd((n, hkv, b, d)), rnd((n, hkv, b, d))
+    ring = C.filled_state(cfg, "bf16", w, w, n_seqs=n).sliding
+    n_past = jnp.full((n,), w, jnp.int32)
+    floor_us = n * 2 * hkv * w * d * ring.k.dtype.itemsize / bw * 1e6
+    kn = R.default_knobs(w, w, jnp.bfloat16, n_seqs=n)
+    tri = jax.vmap(functools.partial(R.ring_attention, layer=layer, window=w,
+                                     out_dtype=jnp.bfloat16, **kn))
+    args = (q, k, v, ring.k, ring.v, ring.pos, n_past)
+    us, err = _time(tri, *args)
+    _emit(out, dict(kernel="ring_attention_vmapped", slots=n, us=us, floor_us=floor_us,
+                    err=err, **kn))
+    ref = tri(*args).astype(jnp.float32)
+    parts = jax.jit(M.split_operands)(q, k, v)
+    for splits, steps in itertools.product((1, 2, 4, 8), (2, 3)):
+      f = functools.partial(M.ring_attention_batched, layer=layer, window=w, splits=splits,
+                            steps=steps, out_dtype=jnp.bfloat16)
+      margs = (*parts, ring.k, ring.v, ring.pos, n_past)
+      us, err = _time(f, *margs)
+      row = dict(kernel="ring_attention_mgpu", slots=n, splits=splits, steps=steps, us=us,
+                 floor_us=floor_us, err=err)
+      if err is None:
+        row["max_diff_vs_triton"] = float(jnp.max(jnp.abs(jax.jit(f)(*margs) - ref)))
+        row["launches_us"] = [round(ms * 1e3, 2) for _, ms in C.kernel_medians(
+            C.cupti_kernels(jax.jit(f), *margs, iterations=20))]
+      _emit(out, row)
+  return out
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("what", nargs="*", default=["attention", "gemm"])
@@ -538,6 +581,8 @@ def main(argv=None) -> int:
         rows, tuple(f for f in args.fmts.split(",") if f != "q8_0"),
         tuple(args.shapes.split(",")), ints(args.block_ns), block_ks=ints(args.block_ks),
         stages=ints(args.stages), **grid)
+  if "mgpu_battn" in args.what:
+    res["rows"] += sweep_mgpu_batch_attention(bw, tuple(int(v) for v in args.slots.split(",")))
   if "norm" in args.what:
     res["rows"] += sweep_norm(rows)
   if "mgpu" in args.what:

@@ -12,6 +12,7 @@ from dflash_jax import quant
 from dflash_jax.config import DFlashConfig, rope_inv_freq
 from dflash_jax.synthetic import drafter_tensor_shapes
 from pallas_kernels import batched_gemm, skinny_gemm
+from pallas_kernels._common import hopper_available
 from pallas_kernels import rms_norm as norm_k
 
 _DTYPE_NAMES = {"fp32": jnp.float32, "float32": jnp.float32, "f32": jnp.float32,
@@ -266,7 +267,7 @@ def batched_gemm_runs(fmt: str, rows: int) -> bool:
   """Whether weights of this format at this row count go to the batched GEMM (shapes that fit
   its tiles; `_batched_knobs` checks those)."""
   return (fmt in BATCHED_FORMATS and BATCHED_MIN_M <= rows <= BATCHED_MAX_M
-          and batched_gemm.available())
+          and hopper_available())
 
 
 def _batched_knobs(x: jax.Array, w, gate_up: bool, out_dtype) -> dict | None:

@@ -244,9 +244,10 @@ def _block(params: DrafterParams, ring: RingState, id_last: jax.Array, n_past: j
   # epilogue round when they store (one launch fewer than rounding in the next GEMM's prologue).
   act_dtype = jnp.float32 if params.weight_format == "fp32" else jnp.bfloat16
 
-  def norm_rope(qkv, n_past, lp):
+  def norm_rope(qkv, n_past, lp, parts=False):
+    kw = dict(parts=True) if parts else {}
     return ops.qk_norm_rope(qkv, lp.q_norm, lp.k_norm, n_past, params.inv_freq,
-                            n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, eps=cfg.eps)
+                            n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, eps=cfg.eps, **kw)
 
   for l, lp in enumerate(params.layers):
     kind = cfg.kinds[l]
@@ -268,17 +269,20 @@ def _block(params: DrafterParams, ring: RingState, id_last: jax.Array, n_past: j
         # Splitting the partials [P, n_slots w, N] into [P, n_slots, w, heads, D] is free, and
         # vmapping over that axis 1 hands each slot's programs their rows: no transpose (a
         # reshape under vmap would move the slot axis to the front first, copying them).
+        # The Mosaic GPU attention takes its operands' bf16 parts, emitted by qk_norm_rope.
+        mgpu = mgpu_splits[kind] is not None
         with jax.named_scope("norm_rope"):
           heads = qkv.reshape(qkv.shape[0], n_slots, w, cfg.n_head + 2 * cfg.n_head_kv,
                               cfg.head_dim)
-          q, k, v = jax.vmap(functools.partial(norm_rope, lp=lp), in_axes=(1, 0))(heads, n_past)
+          operands = jax.vmap(functools.partial(norm_rope, lp=lp, parts=mgpu),
+                              in_axes=(1, 0))(heads, n_past)
         with jax.named_scope("attention"):
-          if mgpu_splits[kind] is None:
-            o = jax.vmap(attend)(q, k, v, cache.k, cache.v, cache.pos, n_past)
-          else:
+          if mgpu:
             o = attn_mgpu.ring_attention_batched(
-                q, k, v, cache.k, cache.v, cache.pos, n_past, layer=cfg.index_in_kind(l),
+                *operands, cache.k, cache.v, cache.pos, n_past, layer=cfg.index_in_kind(l),
                 window=cache.window, splits=mgpu_splits[kind], out_dtype=act_dtype)
+          else:
+            o = jax.vmap(attend)(*operands, cache.k, cache.v, cache.pos, n_past)
           o = o.reshape(n_slots * w, o.shape[-1])
       with jax.named_scope("o"):
         x = linear(o, lp.wo, impl=impl, residual=x)

@@ -17,6 +17,34 @@ def resolve_interpret(interpret: bool | None) -> bool:
   return bool(interpret)
 
 
+def hopper_available() -> bool:
+  """A Hopper-class GPU is the default backend: Mosaic GPU's wgmma and TMA kernels run."""
+  if jax.default_backend() != "gpu":
+    return False
+  return float(getattr(jax.devices()[0], "compute_capability", "0")) >= 9.0
+
+
+def smem_transforms(minor: int, dtype):
+  """Mosaic GPU shared-memory tiling + swizzle for tiles whose minor dimension has `minor`
+  elements of `dtype` (the widest swizzle that row fits)."""
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  bits = jnp.dtype(dtype).itemsize * 8
+  swizzle = plgpu.find_swizzle(minor * bits)
+  return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
+
+
+def bf16_parts(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """x float32 -> (hi, lo) bf16 with x = hi + lo to ~16 mantissa bits: hi is x rounded to
+  the nearest even bf16 by integer ops, lo the rounded remainder. Integer ops because XLA
+  may drop a float32 -> bf16 -> float32 round trip (excess precision is allowed), which
+  would leave lo = 0 (found on the H200); no compiler folds these. Runs in XLA and in
+  Pallas Triton kernel bodies alike."""
+  u = lax.bitcast_convert_type(x, jnp.uint32)
+  u = (u + (jnp.uint32(0x7FFF) + ((u >> 16) & jnp.uint32(1)))) & jnp.uint32(0xFFFF0000)
+  hi = lax.bitcast_convert_type(u, jnp.float32)
+  return hi.astype(jnp.bfloat16), (x - hi).astype(jnp.bfloat16)
+
+
 def is_pow2(n: int) -> bool:
   return n > 0 and (n & (n - 1)) == 0
 

@@ -37,6 +37,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels._common import smem_transforms
+
 EPILOGUES = ("none", "residual", "gate_up")
 MAX_ROWS = 256      # two warpgroups x 128 accumulator rows; more rows run in chunks
 ACC_FLOATS = 16384  # accumulator floats per warpgroup: 128 registers per thread
@@ -101,14 +103,6 @@ def default_knobs(m: int, n: int, k: int, epilogue: str = "none", out_dtype=jnp.
     if fits(m, n, k, epilogue, out_dtype, 64, block_k, steps, fmt=fmt):
       return dict(block_n=64, block_k=block_k, max_concurrent_steps=steps, split_k=1)
   return None
-
-
-def available() -> bool:
-  """The kernel needs Mosaic GPU on a Hopper-class GPU (wgmma, TMA)."""
-  if jax.default_backend() != "gpu":
-    return False
-  cc = getattr(jax.devices()[0], "compute_capability", "0")
-  return float(cc) >= 9.0
 
 
 def _check(x, w, scale, residual, epilogue, block_n, block_k, split_k, keep_splits):
@@ -233,13 +227,6 @@ def batched_matmul(x: jax.Array, w: jax.Array, residual: jax.Array | None = None
   return y[:m] if mp != m else y
 
 
-def _transforms(minor: int, dtype):
-  import jax.experimental.pallas.mosaic_gpu as plgpu
-  bits = jnp.dtype(dtype).itemsize * 8
-  swizzle = plgpu.find_swizzle(minor * bits)
-  return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
-
-
 class _Program(NamedTuple):
   """One program's place (`_streamed`): its column tile j, its compute warpgroup wg and that
   warpgroup's rows of the x tile, the weight rows of its n_w tiles (gate, up), and the output
@@ -266,8 +253,8 @@ def _streamed(program, x, w, extra, *, n, n_w, block_n, block_k, steps, split_k,
   rows = m // wgs
   k_steps = k // block_k // split_k  # per program
   k_len = k_steps * block_k
-  in_t = _transforms(block_k, jnp.bfloat16)
-  w_t = _transforms(block_k, w.dtype)
+  in_t = smem_transforms(block_k, jnp.bfloat16)
+  w_t = smem_transforms(block_k, w.dtype)
 
   def kernel(x_gmem, w_gmem, *refs):
     extra_refs, (out_gmem, *scratch_refs) = refs[:len(extra)], refs[len(extra):]
@@ -360,7 +347,7 @@ def _call(x, w, residual, *, epilogue, out_dtype, n, block_n, block_k, steps, sp
     return body, compute_context
 
   scratch = [plgpu.SMEM((wgs, n_slots, m // wgs, epi_n), out_dtype,
-                        transforms=_transforms(epi_n, out_dtype))]
+                        transforms=smem_transforms(epi_n, out_dtype))]
   if epilogue == "residual":
     scratch.append(plgpu.Barrier(num_barriers=wgs * n_slots))
   return _streamed(program, x, w, () if residual is None else (residual,), n=n, n_w=n_w,
@@ -418,7 +405,8 @@ def _call_fp8(x, w, scale, *, gate_up, out_dtype, n, block_n, block_k, steps, sp
     return body, compute_context
 
   rows = m // wgs
-  scratch = [plgpu.SMEM((wgs, block_n, rows), out_dtype, transforms=_transforms(rows, out_dtype)),
+  scratch = [plgpu.SMEM((wgs, block_n, rows), out_dtype,
+                        transforms=smem_transforms(rows, out_dtype)),
              plgpu.SMEM((wgs, n_w, block_n), jnp.float32),
              plgpu.Barrier(num_barriers=wgs * n_w)]
   return _streamed(program, x, w, (scale,), n=n, n_w=n_w, block_n=block_n, block_k=block_k,

@@ -8,6 +8,7 @@ and head_dim: rows past T and head-half lanes past D/2 of the power-of-2 tiles a
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +16,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels._common import check, load_tile, next_pow2, resolve_interpret, store_tile
+from pallas_kernels._common import (bf16_parts, check, load_tile, next_pow2, resolve_interpret,
+                                    store_tile)
 from pallas_kernels.limits import check_head_dim, check_width
 
 
@@ -49,8 +51,8 @@ def _part_sum(x_ref, c0: int, sizes: tuple[int, int], limits) -> jax.Array:
   return acc
 
 
-def _qk_norm_rope_kernel(n_past_ref, inv_ref, qn_ref, kn_ref, x_ref, q_out, k_out, v_out, *,
-                         group: int, t: int, d: int, eps: float):
+def _qk_norm_rope_kernel(n_past_ref, inv_ref, qn_ref, kn_ref, x_ref, *outs, group: int, t: int,
+                         d: int, eps: float, parts: bool):
   # Program (h, j): query head h*G + j for j < G, kv head h's k for j == G, its v for G + 1.
   # Blocks are [T', 2 H'] for T' and H' the powers of 2 >= T and D/2; the lanes past T and
   # D/2 are masked (no mask when T and D/2 are powers of 2).
@@ -60,9 +62,16 @@ def _qk_norm_rope_kernel(n_past_ref, inv_ref, qn_ref, kn_ref, x_ref, q_out, k_ou
   j = pl.program_id(1)
   x1, x2 = _part_sum(x_ref, 0, (tp, hp), lims), _part_sum(x_ref, h, (tp, hp), lims)
 
-  def store(out_ref, y1, y2):
-    store_tile(out_ref, (0, 0), y1, lims)
-    store_tile(out_ref, (0, h), y2, lims)
+  # parts: each output is a pair of bf16 refs (hi, lo), q scaled by 1/sqrt(D) first.
+  q_out, k_out, v_out = (outs[2 * i:2 * i + 2] for i in range(3)) if parts else outs
+
+  def store(out, y1, y2, scale=1.0):
+    for y, c0 in ((y1, 0), (y2, h)):
+      if parts:
+        for ref, part in zip(out, bf16_parts(y * scale) if scale != 1.0 else bf16_parts(y)):
+          store_tile(ref, (0, c0), part, lims)
+      else:
+        store_tile(out, (0, c0), y, lims)
 
   @pl.when(j == group + 1)
   def _():
@@ -86,7 +95,7 @@ def _qk_norm_rope_kernel(n_past_ref, inv_ref, qn_ref, kn_ref, x_ref, q_out, k_ou
 
     @pl.when(j < group)
     def _():
-      store(q_out, y1, y2)
+      store(q_out, y1, y2, 1.0 / math.sqrt(d) if parts else 1.0)
 
 
 def _check_shapes(name: str, qkv, q_norm, k_norm, n_past, inv_freq, n_head: int,
@@ -117,12 +126,12 @@ def _check_shapes(name: str, qkv, q_norm, k_norm, n_past, inv_freq, n_head: int,
   return t, g, d
 
 
-@functools.partial(jax.jit, static_argnames=["n_head", "n_head_kv", "eps", "num_warps",
+@functools.partial(jax.jit, static_argnames=["n_head", "n_head_kv", "eps", "parts", "num_warps",
                                              "interpret"])
 def qk_norm_rope(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array, n_past: jax.Array,
                  inv_freq: jax.Array, *, n_head: int, n_head_kv: int, eps: float,
-                 num_warps: int = 4, interpret: bool | None = None
-                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+                 parts: bool = False, num_warps: int = 4, interpret: bool | None = None
+                 ) -> tuple[jax.Array, ...]:
   """q, k: rms_head (q_norm / k_norm) then NEOX rope at n_past + t; v: re-laid out only.
 
   qkv: [T, (Hq + 2 Hkv) * D] float32 (q heads, k heads, v heads), or the split-K partials
@@ -134,6 +143,9 @@ def qk_norm_rope(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array, n_past: j
   [Hkv, T, D]. Any G; T up to `limits.MAX_WIDTH`; D a
   multiple of 16 up to 256. One program per head (grid Hkv x (G + 2)): one per kv head
   measured 5.2 us on the H200, too few programs to hide the loads' latency.
+  parts=True returns instead the operands of `ring_attention_mgpu`: (q0, q1, k0, k1, v0,
+  v1), the bf16 parts (`bf16_parts`) of q / sqrt(D), k and v in the same layouts, from the
+  same launch (bitwise `ring_attention_mgpu.split_operands` of the float32 outputs).
   """
   name = "qk_norm_rope"
   t, g, d = _check_shapes(name, qkv, q_norm, k_norm, n_past, inv_freq, n_head, n_head_kv)
@@ -143,17 +155,18 @@ def qk_norm_rope(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array, n_past: j
   if qkv.ndim == 4:
     heads = qkv
   else:
-    parts = qkv if qkv.ndim == 3 else qkv[None]
-    heads = parts.reshape(parts.shape[0], t, n_head + 2 * hkv, d)
+    partials = qkv if qkv.ndim == 3 else qkv[None]
+    heads = partials.reshape(partials.shape[0], t, n_head + 2 * hkv, d)
 
   def head_of(h, j):
     return jnp.where(j < g, h * g + j, jnp.where(j == g, n_head + h, n_head + hkv + h))
 
-  kernel = functools.partial(_qk_norm_rope_kernel, group=g, t=t, d=d, eps=eps)
+  kernel = functools.partial(_qk_norm_rope_kernel, group=g, t=t, d=d, eps=eps, parts=parts)
+  n_out, dtype = (2, jnp.bfloat16) if parts else (1, jnp.float32)
   # Power-of-2 blocks (rows T' >= T, head width 2 H' >= D) hang over the arrays' ends when T
   # or D/2 is not a power of 2; the kernel masks those lanes.
   tp, dp = next_pow2(t), 2 * next_pow2(d // 2)
-  q, k, v = pl.pallas_call(
+  outs = pl.pallas_call(
       kernel,
       grid=(hkv, g + 2),
       in_specs=[
@@ -164,22 +177,18 @@ def qk_norm_rope(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array, n_past: j
           pl.BlockSpec((heads.shape[0], tp, None, dp), lambda h, j: (0, 0, head_of(h, j), 0)),
       ],
       # Programs j >= G map to q's last head block but store nothing there.
-      out_specs=[
+      out_specs=[spec for spec in (
           pl.BlockSpec((None, tp, None, dp), lambda h, j: (h, 0, jnp.minimum(j, g - 1), 0)),
           pl.BlockSpec((None, tp, dp), lambda h, j: (h, 0, 0)),
-          pl.BlockSpec((None, tp, dp), lambda h, j: (h, 0, 0)),
-      ],
-      out_shape=[
-          jax.ShapeDtypeStruct((hkv, t, g, d), jnp.float32),
-          jax.ShapeDtypeStruct((hkv, t, d), jnp.float32),
-          jax.ShapeDtypeStruct((hkv, t, d), jnp.float32),
-      ],
+          pl.BlockSpec((None, tp, dp), lambda h, j: (h, 0, 0))) for _ in range(n_out)],
+      out_shape=[jax.ShapeDtypeStruct(shape, dtype) for shape in (
+          (hkv, t, g, d), (hkv, t, d), (hkv, t, d)) for _ in range(n_out)],
       compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
       interpret=resolve_interpret(interpret),
       name=name,
   )(n_past.reshape(1), inv_freq, q_norm, k_norm, heads)
   # [Hkv, T, G, D] -> [Hkv, T*G, D] merges adjacent axes: a free bitcast in XLA.
-  return q.reshape(hkv, t * g, d), k, v
+  return tuple(x.reshape(hkv, t * g, d) for x in outs[:n_out]) + tuple(outs[n_out:])
 
 
 def _sum_parts(qkv: jax.Array) -> jax.Array:

@@ -178,14 +178,14 @@ def _combine_kernel(*refs, rows: int, d: int, group: int, n_chunks: int, split_g
   ms = [load_tile(m_ref, (gi * split_group, 0), (split_group, rb),
                   (chunk_lim if gi == n_groups - 1 else None, row_lim), other=MASK)
         for gi in range(n_groups)]
+  own_m = None if fold_own else load_tile(own_m_ref, (0,), (rb,), (row_lim,), other=MASK)
   top = jnp.max(ms[0], axis=0)
   for m in ms[1:]:
     top = jnp.maximum(top, jnp.max(m, axis=0))
   if not fold_own:
-    own_m = load_tile(own_m_ref, (0,), (rb,), (row_lim,), other=MASK)
     top = jnp.maximum(top, own_m)
-    own_w = jnp.exp(own_m - top)
   ws = [jnp.exp(m - top[None, :]) for m in ms]
+  own_w = None if fold_own else jnp.exp(own_m - top)
 
   def lims(gi, *tail):
     return (chunk_lim if gi == n_groups - 1 else None, row_lim) + tail
@@ -198,11 +198,12 @@ def _combine_kernel(*refs, rows: int, d: int, group: int, n_chunks: int, split_g
 
   denom = group_sum(lambda gi, w: jnp.sum(
       w * load_tile(l_ref, (gi * split_group, 0), (split_group, rb), lims(gi)), axis=0))
+  if not fold_own:
+    denom = denom + own_w * load_tile(own_l_ref, (0,), (rb,), (row_lim,))
   num = group_sum(lambda gi, w: jnp.sum(
       w[:, :, None] * load_tile(o_ref, (gi * split_group, 0, 0), (split_group, rb, dp),
                                 lims(gi, col_lim)), axis=0))
   if not fold_own:
-    denom = denom + own_w * load_tile(own_l_ref, (0,), (rb,), (row_lim,))
     num = num + own_w[:, None] * load_tile(own_o_ref, (0, 0), (rb, dp), (row_lim, col_lim))
   out = (num / denom[:, None]).astype(out_ref.dtype)
   if token_aligned:

@@ -4,9 +4,9 @@ The batched step (issue 14) attends S sequences' blocks over their rings in one 
 Triton partial (`ring_attention`) runs each (slot, kv head, chunk) program as one warpgroup
 that waits on every load and every MMA in turn. Here a memory warpgroup streams the chunk's
 K, V and position tiles by TMA while the compute warpgroup runs wgmma on the one before, the
-same arithmetic: float32 operands split into two bf16 parts (`ring_attention._split`, ~16
-mantissa bits), bf16 ring tiles exact as one part, float32 accumulation, smallest products
-first. Program (b, h, c) attends kv head h's packed query rows of slot b over ring chunk c
+same arithmetic: float32 operands split into two bf16 parts (~16 mantissa bits; emitted by
+`qk_norm_rope(..., parts=True)` or `split_operands`), bf16 ring tiles exact as one part,
+float32 accumulation, smallest products first. Program (b, h, c) attends kv head h's packed query rows of slot b over ring chunk c
 and, in every chunk, the block's own keys (visible only in chunk 0), and writes the
 unnormalised partial (o, m, l) that `ring_attention.combine_partials` merges.
 
@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels._common import bf16_parts, hopper_available, smem_transforms
+
 from pallas_kernels import ring_attention as RA
 
 ROWS = 64        # one wgmma M: the packed query rows of one (slot, kv head)
@@ -39,19 +41,12 @@ BLOCK_K = 64     # ring slots per tile
 MIN_SEQS, MAX_SEQS = 4, 16
 
 
-def available() -> bool:
-  """Mosaic GPU on a Hopper-class GPU (wgmma, TMA)."""
-  if jax.default_backend() != "gpu":
-    return False
-  return float(getattr(jax.devices()[0], "compute_capability", "0")) >= 9.0
-
-
 def batched_splits(n_seqs: int, n_head_kv: int, rows: int, t: int, d: int, n_slots: int,
                    ring_dtype) -> int | None:
   """Ring chunks per (slot, kv head) for the batched step's launch of n_seqs slots, or None
   where the Triton kernel runs it (outside MIN_SEQS..MAX_SEQS, a shape `fits` refuses, no
   Hopper GPU)."""
-  if not (MIN_SEQS <= n_seqs <= MAX_SEQS) or not available():
+  if not (MIN_SEQS <= n_seqs <= MAX_SEQS) or not hopper_available():
     return None
   splits = max(1, 128 // (n_seqs * n_head_kv))
   return splits if fits(rows, t, d, n_slots, ring_dtype, splits) else None
@@ -63,21 +58,6 @@ def fits(rows: int, t: int, d: int, n_slots: int, ring_dtype, splits: int) -> bo
   return (rows == ROWS and t % 16 == 0 and d in (64, 128)
           and jnp.dtype(ring_dtype) == jnp.bfloat16 and n_slots % chunk == 0
           and chunk * n_chunks == n_slots)
-
-
-def _parts(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """x float32 -> its two bf16 parts (hi, lo), x = hi + lo to ~16 mantissa bits. The rounding
-  is `reduce_precision`: XLA may drop a float32 -> bf16 -> float32 round trip (excess
-  precision is allowed), which would leave lo = 0."""
-  hi = lax.reduce_precision(x, exponent_bits=8, mantissa_bits=7)
-  return hi.astype(jnp.bfloat16), (x - hi).astype(jnp.bfloat16)
-
-
-def _transforms(minor: int, dtype):
-  import jax.experimental.pallas.mosaic_gpu as plgpu
-  bits = jnp.dtype(dtype).itemsize * 8
-  swizzle = plgpu.find_swizzle(minor * bits)
-  return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
 
 
 @functools.partial(jax.jit, static_argnames=("layer", "window", "chunk", "steps", "alias_out"))
@@ -92,7 +72,7 @@ def _partials(q0, q1, k0, k1, v0, v1, ring_k, ring_v, ring_pos, n_past, *, layer
   n_slots = ring_k.shape[3]
   n_chunks = n_slots // chunk
   mask = RA.MASK
-  bf16_t, f32_t = _transforms(d, jnp.bfloat16), _transforms(d, jnp.float32)
+  bf16_t, f32_t = smem_transforms(d, jnp.bfloat16), smem_transforms(d, jnp.float32)
   # The own values are a K = T operand of p.v: wgmma takes K in whole swizzle groups, so
   # they are swizzled in 16-element (32-byte) groups.
   own_v_t = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
@@ -202,33 +182,49 @@ def _partials(q0, q1, k0, k1, v0, v1, ring_k, ring_v, ring_pos, n_past, *, layer
   return f(n_past, ring_pos, q0, q1, k0, k1, v0, v1, ring_k, ring_v)
 
 
+def split_operands(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, ...]:
+  """The kernel's operands from float32 q, k, v (any leading axes): (q0, q1, k0, k1, v0, v1),
+  the bf16 parts (`bf16_parts`) of q / sqrt(D), k and v. `qk_norm_rope(..., parts=True)`
+  emits the same from its launch; this XLA form is for callers holding float32 operands."""
+  q = q * (1.0 / math.sqrt(q.shape[-1]))
+  return (*bf16_parts(q), *bf16_parts(k), *bf16_parts(v))
+
+
 @functools.partial(jax.jit, static_argnames=("layer", "window", "splits", "steps", "out_dtype"))
-def ring_attention_batched(q: jax.Array, k: jax.Array, v: jax.Array, ring_k: jax.Array,
-                           ring_v: jax.Array, ring_pos: jax.Array, n_past: jax.Array, *,
-                           layer: int, window: int | None, splits: int = 4, steps: int = 2,
+def ring_attention_batched(q0: jax.Array, q1: jax.Array, k0: jax.Array, k1: jax.Array,
+                           v0: jax.Array, v1: jax.Array, ring_k: jax.Array, ring_v: jax.Array,
+                           ring_pos: jax.Array, n_past: jax.Array, *, layer: int,
+                           window: int | None, splits: int = 4, steps: int = 2,
                            out_dtype=jnp.float32) -> jax.Array:
-  """`ring_attention` of B sequences at once: q [B, Hkv, T*G, D], k, v [B, Hkv, T, D]
-  float32; ring_k, ring_v [B, L, Hkv, S, D] bf16; ring_pos [B, S] int32; n_past [B] int32.
-  Returns [B, T, Hq*D] as out_dtype. The ring is cut into `splits` chunks (`RA.chunking`
-  with 64-slot tiles), `steps` tiles in flight. GPU only; shapes as `fits` says."""
+  """`ring_attention` of B sequences at once, from the bf16 parts of its float32 operands
+  (`split_operands`: q pre-scaled by 1/sqrt(D)): q0, q1 [B, Hkv, T*G, D], k0, k1, v0, v1
+  [B, Hkv, T, D]; ring_k, ring_v [B, L, Hkv, S, D] bf16; ring_pos [B, S] int32; n_past [B]
+  int32. Returns [B, T, Hq*D] as out_dtype. The ring is cut into `splits` chunks
+  (`RA.chunking` with 64-slot tiles), `steps` tiles in flight. GPU only; shapes as `fits`
+  says."""
   name = "ring_attention_batched"
-  b_n, hkv, rows, d = q.shape
-  t = k.shape[2]
+  b_n, hkv, rows, d = q0.shape
+  t = k0.shape[2]
+  parts = (q0, q1, k0, k1, v0, v1)
+  for x, shape in zip(parts, [q0.shape] * 2 + [(b_n, hkv, t, d)] * 4):
+    RA.check(x.shape == shape and x.dtype == jnp.bfloat16, name,
+             "the parts must be bf16, q0 / q1 [B, Hkv, T*G, D] and k0 ... v1 [B, Hkv, T, D]",
+             [(y.shape, y.dtype) for y in parts])
   RA.check(ring_k.ndim == 5 and ring_k.shape[0] == b_n, name,
            "ring_k must be [B, L, Hkv, S, D]", ring_k.shape)
   RA.check(n_past.shape == (b_n,) and ring_pos.shape == (b_n, ring_k.shape[3]), name,
            "n_past must be [B] and ring_pos [B, S]", (n_past.shape, ring_pos.shape))
-  # Every slot has slot 0's shapes: its view is checked.
-  RA._check_shapes(name, q[0], k[0], v[0], ring_k[0], ring_v[0], ring_pos[0], n_past[0],
-                   layer, window)
+  # Every slot has slot 0's shapes: its view is checked (float32 stand-ins for the parts).
+  f32 = lambda x: jax.ShapeDtypeStruct(x.shape[1:], jnp.float32)
+  RA._check_shapes(name, f32(q0), f32(k0), f32(v0), ring_k[0], ring_v[0], ring_pos[0],
+                   n_past[0], layer, window)
   n_slots = ring_k.shape[3]
   RA.check(fits(rows, t, d, n_slots, ring_k.dtype, splits), name,
            "shape outside this kernel (64 packed rows, T % 16, D 64 / 128, bf16 ring of whole "
            "64-slot chunks)", (rows, t, d, n_slots, ring_k.dtype, splits))
   chunk, n_chunks = RA.chunking(n_slots, splits, BLOCK_K)
-  o, m, l = _partials(*_parts(q * (1.0 / math.sqrt(d))), *_parts(k), *_parts(v), ring_k,
-                      ring_v, ring_pos, n_past, layer=layer, window=window, chunk=chunk,
-                      steps=steps)
+  o, m, l = _partials(*parts, ring_k, ring_v, ring_pos, n_past, layer=layer, window=window,
+                      chunk=chunk, steps=steps)
   combine = functools.partial(RA.combine_partials, t=t, d=d, n_chunks=n_chunks, fold_own=True,
                               out_dtype=out_dtype, interpret=False)
   return jax.vmap(combine)(o, m, l)

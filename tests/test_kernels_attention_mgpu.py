@@ -29,6 +29,11 @@ def batch_inputs(seed: int, cases, *, s: int, window, ring_dtype=jnp.bfloat16):
   return tuple(jnp.stack([p[i] for p in per]) for i in range(7))
 
 
+def batched(args, **kw):
+  """The kernel on float32 operands: their bf16 parts by `split_operands`."""
+  return M.ring_attention_batched(*M.split_operands(*args[:3]), *args[3:], **kw)
+
+
 def twin(args, *, layer, window):
   f = lambda *a: RA.ring_attention_reference(*a, layer=layer, window=window)
   return np.asarray(jax.vmap(f)(*args))
@@ -45,19 +50,26 @@ def test_fits():
 
 def test_rejects_shapes_outside_the_kernel():
   args = batch_inputs(1, [(40, 40)] * 2, s=64, window=64)
-  q = args[0][:, :, :48]   # 48 packed rows
-  with pytest.raises(ValueError, match="shape outside this kernel"):
-    M.ring_attention_batched(q, *args[1:], layer=0, window=64)
+  with pytest.raises(ValueError, match="shape outside this kernel"):   # 48 packed rows
+    batched((args[0][:, :, :48],) + args[1:], layer=0, window=64)
   with pytest.raises(ValueError, match="n_past must be"):
-    M.ring_attention_batched(*args[:6], args[6][:1], layer=0, window=64)
+    batched(args[:6] + (args[6][:1],), layer=0, window=64)
+  parts = M.split_operands(*args[:3])
+  with pytest.raises(ValueError, match="the parts must be bf16"):
+    M.ring_attention_batched(*parts[:5], parts[5].astype(jnp.float32), *args[3:], layer=0,
+                             window=64)
 
 
 def test_parts_keep_16_bits_under_jit():
   """hi + lo recovers x to ~16 mantissa bits inside a jit (where XLA could otherwise fold the
-  float32 -> bf16 -> float32 round trip away and leave lo = 0)."""
+  float32 -> bf16 -> float32 round trip away and leave lo = 0); hi is x rounded to nearest
+  even, as XLA's own convert rounds it."""
+  from pallas_kernels._common import bf16_parts
   x = jax.random.normal(jax.random.key(3), (64, 128), jnp.float32) * 3.0
-  hi, lo = jax.jit(M._parts)(x)
+  hi, lo = jax.jit(bf16_parts)(x)
   assert hi.dtype == lo.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(hi, np.float32),
+                                np.asarray(np.asarray(x).astype(jnp.bfloat16), np.float32))
   err = np.abs(np.asarray(hi, np.float32) + np.asarray(lo, np.float32) - np.asarray(x))
   assert err.max() <= 2.0 ** -15 * np.abs(np.asarray(x)).max()
   assert np.abs(np.asarray(lo, np.float32)).max() > 0
@@ -94,8 +106,7 @@ def seed_batch():
 @pytest.mark.parametrize("splits,steps", [(4, 2), (2, 2), (8, 3), (1, 2)])
 def test_gpu_matches_twin(seed_batch, splits, steps):
   args, ref = seed_batch
-  out = np.asarray(M.ring_attention_batched(*args, layer=2, window=2048, splits=splits,
-                                            steps=steps))
+  out = np.asarray(batched(args, layer=2, window=2048, splits=splits, steps=steps))
   assert np.isfinite(out).all()
   tol = 2.0 ** -12 * np.abs(ref).max()
   np.testing.assert_allclose(out, ref, rtol=tol, atol=tol)
@@ -107,10 +118,10 @@ def test_gpu_full_cache_and_bf16_out():
   rounded float32 one."""
   args = batch_inputs(30, [(4000, 3990), (4096, 4096), (10, 3)], s=4096, window=None)
   ref = twin(args, layer=1, window=None)
-  out = np.asarray(M.ring_attention_batched(*args, layer=1, window=None, splits=8))
+  out = np.asarray(batched(args, layer=1, window=None, splits=8))
   tol = 2.0 ** -12 * np.abs(ref).max()
   np.testing.assert_allclose(out, ref, rtol=tol, atol=tol)
-  b = M.ring_attention_batched(*args, layer=1, window=None, splits=8, out_dtype=jnp.bfloat16)
+  b = batched(args, layer=1, window=None, splits=8, out_dtype=jnp.bfloat16)
   assert b.dtype == jnp.bfloat16
   np.testing.assert_array_equal(np.asarray(b), out.astype(jnp.bfloat16))
 
@@ -121,6 +132,6 @@ def test_gpu_agrees_with_triton_kernel(seed_batch):
   args, ref = seed_batch
   kn = RA.default_knobs(2048, 2048, jnp.bfloat16, n_seqs=len(CASES))
   tri = jax.vmap(lambda *a: RA.ring_attention(*a, layer=2, window=2048, **kn))(*args)
-  out = M.ring_attention_batched(*args, layer=2, window=2048, splits=kn["splits"])
+  out = batched(args, layer=2, window=2048, splits=kn["splits"])
   tol = 2.0 ** -12 * np.abs(ref).max()
   np.testing.assert_allclose(np.asarray(out), np.asarray(tri), rtol=tol, atol=tol)

@@ -16,6 +16,7 @@ import pytest
 
 from dflash_jax import params as P
 from dflash_jax.quant import quantize_fp8, quantize_q8_0
+from pallas_kernels._common import hopper_available
 from pallas_kernels import batched_gemm as BG
 
 # float32 accumulation in another order than the float64 oracle's: K-term sums err by a small
@@ -104,7 +105,7 @@ def test_default_knobs_fit_shared_memory():
 def test_linear_keeps_xla_off_hopper():
   # On a backend without the kernel (CPU here), every row count past the skinny GEMM's runs
   # XLA's GEMM: no Mosaic GPU call in the lowered program.
-  if BG.available():
+  if hopper_available():
     pytest.skip("this backend has the kernel (the GPU tests cover it)")
   x = jnp.ones((128, 256), jnp.bfloat16)
   w = jnp.ones((128, 256), jnp.bfloat16)
@@ -194,7 +195,7 @@ def test_linear_batched_branch_on_cpu(monkeypatch):
     r = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
     want = [P.linear(x, w, impl="xla", residual=r), P.linear(x, w, impl="xla", partials=True),
             P.linear(x, wgu, impl="xla", gate_up=True, out_dtype=jnp.bfloat16)]
-    monkeypatch.setattr(BG, "available", lambda: True)
+    monkeypatch.setattr(P, "hopper_available", lambda: True)
     monkeypatch.setattr(BG, "_call", fake_call)
     monkeypatch.setattr(BG, "_call_fp8", _fake_call_fp8)
     got = [P.linear(x, w, residual=r), P.linear(x, w, partials=True),
@@ -213,7 +214,7 @@ def test_linear_batched_branch_on_cpu(monkeypatch):
     x = jnp.asarray(rng.standard_normal((P.BATCHED_MAX_M, k)), jnp.float32)
     gu = wb is wgu
     want = P.linear(x, qw, impl="xla", gate_up=gu, out_dtype=jnp.bfloat16 if gu else jnp.float32)
-    monkeypatch.setattr(BG, "available", lambda: True)
+    monkeypatch.setattr(P, "hopper_available", lambda: True)
     monkeypatch.setattr(BG, "_call", fake_call)
     monkeypatch.setattr(BG, "_call_fp8", _fake_call_fp8)
     monkeypatch.setattr(P, "BATCHED_FORMATS", ("bf16", "fp8"))
@@ -224,7 +225,7 @@ def test_linear_batched_branch_on_cpu(monkeypatch):
   assert len(calls) == n_bf16 + 2
   # By default fp8 runs there too (measured faster than the skinny fp8 GEMM on the H200); q8_0
   # never does.
-  monkeypatch.setattr(BG, "available", lambda: True)
+  monkeypatch.setattr(P, "hopper_available", lambda: True)
   monkeypatch.setattr(BG, "_call", fake_call)
   monkeypatch.setattr(BG, "_call_fp8", _fake_call_fp8)
   assert P._batched_knobs(x, qw, True, jnp.bfloat16) is not None

@@ -1,6 +1,7 @@
 """pallas_kernels.qk_norm_rope: interpret mode vs the jnp twin, a float64 oracle and reference/."""
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -187,6 +188,30 @@ def test_limits_shapes_and_dtypes():
     run_kernel(c | dict(n_head=5))
 
 
+def _assert_parts_of_f32(c: dict, interpret: bool):
+  """parts=True is bitwise the bf16 split of the float32 launch's outputs (q / sqrt(D))."""
+  from pallas_kernels.ring_attention_mgpu import split_operands
+  kw = dict(n_head=c["n_head"], n_head_kv=c["n_head_kv"], eps=EPS, interpret=interpret)
+  f32 = qk_norm_rope(*args(c), **kw)
+  parts = qk_norm_rope(*args(c), parts=True, **kw)
+  want = jax.jit(split_operands)(*f32)
+  assert len(parts) == 6
+  for i, (got, w) in enumerate(zip(parts, want, strict=True)):
+    assert got.dtype == jnp.bfloat16 and got.shape == w.shape, i
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(w, np.float32),
+                                  err_msg=str(i))
+  # the low parts carry the next 8 bits: they are not all zero
+  assert all(np.abs(np.asarray(parts[i], np.float32)).max() > 0 for i in (1, 3, 5))
+  scale = 1.0 / np.sqrt(c["q_norm"].shape[0])
+  hi_lo = np.asarray(parts[0], np.float32) + np.asarray(parts[1], np.float32)
+  np.testing.assert_allclose(hi_lo, np.asarray(f32[0]) * scale, rtol=2.0 ** -15, atol=1e-30)
+
+
+@pytest.mark.parametrize("t, hkv, g, d", [(16, 2, 4, 64), (10, 2, 3, 48)])
+def test_parts_are_the_split_of_the_float32_outputs(t, hkv, g, d):
+  _assert_parts_of_f32(make_case(18, t=t, hkv=hkv, g=g, d=d, n_past=300), interpret=True)
+
+
 # ---------------------------------------------------------------- GPU (H200), real dims
 @pytest.mark.gpu
 @pytest.mark.parametrize("n_past", [0, 2040, 131_000])
@@ -195,6 +220,11 @@ def test_gpu_compiled_matches_twin(n_past):
   out = qk_norm_rope(*args(c), n_head=32, n_head_kv=8, eps=EPS, interpret=False)
   # libdevice vs XLA cos/sin and reduction order: a few float32 ulp.
   assert_all_close(out, c, twin_rtol=1e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_parts_are_the_split_of_the_float32_outputs():
+  _assert_parts_of_f32(make_case(19, t=16, hkv=8, g=4, d=128, n_past=2040), interpret=False)
 
 
 def test_twin_takes_any_shape():

@@ -79,12 +79,11 @@ def test_gemm_input_norm_routes_with_the_batched_gemm(monkeypatch):
   batched GEMM would run the consuming product, XLA's float32 norm elsewhere or with
   NORM_KERNEL off; both round to the same bf16 GEMM input up to one rounding step."""
   from dflash_jax import params as P
-  from pallas_kernels import batched_gemm as BG
   k, n = 256, 128
   rng = np.random.default_rng(3)
   w = jnp.asarray(rng.standard_normal((n, k)), jnp.bfloat16)
   wn = jnp.asarray(rng.standard_normal(k) + 1, jnp.float32)
-  monkeypatch.setattr(BG, "available", lambda: True)
+  monkeypatch.setattr(P, "hopper_available", lambda: True)
   for rows, kernel in ((P.BATCHED_MIN_M - 1, False), (P.BATCHED_MIN_M, True),
                        (P.BATCHED_MAX_M, True), (P.BATCHED_MAX_M + 1, False)):
     x = jnp.asarray(rng.standard_normal((rows, k)), jnp.float32)
