@@ -23,8 +23,8 @@ Sections (each printed as it finishes, all written to DIR/batch.json and batch.m
   says what each compares): the batched GEMM on vs off (where `params.BATCHED_MIN_M` /
   `BATCHED_MAX_M` / `BATCHED_FORMATS` come from), XLA's or the Pallas RMS norm in front of it
   (`params.NORM_KERNEL`), the block's own keys in a program of their own or folded into
-  chunk 0's (`ring_attention.FOLD_OWN_MIN_SEQS`), the Triton or the Mosaic GPU partials
-  (`ring_attention_mgpu.MAX_SEQS`). By default only batched_ab runs (each A/B takes minutes).
+  chunk 0's (`ring_attention.FOLD_OWN_MIN_SEQS`), the Triton or the Mosaic GPU partials with
+  one or two compute warpgroups (`ring_attention_mgpu.MAX_SEQS`, `COMPUTE_WGS`). By default only batched_ab runs (each A/B takes minutes).
 
 On the H200 the whole run takes about 5 minutes, mostly compiles (one per point); a slower
 start can split it: `--only rounds`, then `--only compiles,memory,crossover`.
@@ -216,7 +216,9 @@ def ab_settings(section: str) -> list[tuple[str, dict]]:
     return [("own_program", {(A, "FOLD_OWN_MIN_SEQS"): None}),
             ("own_folded", {(A, "FOLD_OWN_MIN_SEQS"): 2})]
   if section == "mgpu_attn_ab":
-    return [("triton", {(AM, "MAX_SEQS"): 0}), ("mgpu", {(AM, "MAX_SEQS"): 64})]
+    return [("triton", {(AM, "MAX_SEQS"): 0}),
+            ("mgpu", {(AM, "MAX_SEQS"): 64, (AM, "COMPUTE_WGS"): 1}),
+            ("mgpu_2wg", {(AM, "MAX_SEQS"): 64, (AM, "COMPUTE_WGS"): 2})]
   raise ValueError(section)
 
 

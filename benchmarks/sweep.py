@@ -508,7 +508,7 @@ def sweep_mgpu_attention(bw: float) -> list[dict]:
 def sweep_mgpu_batch_attention(bw: float, slots: tuple[int, ...]) -> list[dict]:
   """The Mosaic GPU batched ring attention (ring_attention_mgpu) next to the vmapped Triton
   kernel with its default knobs, S slots at the seed's dims, full bf16 rings, bf16 out:
-  chunks x pipeline stages, each timed from the bf16 parts (as qk_norm_rope emits them) and
+  chunks x pipeline stages x compute warpgroups, each timed from the bf16 parts (as qk_norm_rope emits them) and
   split per launch (partials, combine)."""
   from pallas_kernels import ring_attention_mgpu as M
   cfg = dfj.SEED_CONFIG
@@ -531,13 +531,15 @@ def sweep_mgpu_batch_attention(bw: float, slots: tuple[int, ...]) -> list[dict]:
                     err=err, **kn))
     ref = tri(*args).astype(jnp.float32)
     parts = jax.jit(M.split_operands)(q, k, v)
-    for splits, steps in itertools.product((1, 2, 4, 8), (2, 3)):
+    for splits, steps, wgs in itertools.product((1, 2, 4, 8), (2, 3), (1, 2)):
+      if M.smem_bytes(b, d, steps, wgs) > M.SMEM_LIMIT:
+        continue
       f = functools.partial(M.ring_attention_batched, layer=layer, window=w, splits=splits,
-                            steps=steps, out_dtype=jnp.bfloat16)
+                            steps=steps, wgs=wgs, out_dtype=jnp.bfloat16)
       margs = (*parts, ring.k, ring.v, ring.pos, n_past)
       us, err = _time(f, *margs)
-      row = dict(kernel="ring_attention_mgpu", slots=n, splits=splits, steps=steps, us=us,
-                 floor_us=floor_us, err=err)
+      row = dict(kernel="ring_attention_mgpu", slots=n, splits=splits, steps=steps, wgs=wgs,
+                 us=us, floor_us=floor_us, err=err)
       if err is None:
         row["max_diff_vs_triton"] = float(jnp.max(jnp.abs(jax.jit(f)(*margs) - ref)))
         row["launches_us"] = [round(ms * 1e3, 2) for _, ms in C.kernel_medians(

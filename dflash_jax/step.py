@@ -235,8 +235,8 @@ def _block(params: DrafterParams, ring: RingState, id_last: jax.Array, n_past: j
     x = params.tok_embd[tokens].astype(jnp.float32)
   knobs = {kind: attention_knobs(ring.cache(kind), impl) for kind, _ in cfg.kind_groups}
   # The batched launch's Mosaic GPU partials where they measured faster (None: Triton's).
-  mgpu_splits = {
-      kind: None if n_slots is None or impl != "pallas" else attn_mgpu.batched_splits(
+  mgpu_knobs = {
+      kind: None if n_slots is None or impl != "pallas" else attn_mgpu.batched_knobs(
           n_slots, cfg.n_head_kv, w * cfg.group, w, cfg.head_dim, ring.cache(kind).slots,
           ring.cache(kind).k.dtype)
       for kind, _ in cfg.kind_groups}
@@ -270,7 +270,7 @@ def _block(params: DrafterParams, ring: RingState, id_last: jax.Array, n_past: j
         # vmapping over that axis 1 hands each slot's programs their rows: no transpose (a
         # reshape under vmap would move the slot axis to the front first, copying them).
         # The Mosaic GPU attention takes its operands' bf16 parts, emitted by qk_norm_rope.
-        mgpu = mgpu_splits[kind] is not None
+        mgpu = mgpu_knobs[kind] is not None
         with jax.named_scope("norm_rope"):
           heads = qkv.reshape(qkv.shape[0], n_slots, w, cfg.n_head + 2 * cfg.n_head_kv,
                               cfg.head_dim)
@@ -280,7 +280,7 @@ def _block(params: DrafterParams, ring: RingState, id_last: jax.Array, n_past: j
           if mgpu:
             o = attn_mgpu.ring_attention_batched(
                 *operands, cache.k, cache.v, cache.pos, n_past, layer=cfg.index_in_kind(l),
-                window=cache.window, splits=mgpu_splits[kind], out_dtype=act_dtype)
+                window=cache.window, out_dtype=act_dtype, **mgpu_knobs[kind])
           else:
             o = jax.vmap(attend)(*operands, cache.k, cache.v, cache.pos, n_past)
           o = o.reshape(n_slots * w, o.shape[-1])

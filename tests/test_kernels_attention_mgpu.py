@@ -46,6 +46,11 @@ def test_fits():
   assert not M.fits(64, 16, 96, 2048, jnp.bfloat16, 4)      # head_dim 96
   assert not M.fits(64, 16, 128, 2048, jnp.float32, 4)      # fp32 ring
   assert not M.fits(64, 16, 128, 3000, jnp.bfloat16, 4)     # ragged chunks
+  assert M.fits(64, 16, 128, 2048, jnp.bfloat16, 16, wgs=2)  # 16 chunks of one 128-slot tile
+  # Shared memory: 2 warpgroups' tiles fit 2 stages, not 3 (Mosaic GPU's count at 3: 284776
+  # bytes, over the H200's 232448).
+  assert M.smem_bytes(16, 128, 2, 2) <= M.SMEM_LIMIT < M.smem_bytes(16, 128, 3, 2)
+  assert M.smem_bytes(16, 128, 4, 1) <= M.SMEM_LIMIT
 
 
 def test_rejects_shapes_outside_the_kernel():
@@ -55,6 +60,8 @@ def test_rejects_shapes_outside_the_kernel():
   with pytest.raises(ValueError, match="n_past must be"):
     batched(args[:6] + (args[6][:1],), layer=0, window=64)
   parts = M.split_operands(*args[:3])
+  with pytest.raises(ValueError, match="exceed shared memory"):
+    batched(args, layer=0, window=64, splits=1, steps=3, wgs=2)
   with pytest.raises(ValueError, match="the parts must be bf16"):
     M.ring_attention_batched(*parts[:5], parts[5].astype(jnp.float32), *args[3:], layer=0,
                              window=64)
@@ -75,8 +82,10 @@ def test_parts_keep_16_bits_under_jit():
   assert np.abs(np.asarray(lo, np.float32)).max() > 0
 
 
-@pytest.mark.parametrize("window,splits,steps", [(2048, 4, 2), (2048, 2, 3), (None, 8, 2)])
-def test_lowers_for_hopper_on_cpu(window, splits, steps):
+@pytest.mark.parametrize("window,splits,steps,wgs", [(2048, 4, 2, 1), (2048, 2, 3, 1),
+                                                    (None, 8, 2, 1), (2048, 2, 2, 2),
+                                                    (None, 4, 2, 2)])
+def test_lowers_for_hopper_on_cpu(window, splits, steps, wgs):
   """Mosaic GPU lowers the partial kernel for sm90 at the seed's dims without a GPU (layouts,
   the register A operand of p.v, the own values' 32-byte swizzle, the aliased buffers)."""
   sd = jax.ShapeDtypeStruct
@@ -84,8 +93,8 @@ def test_lowers_for_hopper_on_cpu(window, splits, steps):
   args = (*[sd((b, HKV, T * G, D), jnp.bfloat16)] * 2, *[sd((b, HKV, T, D), jnp.bfloat16)] * 4,
           sd((b, 5, HKV, s, D), jnp.bfloat16),
           sd((b, 5, HKV, s, D), jnp.bfloat16), sd((b, s), jnp.int32), sd((b,), jnp.int32))
-  chunk, _ = RA.chunking(s, splits, M.BLOCK_K)
-  f = lambda *a: M._partials(*a, layer=3, window=window, chunk=chunk, steps=steps)
+  chunk, _ = RA.chunking(s, splits, M.BLOCK_K * wgs)
+  f = lambda *a: M._partials(*a, layer=3, window=window, chunk=chunk, steps=steps, wgs=wgs)
   text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
 
@@ -103,10 +112,11 @@ def seed_batch():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("splits,steps", [(4, 2), (2, 2), (8, 3), (1, 2)])
-def test_gpu_matches_twin(seed_batch, splits, steps):
+@pytest.mark.parametrize("splits,steps,wgs", [(4, 2, 1), (2, 2, 1), (8, 3, 1), (1, 2, 1),
+                                              (2, 2, 2), (4, 2, 2), (1, 2, 2)])
+def test_gpu_matches_twin(seed_batch, splits, steps, wgs):
   args, ref = seed_batch
-  out = np.asarray(batched(args, layer=2, window=2048, splits=splits, steps=steps))
+  out = np.asarray(batched(args, layer=2, window=2048, splits=splits, steps=steps, wgs=wgs))
   assert np.isfinite(out).all()
   tol = 2.0 ** -12 * np.abs(ref).max()
   np.testing.assert_allclose(out, ref, rtol=tol, atol=tol)
@@ -118,10 +128,10 @@ def test_gpu_full_cache_and_bf16_out():
   rounded float32 one."""
   args = batch_inputs(30, [(4000, 3990), (4096, 4096), (10, 3)], s=4096, window=None)
   ref = twin(args, layer=1, window=None)
-  out = np.asarray(batched(args, layer=1, window=None, splits=8))
+  out = np.asarray(batched(args, layer=1, window=None, splits=8, wgs=2))
   tol = 2.0 ** -12 * np.abs(ref).max()
   np.testing.assert_allclose(out, ref, rtol=tol, atol=tol)
-  b = batched(args, layer=1, window=None, splits=8, out_dtype=jnp.bfloat16)
+  b = batched(args, layer=1, window=None, splits=8, wgs=2, out_dtype=jnp.bfloat16)
   assert b.dtype == jnp.bfloat16
   np.testing.assert_array_equal(np.asarray(b), out.astype(jnp.bfloat16))
 
