@@ -18,13 +18,14 @@ Sections (each printed as it finishes, all written to DIR/batch.json and batch.m
   the device beside the bf16 weights, with one round over all 64 slots.
 - crossover: the skinny GEMM vs XLA's GEMM for each bf16 matrix of a seed round at M = 64 ..
   512 rows; prints the row count to set `dflash_jax.params.SKINNY_MAX_M` to.
-- batched_ab, norm_ab, attn_ab: rounds under two or more routings, interleaved in one
+- batched_ab, norm_ab, attn_ab, mgpu_attn_ab: rounds under two or more routings, interleaved in one
   process, at 32-128 rows (bf16 weights; `Plan.ab_points` takes fp8 points too; `ab_settings`
   says what each compares): the batched GEMM on vs off (where `params.BATCHED_MIN_M` /
   `BATCHED_MAX_M` / `BATCHED_FORMATS` come from), XLA's or the Pallas RMS norm in front of it
   (`params.NORM_KERNEL`), the block's own keys in a program of their own or folded into
   chunk 0's (`ring_attention.FOLD_OWN_MIN_SEQS`), the Triton or the Mosaic GPU partials with
-  one or two compute warpgroups (`ring_attention_mgpu.MAX_SEQS`, `COMPUTE_WGS`). By default only batched_ab runs (each A/B takes minutes).
+  one or two compute warpgroups (`ring_attention_mgpu.MAX_SEQS`, `COMPUTE_WGS`). By default
+  only batched_ab runs (each A/B takes minutes).
 
 On the H200 the whole run takes about 5 minutes, mostly compiles (one per point); a slower
 start can split it: `--only rounds`, then `--only compiles,memory,crossover`.

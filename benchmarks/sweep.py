@@ -80,21 +80,28 @@ def sweep_attention(bw: float) -> list[dict]:
   return out
 
 
+def _slot_batch(cfg, n: int, w: int, bw: float):
+  """((q, k, v, ring, n_past), ring-read floor us) of n slots' blocks over full bf16 rings of
+  w slots at cfg's dims: the inputs of a batched ring attention launch."""
+  hkv, d, b, g = cfg.n_head_kv, cfg.head_dim, cfg.block_size, cfg.group
+  key = iter(jax.random.split(jax.random.key(n), 4))
+  rnd = lambda s: jax.random.normal(next(key), s, jnp.float32)
+  q, k, v = rnd((n, hkv, b * g, d)), rnd((n, hkv, b, d)), rnd((n, hkv, b, d))
+  ring = C.filled_state(cfg, "bf16", w, w, n_seqs=n).sliding
+  floor_us = n * 2 * hkv * w * d * ring.k.dtype.itemsize / bw * 1e6
+  return (q, k, v, ring, jnp.full((n,), w, jnp.int32)), floor_us
+
+
 def sweep_batch_attention(bw: float, slots: tuple[int, ...]) -> list[dict]:
   """Ring attention vmapped over S sequence slots (the batched step's launch), seed dims,
   full bf16 rings, next to the ring-read floor of S rings: splits x block_k x the own keys'
   program (own or folded into chunk 0) per S at 4 warps and 2 stages, then warps x stages x
   query-row tiles around the best two of those."""
   cfg = dfj.SEED_CONFIG
-  w, hkv, d, b, g = 2048, cfg.n_head_kv, cfg.head_dim, cfg.block_size, cfg.group
+  w = 2048
   out = []
   for n in slots:
-    key = iter(jax.random.split(jax.random.key(n), 4))
-    rnd = lambda s: jax.random.normal(next(key), s, jnp.float32)
-    q, k, v = rnd((n, hkv, b * g, d)), rnd((n, hkv, b, d)), rnd((n, hkv, b, d))
-    ring = C.filled_state(cfg, "bf16", w, w, n_seqs=n).sliding
-    n_past = jnp.full((n,), w, jnp.int32)
-    floor_us = n * 2 * hkv * w * d * ring.k.dtype.itemsize / bw * 1e6
+    (q, k, v, ring, n_past), floor_us = _slot_batch(cfg, n, w, bw)
 
     def run(**kn):
       f = jax.vmap(functools.partial(R.ring_attention, layer=cfg.n_layer - 1, window=w,
@@ -508,20 +515,15 @@ def sweep_mgpu_attention(bw: float) -> list[dict]:
 def sweep_mgpu_batch_attention(bw: float, slots: tuple[int, ...]) -> list[dict]:
   """The Mosaic GPU batched ring attention (ring_attention_mgpu) next to the vmapped Triton
   kernel with its default knobs, S slots at the seed's dims, full bf16 rings, bf16 out:
-  chunks x pipeline stages x compute warpgroups, each timed from the bf16 parts (as qk_norm_rope emits them) and
-  split per launch (partials, combine)."""
+  chunks x pipeline stages x compute warpgroups, each timed from the bf16 parts (as
+  qk_norm_rope emits them) and split per launch (partials, combine)."""
   from pallas_kernels import ring_attention_mgpu as M
   cfg = dfj.SEED_CONFIG
-  w, hkv, d, b, g = 2048, cfg.n_head_kv, cfg.head_dim, cfg.block_size, cfg.group
+  w, d, b = 2048, cfg.head_dim, cfg.block_size
   layer = cfg.n_layer - 1
   out = []
   for n in slots:
-    key = iter(jax.random.split(jax.random.key(n), 4))
-    rnd = lambda s: jax.random.normal(next(key), s, jnp.float32)
-    q, k, v = rnd((n, hkv, b * g, d)), rnd((n, hkv, b, d)), rnd((n, hkv, b, d))
-    ring = C.filled_state(cfg, "bf16", w, w, n_seqs=n).sliding
-    n_past = jnp.full((n,), w, jnp.int32)
-    floor_us = n * 2 * hkv * w * d * ring.k.dtype.itemsize / bw * 1e6
+    (q, k, v, ring, n_past), floor_us = _slot_batch(cfg, n, w, bw)
     kn = R.default_knobs(w, w, jnp.bfloat16, n_seqs=n)
     tri = jax.vmap(functools.partial(R.ring_attention, layer=layer, window=w,
                                      out_dtype=jnp.bfloat16, **kn))

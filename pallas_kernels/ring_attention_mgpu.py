@@ -6,14 +6,15 @@ that waits on every load and every MMA in turn. Here a memory warpgroup streams 
 K, V and position tiles by TMA while the compute warpgroup runs wgmma on the one before, the
 same arithmetic: float32 operands split into two bf16 parts (~16 mantissa bits; emitted by
 `qk_norm_rope(..., parts=True)` or `split_operands`), bf16 ring tiles exact as one part,
-float32 accumulation, smallest products first. Program (b, h, c) attends kv head h's packed query rows of slot b over ring chunk c
-and, in every chunk, the block's own keys (visible only in chunk 0), and writes the
-unnormalised partial (o, m, l) that `ring_attention.combine_partials` merges.
+float32 accumulation, smallest products first. Program (b, h, c) attends kv head h's packed
+query rows of slot b over ring chunk c and, in every chunk, the block's own keys (visible
+only in chunk 0), and writes the unnormalised partial (o, m, l) that
+`ring_attention.combine_partials` merges.
 
 The shapes it takes (`fits`): 64 packed query rows (T*G; the seed drafter's 16 x 4), T a
-multiple of 16, head_dim 64 or 128, a bf16 ring whose chunks are whole 64-slot tiles. GPU
-only (Mosaic GPU has no interpreter): `ring_attention_reference` is the contract; the CPU
-tests check the wrapper and lower the kernel for the GPU.
+multiple of 16, head_dim 64 or 128, a bf16 ring whose chunks are whole tiles. GPU only
+(Mosaic GPU has no interpreter): `ring_attention_reference` is the contract; the CPU tests
+check the wrapper and lower the kernel for the GPU.
 """
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ BLOCK_K = 64     # ring slots per compute warpgroup and pipeline step
 # vs 16.2 here; S = 4 31.8 vs 23.1 (4 chunks); S = 8 39.3 vs 36.5 (2); S = 16 65.5 vs 60.5
 # (1); S = 32 110.6 vs 120.7.
 MIN_SEQS, MAX_SEQS = 4, 16
-# Compute warpgroups per program (one wgmma chain each over its half of a 128-slot tile).
+# Compute warpgroups per program (each a wgmma chain over its 64 slots of a 64 x wgs tile).
+# Two measured slower (H200, RESULTS.md run 19: w16 S8 round 1.817 vs 1.804 ms).
 COMPUTE_WGS = 1
 
 
