@@ -1,6 +1,7 @@
 """Batches of sequences (SPEC.md section 6): the batched ring, draft_round_batched and
 BatchedDrafter against the unbatched step and against one DFlashRef per slot."""
 import dataclasses
+import functools
 
 import chex
 import jax
@@ -496,3 +497,65 @@ def test_gpu_batched_round_aliases_ring_without_copy(seed_case):
   ptrs = [x.unsafe_buffer_pointer() for x in jax.tree.leaves(ring)]
   new_ring, _, _ = S.draft_round_batched_jit(*args)
   assert [x.unsafe_buffer_pointer() for x in jax.tree.leaves(new_ring)] == ptrs
+
+
+# A drafter whose attention fits ring_attention_mgpu (64 packed rows: block 16 x G 4, head_dim
+# 64, a 128-slot window of two 64-slot chunks at 4 slots x 1 kv head).
+MGPU_CFG = dataclasses.replace(dfj.TINY_CONFIG, n_layer=2, n_head=4, n_head_kv=1, head_dim=64,
+                               block_size=16, window=128)
+
+
+def test_batched_step_routes_attention_to_mosaic_gpu_kernel(monkeypatch):
+  """The routing and the wiring of the Mosaic GPU attention, on the CPU: with a Hopper GPU
+  pretended, 4 slots take ring_attention_mgpu with qk_norm_rope's bf16 parts. The kernel is
+  replaced by the jnp twin on the parts' sum (q / sqrt(D) scaled back), so a wrong operand
+  order, scale, layer or window shows against the Triton kernels' round (interpret mode)."""
+  from pallas_kernels import ring_attention as RA
+  from pallas_kernels import ring_attention_mgpu as AM
+  cfg = MGPU_CFG
+  params = dfj.prepare_weights(cfg, dfj.synthetic_drafter(cfg, seed=4, n_vocab=VOCAB), "bf16")
+  n = 4
+  rng = np.random.default_rng(6)
+  feats = jnp.asarray(rng.standard_normal((n, cfg.block_size, cfg.n_embd_fc)), jnp.float32)
+  n_new = jnp.asarray([16, 9, 3, 16], jnp.int32)
+  id_last = jnp.asarray(rng.integers(0, VOCAB, n), jnp.int32)
+  active = jnp.ones((n,), bool)
+  calls = []
+
+  def fake(q0, q1, k0, k1, v0, v1, ring_k, ring_v, ring_pos, n_past, *, layer, window, splits,
+           wgs, out_dtype):
+    calls.append(dict(layer=layer, window=window, splits=splits, wgs=wgs, out_dtype=out_dtype))
+    f32 = lambda a, b: a.astype(jnp.float32) + b.astype(jnp.float32)
+    q = f32(q0, q1) * np.sqrt(q0.shape[-1])
+    twin = functools.partial(RA.ring_attention_reference, layer=layer, window=window,
+                             out_dtype=out_dtype)
+    return jax.vmap(twin)(q, f32(k0, k1), f32(v0, v1), ring_k, ring_v, ring_pos, n_past)
+
+  def rounds():
+    ring = S.init_batched_ring(cfg, n, ring_dtype="bf16")
+    outs = []
+    for r in range(3):   # 150+ positions per slot: the 128-slot ring wraps
+      n_past = jnp.asarray([16, 9, 3, 16], jnp.int32) * (r + 1) + 40 * r
+      ring, drafts, logits = S.draft_round_batched(params, ring, feats * (1 + r), n_new,
+                                                   id_last, n_past, active, impl="pallas")
+      outs.append(np.asarray(logits))
+    return outs
+
+  want = rounds()                   # no Hopper GPU: the Triton kernels (interpret mode)
+  assert not calls
+  monkeypatch.setattr(AM, "hopper_available", lambda: True)
+  monkeypatch.setattr(AM, "ring_attention_batched", fake)
+  got = rounds()
+  assert len(calls) == 3 * cfg.n_layer
+  assert [c["layer"] for c in calls[:cfg.n_layer]] == list(range(cfg.n_layer))
+  assert all(c["window"] == cfg.window and c["splits"] == 128 // (n * cfg.n_head_kv)
+             and c["wgs"] == AM.COMPUTE_WGS and c["out_dtype"] == jnp.bfloat16 for c in calls)
+  for g, w in zip(got, want, strict=True):
+    chex.assert_trees_all_close(g, w, **BF16_TOL)
+  # The routing's bounds: 2 and 32 slots, 48 packed rows, an fp32 ring stay on Triton.
+  assert AM.batched_knobs(4, 1, 64, 16, 64, 128, jnp.bfloat16) == dict(splits=32, wgs=1)
+  assert AM.batched_knobs(2, 8, 64, 16, 128, 2048, jnp.bfloat16) is None
+  assert AM.batched_knobs(32, 8, 64, 16, 128, 2048, jnp.bfloat16) is None
+  assert AM.batched_knobs(8, 8, 48, 16, 128, 2048, jnp.bfloat16) is None
+  assert AM.batched_knobs(8, 8, 64, 16, 128, 2048, jnp.float32) is None
+  assert AM.batched_knobs(8, 8, 64, 16, 128, 2048, jnp.bfloat16) == dict(splits=2, wgs=1)
