@@ -206,7 +206,10 @@ def ab_settings(section: str) -> list[tuple[str, dict]]:
   batched_ab: the Mosaic GPU batched GEMM off (params.BATCHED_FORMATS emptied: XLA's GEMM for
   bf16, the skinny GEMM for fp8) vs on for bf16 and fp8 from SKINNY_MAX_M + 1 rows (so the
   A/B also says where BATCHED_MIN_M belongs). norm_ab: XLA's RMS norm vs the Pallas row norm
-  in front of the batched GEMM (params.NORM_KERNEL)."""
+  in front of the batched GEMM (params.NORM_KERNEL). attn_ab: the Triton attention's own-key
+  program vs folded into chunk 0 (ring_attention.FOLD_OWN_MIN_SEQS). mgpu_attn_ab: the
+  Triton attention vs the Mosaic GPU partials with one or two compute warpgroups
+  (ring_attention_mgpu.MAX_SEQS, COMPUTE_WGS)."""
   if section == "batched_ab":
     on = P.BATCHED_FORMATS + tuple(f for f in ("bf16", "fp8") if f not in P.BATCHED_FORMATS)
     return [("off", {(P, "BATCHED_FORMATS"): ()}),

@@ -245,7 +245,7 @@ def _block(params: DrafterParams, ring: RingState, id_last: jax.Array, n_past: j
   act_dtype = jnp.float32 if params.weight_format == "fp32" else jnp.bfloat16
 
   def norm_rope(qkv, n_past, lp, parts=False):
-    kw = dict(parts=True) if parts else {}
+    kw = dict(parts=True) if parts else {}   # the jnp twin (impl "xla") takes no parts
     return ops.qk_norm_rope(qkv, lp.q_norm, lp.k_norm, n_past, params.inv_freq,
                             n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, eps=cfg.eps, **kw)
 

@@ -65,10 +65,10 @@ def _qk_norm_rope_kernel(n_past_ref, inv_ref, qn_ref, kn_ref, x_ref, *outs, grou
   # parts: each output is a pair of bf16 refs (hi, lo), q scaled by 1/sqrt(D) first.
   q_out, k_out, v_out = (outs[2 * i:2 * i + 2] for i in range(3)) if parts else outs
 
-  def store(out, y1, y2, scale=1.0):
+  def store(out, y1, y2):
     for y, c0 in ((y1, 0), (y2, h)):
       if parts:
-        for ref, part in zip(out, bf16_parts(y * scale) if scale != 1.0 else bf16_parts(y)):
+        for ref, part in zip(out, bf16_parts(y)):
           store_tile(ref, (0, c0), part, lims)
       else:
         store_tile(out, (0, c0), y, lims)
@@ -95,7 +95,8 @@ def _qk_norm_rope_kernel(n_past_ref, inv_ref, qn_ref, kn_ref, x_ref, *outs, grou
 
     @pl.when(j < group)
     def _():
-      store(q_out, y1, y2, 1.0 / math.sqrt(d) if parts else 1.0)
+      scale = 1.0 / math.sqrt(d) if parts else None
+      store(q_out, *((y1, y2) if scale is None else (y1 * scale, y2 * scale)))
 
 
 def _check_shapes(name: str, qkv, q_norm, k_norm, n_past, inv_freq, n_head: int,

@@ -388,18 +388,18 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, ring_k: jax.Array,
       interpret=interpret, name="ring_attn_partial",
   )(n_past.reshape(1), ring_pos, q, k, v, ring_k, ring_v)
 
-  return combine_partials(o, m, l, t=t, d=d, n_chunks=n_chunks, fold_own=fold_own,
-                          out_dtype=out_dtype, interpret=interpret)
+  return combine_partials(o, m, l, t=t, d=d, fold_own=fold_own, out_dtype=out_dtype,
+                          interpret=interpret)
 
 
 def combine_partials(o: jax.Array, m: jax.Array, l: jax.Array, *, t: int, d: int,
-                     n_chunks: int, fold_own: bool, out_dtype,
-                     interpret: bool | None = None) -> jax.Array:
-  """The combine launch: merges the chunks' (o [Hkv, P, T*G, D], m and l [Hkv, P, T*G])
-  partials, P = n_chunks (+ 1: the own keys' partial last, unless folded into chunk 0), into
-  the token-major [T, Hq*D] output."""
+                     fold_own: bool, out_dtype, interpret: bool | None = None) -> jax.Array:
+  """The combine launch: merges the (o [Hkv, P, T*G, D], m and l [Hkv, P, T*G]) partials of
+  the ring chunks (and, unless folded into chunk 0, the own keys' partial last) into the
+  token-major [T, Hq*D] output."""
   interpret = resolve_interpret(interpret)
   hkv, n_part, rows = m.shape
+  n_chunks = n_part if fold_own else n_part - 1
   group = rows // t
   dp = next_pow2(d)
   # The combine merges RB packed rows per program: one token's G heads when G is a power of

@@ -25,9 +25,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._common import bf16_parts, hopper_available, smem_transforms
-
 from pallas_kernels import ring_attention as RA
+from pallas_kernels._common import bf16_parts, hopper_available, smem_transforms
 
 ROWS = 64        # one wgmma M: the packed query rows of one (slot, kv head)
 BLOCK_K = 64     # ring slots per compute warpgroup and pipeline step
@@ -72,8 +71,7 @@ def fits(rows: int, t: int, d: int, n_slots: int, ring_dtype, splits: int,
   """Whether this kernel takes the shape: see the module docstring."""
   chunk, n_chunks = RA.chunking(n_slots, splits, BLOCK_K * wgs)
   return (rows == ROWS and t % 16 == 0 and d in (64, 128)
-          and jnp.dtype(ring_dtype) == jnp.bfloat16 and n_slots % chunk == 0
-          and chunk * n_chunks == n_slots)
+          and jnp.dtype(ring_dtype) == jnp.bfloat16 and chunk * n_chunks == n_slots)
 
 
 @functools.partial(jax.jit, static_argnames=("layer", "window", "chunk", "steps", "wgs"))
@@ -240,10 +238,10 @@ def ring_attention_batched(q0: jax.Array, q1: jax.Array, k0: jax.Array, k1: jax.
            "ring_k must be [B, L, Hkv, S, D]", ring_k.shape)
   RA.check(n_past.shape == (b_n,) and ring_pos.shape == (b_n, ring_k.shape[3]), name,
            "n_past must be [B] and ring_pos [B, S]", (n_past.shape, ring_pos.shape))
-  # Every slot has slot 0's shapes: its view is checked (float32 stand-ins for the parts).
-  f32 = lambda x: jax.ShapeDtypeStruct(x.shape[1:], jnp.float32)
-  RA._check_shapes(name, f32(q0), f32(k0), f32(v0), ring_k[0], ring_v[0], ring_pos[0],
-                   n_past[0], layer, window)
+  # Every slot has slot 0's shapes: one slot's view is checked (float32 for the parts).
+  view = lambda x, dtype=None: jax.ShapeDtypeStruct(x.shape[1:], dtype or x.dtype)
+  RA._check_shapes(name, view(q0, jnp.float32), view(k0, jnp.float32), view(v0, jnp.float32),
+                   view(ring_k), view(ring_v), view(ring_pos), view(n_past), layer, window)
   n_slots = ring_k.shape[3]
   RA.check(wgs in (1, 2), name, "wgs (compute warpgroups) must be 1 or 2", wgs)
   RA.check(smem_bytes(t, d, steps, wgs) <= SMEM_LIMIT, name,
@@ -251,10 +249,9 @@ def ring_attention_batched(q0: jax.Array, q1: jax.Array, k0: jax.Array, k1: jax.
   RA.check(fits(rows, t, d, n_slots, ring_k.dtype, splits, wgs), name,
            "shape outside this kernel (64 packed rows, T % 16, D 64 / 128, bf16 ring of whole "
            "chunks of 64 x wgs slot tiles)", (rows, t, d, n_slots, ring_k.dtype, splits, wgs))
-  chunk, n_chunks = RA.chunking(n_slots, splits, BLOCK_K * wgs)
+  chunk, _ = RA.chunking(n_slots, splits, BLOCK_K * wgs)
   o, m, l = _partials(*parts, ring_k, ring_v, ring_pos, n_past, layer=layer, window=window,
                       chunk=chunk, steps=steps, wgs=wgs)
-  combine = functools.partial(RA.combine_partials, t=t, d=d, n_chunks=n_chunks * wgs,
-                              fold_own=True,
+  combine = functools.partial(RA.combine_partials, t=t, d=d, fold_own=True,
                               out_dtype=out_dtype, interpret=False)
   return jax.vmap(combine)(o, m, l)
