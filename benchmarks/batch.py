@@ -18,10 +18,11 @@ Sections (each printed as it finishes, all written to DIR/batch.json and batch.m
   the device beside the bf16 weights, with one round over all 64 slots.
 - crossover: the skinny GEMM vs XLA's GEMM for each bf16 matrix of a seed round at M = 64 ..
   512 rows; prints the row count to set `dflash_jax.params.SKINNY_MAX_M` to.
-- batched_ab, norm_ab, attn_ab, mgpu_attn_ab: rounds under two or more routings, interleaved in one
-  process, at 32-128 rows (bf16 weights; `Plan.ab_points` takes fp8 points too; `ab_settings`
-  says what each compares): the batched GEMM on vs off (where `params.BATCHED_MIN_M` /
-  `BATCHED_MAX_M` / `BATCHED_FORMATS` come from), XLA's or the Pallas RMS norm in front of it
+- batched_ab, fp8_ab, norm_ab, attn_ab, mgpu_attn_ab: rounds under two or more routings,
+  interleaved in one process, at 32-128 rows (bf16 weights; `--ab-points` takes fp8 points
+  too; `ab_settings` says what each compares): the batched GEMM on vs off (where
+  `params.BATCHED_ROWS` comes from), fp8's warpgroup split and row range on it
+  (`batched_gemm.FP8_WG_SPLIT`, `BATCHED_ROWS["fp8"]`), XLA's or the Pallas RMS norm in front of it
   (`params.NORM_KERNEL`), the block's own keys in a program of their own or folded into
   chunk 0's (`ring_attention.FOLD_OWN_MIN_SEQS`), the Triton or the Mosaic GPU partials with
   one or two compute warpgroups (`ring_attention_mgpu.MAX_SEQS`, `COMPUTE_WGS`). By default
@@ -48,11 +49,12 @@ from benchmarks import common as C
 from dflash_jax import params as P
 from dflash_jax import step as S
 from dflash_jax.params import SKINNY_MAX_M, gemm_knobs, linear
+from pallas_kernels import batched_gemm as BG
 from pallas_kernels import ring_attention as A
 from pallas_kernels import ring_attention_mgpu as AM
 from pallas_kernels import skinny_gemm
 
-AB_SECTIONS = ("batched_ab", "norm_ab", "attn_ab", "mgpu_attn_ab")
+AB_SECTIONS = ("batched_ab", "fp8_ab", "norm_ab", "attn_ab", "mgpu_attn_ab")
 SECTIONS = ("rounds", "compiles", "memory", "crossover") + AB_SECTIONS   # rates always run
 DEFAULT_SECTIONS = ("rounds", "compiles", "memory", "crossover", "batched_ab")
 
@@ -203,17 +205,24 @@ def bench_rounds(plan: Plan, rates: dict, out: list, save) -> None:
 def ab_settings(section: str) -> list[tuple[str, dict]]:
   """The settings one A/B section compares, the shipped routing's opposite first: (tag,
   {(module, attribute): value}) patched in for that tag's jit.
-  batched_ab: the Mosaic GPU batched GEMM off (params.BATCHED_FORMATS emptied: XLA's GEMM for
+  batched_ab: the Mosaic GPU batched GEMM off (params.BATCHED_ROWS emptied: XLA's GEMM for
   bf16, the skinny GEMM for fp8) vs on for bf16 and fp8 from SKINNY_MAX_M + 1 rows (so the
-  A/B also says where BATCHED_MIN_M belongs). norm_ab: XLA's RMS norm vs the Pallas row norm
+  A/B also says where each format's lower bound belongs). fp8_ab: fp8 on the batched GEMM at
+  33-128 rows with its compute warpgroups over halves of the rows (run 18's kernel) vs over
+  halves of each K tile (batched_gemm.FP8_WG_SPLIT "k"), then "k" from 17 to 512 rows (256-row
+  chunks, gate_up 128). norm_ab: XLA's RMS norm vs the Pallas row norm
   in front of the batched GEMM (params.NORM_KERNEL). attn_ab: the Triton attention's own-key
   program vs folded into chunk 0 (ring_attention.FOLD_OWN_MIN_SEQS). mgpu_attn_ab: the
   Triton attention vs the Mosaic GPU partials with one or two compute warpgroups
   (ring_attention_mgpu.MAX_SEQS, COMPUTE_WGS)."""
   if section == "batched_ab":
-    on = P.BATCHED_FORMATS + tuple(f for f in ("bf16", "fp8") if f not in P.BATCHED_FORMATS)
-    return [("off", {(P, "BATCHED_FORMATS"): ()}),
-            ("on", {(P, "BATCHED_FORMATS"): on, (P, "BATCHED_MIN_M"): P.SKINNY_MAX_M + 1})]
+    on = {f: (P.SKINNY_MAX_M + 1, P.BATCHED_ROWS.get(f, (0, 128))[1]) for f in ("bf16", "fp8")}
+    return [("off", {(P, "BATCHED_ROWS"): {}}), ("on", {(P, "BATCHED_ROWS"): on})]
+  if section == "fp8_ab":
+    fp8_rows = lambda lo, hi: {(P, "BATCHED_ROWS"): {**P.BATCHED_ROWS, "fp8": (lo, hi)}}
+    return [("rows", {(BG, "FP8_WG_SPLIT"): "rows", **fp8_rows(33, 128)}),
+            ("k", {(BG, "FP8_WG_SPLIT"): "k", **fp8_rows(33, 128)}),
+            ("k_17_512", {(BG, "FP8_WG_SPLIT"): "k", **fp8_rows(17, 512)})]
   if section == "norm_ab":
     return [("xla", {(P, "NORM_KERNEL"): False}), ("pallas", {(P, "NORM_KERNEL"): True})]
   if section == "attn_ab":

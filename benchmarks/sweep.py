@@ -393,11 +393,13 @@ def sweep_batched_gemm(rows: tuple[int, ...], fmts: tuple[str, ...],
                        block_ns: tuple[int, ...] = (64, 128, 256),
                        split_ks: tuple[int, ...] = (1, 2, 4),
                        block_ks: tuple[int, ...] = (64, 128),
-                       stages: tuple[int, ...] = (2, 3, 4, 5, 6)) -> list[dict]:
+                       stages: tuple[int, ...] = (2, 3, 4, 5, 6),
+                       wg_splits: tuple[str, ...] = ("rows",)) -> list[dict]:
   """pallas_kernels.batched_gemm on the seed's matrices with their round epilogues (qkv
   plain, o and down + residual, gate_up silu * up; encode's fc and the inject GEMM plain), bf16
-  or fp8 weights, block_n x block_k x stages x split_k (split partials summed by XLA, with the
-  residual; qkv's left to its consumer), next to today's path in one jit: XLA's dot + the same epilogue for bf16, the skinny GEMM for fp8 (err: max
+  or fp8 weights, block_n x block_k x stages x split_k x wg_split (split partials summed by
+  XLA, with the residual; qkv's left to its consumer), next to the path outside the kernel in
+  one jit: XLA's dot + the same epilogue for bf16, the skinny GEMM for fp8 (err: max
   |kernel - twin|)."""
   from dflash_jax.params import gemm_knobs
   from pallas_kernels import batched_gemm as BG
@@ -439,13 +441,14 @@ def sweep_batched_gemm(rows: tuple[int, ...], fmts: tuple[str, ...],
         us, err = _time(base, x, w, scale, r, iters=20)
         _emit(out, dict(kernel=label, fmt=fmt, shape=name, m=m, us=us, err=err,
                         TBps=_tbps(nbytes, us)))
-        for bn, bk, st, sk in itertools.product(block_ns, block_ks, stages, split_ks):
-          if not BG.fits(m, n, k, ep, od, bn, bk, st, sk, fmt):
+        for bn, bk, st, sk, ws in itertools.product(block_ns, block_ks, stages, split_ks,
+                                                    wg_splits):
+          if not BG.fits(m, n, k, ep, od, bn, bk, st, sk, fmt, ws):
             continue
           # qkv's consumer (qk_norm_rope) sums K splits itself: time the partials alone.
           keep = name == "qkv" and sk > 1
           f = jax.jit(lambda x, w, s, r, kn=dict(block_n=bn, block_k=bk, max_concurrent_steps=st,
-                                                 split_k=sk, keep_splits=keep):
+                                                 split_k=sk, wg_split=ws, keep_splits=keep):
                       BG.batched_matmul(x, w, r, scale=s, epilogue=ep, out_dtype=od, **kn))
           us, err = _time(f, x, w, scale, r, iters=20)
           if err is None:
@@ -453,7 +456,7 @@ def sweep_batched_gemm(rows: tuple[int, ...], fmts: tuple[str, ...],
             err = float(jnp.max(jnp.abs((got.sum(0) if keep else got)
                                         - want.astype(jnp.float32))))
           _emit(out, dict(kernel="batched_gemm", fmt=fmt, shape=name, m=m, block_n=bn,
-                          block_k=bk, steps=st, split_k=sk, us=us, err=err,
+                          block_k=bk, steps=st, split_k=sk, wg_split=ws, us=us, err=err,
                           TBps=_tbps(nbytes, us)))
       del w, scale
   return out
@@ -563,6 +566,7 @@ def main(argv=None) -> int:
   p.add_argument("--block-ns", default="64,128,256", help="bgemm: these block_n values")
   p.add_argument("--block-ks", default="64,128", help="bgemm: these block_k values")
   p.add_argument("--stages", default="2,3,4,5,6", help="bgemm: these pipeline depths")
+  p.add_argument("--wg-splits", default="rows", help="bgemm: these wg_split values (fp8: rows,k)")
   args = p.parse_args(argv)
   bw = C.copy_bandwidth(1 << 30)
   print(f"copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
@@ -584,7 +588,7 @@ def main(argv=None) -> int:
     res["rows"] += sweep_batched_gemm(
         rows, tuple(f for f in args.fmts.split(",") if f != "q8_0"),
         tuple(args.shapes.split(",")), ints(args.block_ns), block_ks=ints(args.block_ks),
-        stages=ints(args.stages), **grid)
+        stages=ints(args.stages), wg_splits=tuple(args.wg_splits.split(",")), **grid)
   if "mgpu_battn" in args.what:
     res["rows"] += sweep_mgpu_batch_attention(bw, tuple(int(v) for v in args.slots.split(",")))
   if "norm" in args.what:

@@ -237,16 +237,19 @@ def prepare_weights(cfg: DFlashConfig, w: dict[str, np.ndarray], dtype: Any = "f
 SKINNY_MAX_M = 16
 
 
-# From BATCHED_MIN_M to BATCHED_MAX_M rows, dense bf16 runs on the Mosaic GPU batched GEMM
+# The row counts (min, max) at which each weight format runs on the Mosaic GPU batched GEMM
 # (pallas_kernels/batched_gemm.py) where the GPU has one (Hopper) and the shape fits its tiles.
-# H200, seed round: at 128 rows (two compute warpgroups) it streams the weights faster than
-# XLA's GEMM and finishes the residual add and silu(gate) * up in its epilogue (RESULTS.md
-# run 16: S = 8, w 16 1.927 -> 1.864 ms, 83 -> 57 launches); up to 64 rows one warpgroup
-# runs them (run 17: every seed matrix at 64 rows 5-10% faster than XLA's GEMM; rounds of 48
-# and 64 rows 29 and 94 us faster, of 32 rows, padded to 64, 23 us slower); at 256 rows (a
-# shallower pipeline) XLA's GEMM is faster (2.56 vs 3.00 ms).
-BATCHED_MIN_M = 33
-BATCHED_MAX_M = 128
+# bf16, H200, seed round: at 128 rows (two compute warpgroups) it streams the weights faster
+# than XLA's GEMM and finishes the residual add and silu(gate) * up in its epilogue
+# (RESULTS.md run 16: S = 8, w 16 1.927 -> 1.864 ms, 83 -> 57 launches); up to 64 rows one
+# warpgroup runs them (run 17: every seed matrix at 64 rows 5-10% faster than XLA's GEMM;
+# rounds of 48 and 64 rows 29 and 94 us faster, of 32 rows, padded to 64, 23 us slower); at
+# 256 rows (a shallower pipeline) XLA's GEMM is faster (2.56 vs 3.00 ms).
+# fp8: each weight tile widened to bf16 in registers as wgmma's A operand, the row scales on
+# the accumulator (run 18: w 16 rounds of S = 8 2.625 -> 2.034 ms, S = 4 1.960 -> 1.503
+# against the skinny fp8 GEMM; run 17's version, which widened the tiles through shared
+# memory, was slower than the skinny GEMM). q8_0's 32-wide block scales have no path there.
+BATCHED_ROWS = {"bf16": (33, 128), "fp8": (33, 128)}
 
 
 def _bf16_skinny(x: jax.Array, w: jax.Array) -> bool:
@@ -255,19 +258,11 @@ def _bf16_skinny(x: jax.Array, w: jax.Array) -> bool:
   return w.dtype == jnp.bfloat16 and x.ndim == 2 and x.shape[0] <= SKINNY_MAX_M
 
 
-# The weight formats the batched GEMM runs. fp8: each weight tile widened to bf16 in
-# registers as wgmma's A operand, the row scales on the accumulator (H200, RESULTS.md run 18:
-# w 16 rounds of S = 8 2.625 -> 2.034 ms, S = 4 1.960 -> 1.503 against the skinny fp8 GEMM;
-# run 17's version, which widened the tiles through shared memory, was slower than the skinny
-# GEMM). q8_0's 32-wide block scales have no path there.
-BATCHED_FORMATS = ("bf16", "fp8")
-
-
 def batched_gemm_runs(fmt: str, rows: int) -> bool:
   """Whether weights of this format at this row count go to the batched GEMM (shapes that fit
   its tiles; `_batched_knobs` checks those)."""
-  return (fmt in BATCHED_FORMATS and BATCHED_MIN_M <= rows <= BATCHED_MAX_M
-          and hopper_available())
+  lo, hi = BATCHED_ROWS.get(fmt, (1, 0))
+  return lo <= rows <= hi and hopper_available()
 
 
 def _batched_knobs(x: jax.Array, w, gate_up: bool, out_dtype) -> dict | None:
@@ -299,12 +294,12 @@ def linear(x: jax.Array, w, *, impl: str = "pallas", gate_up: bool = False,
   streams the weights (in the bf16 step it beats XLA's GEMMs, mostly by needing no split-K
   reduce or convert launches: RESULTS.md run 10), whatever N and K; beyond that (prefill and
   large-batch row counts, where a GEMM that reads the weights once per 64-row tile loses),
-  XLA's GEMM, except that from BATCHED_MIN_M to BATCHED_MAX_M rows a Hopper GPU runs the
-  Mosaic GPU batched GEMM where the shape fits its tiles (see BATCHED_MAX_M).
+  XLA's GEMM, except that at the row counts BATCHED_ROWS gives a format, a Hopper GPU runs the
+  Mosaic GPU batched GEMM where the shape fits its tiles.
   Dense fp32:
   XLA, full-precision float32 (HIGHEST, so GPUs do not silently use TF32). QuantWeight: the
-  Pallas skinny GEMM streams the 1-byte weights at any row count (impl="xla": its jnp twin,
-  which dequantizes in XLA). gate_up: w holds gate rows then up rows and the
+  Pallas skinny GEMM streams the 1-byte weights at every other row count (impl="xla": its
+  jnp twin, which dequantizes in XLA). gate_up: w holds gate rows then up rows and the
   result is silu(gate) * up (fused into the skinny GEMM's epilogue). The result is out_dtype,
   or with partials=True the float32 split-K partial sums [S, M, N] (S = 1 unless the skinny
   GEMM split K), left for the consuming kernel to add up (qk_norm_rope). residual (float32

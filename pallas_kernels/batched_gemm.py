@@ -47,47 +47,75 @@ SMEM_BYTES = 232448   # the H200's shared memory per block (Mosaic GPU's limit)
 # (block_k, stages), deepest first, from 4 x 128: the weights stream at the rate of the bytes
 # in flight, up to 4 stages of 128-deep tiles (H200, RESULTS.md run 17: 64 and 128 rows, every
 # seed matrix: 4 x 128 the best or within 1 us of it; 5 or 6 stages 1-3 us slower at 64 rows
-# for down, at most 1 us faster for qkv and o).
-_DEPTHS = ((128, 4), (128, 3), (64, 6), (64, 5), (64, 4), (64, 3), (64, 2))
+# for down, at most 1 us faster for qkv and o). 2 x 128 last: fp8's wg_split "k" at 256 rows.
+_DEPTHS = ((128, 4), (128, 3), (64, 6), (64, 5), (64, 4), (64, 3), (64, 2), (128, 2))
+# How the two compute warpgroups of an fp8 program share its work (`wg_split`): each
+# widening a whole weight tile for half of the rows ("rows"), or half of every tile for all
+# of them ("k"), which widens each weight byte once.
+FP8_WG_SPLIT = "k"
 
 
-def padded_rows(m: int) -> int:
-  """Rows the kernel runs for m <= MAX_ROWS: one warpgroup's 64 rows, else two warpgroups'
-  multiples of 64."""
+WG_SPLITS = ("rows", "k")
+K_SPLIT_ROWS = 32   # wg_split "k" pads rows to a multiple of this (the wgmma N of its x tile)
+
+
+def max_rows(epilogue: str = "none", wg_split: str = "rows") -> int:
+  """Rows one call of the kernel body takes (more run in chunks of this many): two
+  warpgroups x 128 accumulator rows; with wg_split "k" each warpgroup holds every row, so
+  gate_up's two accumulators take 128."""
+  return 128 if wg_split == "k" and epilogue == "gate_up" else MAX_ROWS
+
+
+def padded_rows(m: int, wg_split: str = "rows") -> int:
+  """Rows the kernel runs for m <= max_rows: one warpgroup's 64 rows, else two warpgroups'
+  multiples of 64 (wg_split "rows"); a multiple of K_SPLIT_ROWS (wg_split "k")."""
+  if wg_split == "k":
+    return _round_up(m, K_SPLIT_ROWS)
   return 64 if m <= 64 else _round_up(m, 128)
 
 
-def warpgroups(mp: int) -> int:
-  """Compute warpgroups for mp padded rows: one for 64, else two over half the rows each."""
-  return 1 if mp == 64 else 2
+def warpgroups(mp: int, wg_split: str = "rows") -> int:
+  """Compute warpgroups for mp padded rows: one for 64, else two over half the rows each;
+  with wg_split "k" always two, each over half of every K tile."""
+  return 2 if wg_split == "k" or mp != 64 else 1
+
+
+def acc_rows(mp: int, wg_split: str = "rows") -> int:
+  """Rows of each compute warpgroup's accumulator."""
+  return mp if wg_split == "k" else mp // warpgroups(mp)
 
 
 def fits(m: int, n: int, k: int, epilogue: str, out_dtype, block_n: int, block_k: int,
-         steps: int, split_k: int = 1, fmt: str = "bf16") -> bool:
+         steps: int, split_k: int = 1, fmt: str = "bf16", wg_split: str = "rows") -> bool:
   """Whether these tiles run this product: whole tiles, a K split only without gate_up, fp8
-  only in 64-row weight tiles, the accumulators within the registers and the pipeline within
-  shared memory."""
-  mp = padded_rows(min(m, MAX_ROWS))
+  only in 64-row weight tiles (wg_split "k": fp8 only, K tiles of two 64-deep halves), the
+  accumulators within the registers and the pipeline within shared memory."""
+  mp = padded_rows(min(m, max_rows(epilogue, wg_split)), wg_split)
   n_acc = 2 if epilogue == "gate_up" else 1
   return (n % block_n == 0 and k % block_k == 0 and (k // block_k) % split_k == 0
           and (split_k == 1 or epilogue != "gate_up") and (fmt != "fp8" or block_n == 64)
-          and mp // warpgroups(mp) * block_n * n_acc <= ACC_FLOATS
-          and smem_bytes(m, epilogue, out_dtype, block_n, block_k, steps, fmt)
+          and (wg_split == "rows" or (fmt == "fp8" and block_k == 128))
+          and acc_rows(mp, wg_split) * block_n * n_acc <= ACC_FLOATS
+          and smem_bytes(m, epilogue, out_dtype, block_n, block_k, steps, fmt, wg_split)
           <= SMEM_BYTES - 2048)
 
 
 def smem_bytes(m: int, epilogue: str, out_dtype, block_n: int, block_k: int, steps: int,
-               fmt: str = "bf16") -> int:
+               fmt: str = "bf16", wg_split: str = "rows") -> int:
   """Shared memory of one program: the x and weight tiles of every pipeline stage, the
   compute warpgroups' epilogue tiles and, for fp8 weights, their scales (a small margin for
-  barriers is left to the caller)."""
-  mp = padded_rows(min(m, MAX_ROWS))
-  wgs = warpgroups(mp)
+  barriers is left to the caller); with wg_split "k" the second warpgroup's float32 sums,
+  which the y^T tile shares where it is float32."""
+  mp = padded_rows(min(m, max_rows(epilogue, wg_split)), wg_split)
+  wgs = warpgroups(mp, wg_split)
   n_w = 2 if epilogue == "gate_up" else 1
   w_item = 1 if fmt == "fp8" else 2
   stage = block_k * (mp * 2 + n_w * block_n * w_item)
   out_item = jnp.dtype(out_dtype if epilogue == "gate_up" else jnp.float32).itemsize
   epi_n = min(block_n, EPI_N)
+  if wg_split == "k":
+    out = n_w * block_n * mp * 4 + (block_n * mp * out_item if epilogue == "gate_up" else 0)
+    return stage * steps + out + wgs * n_w * block_n * 4
   if fmt == "fp8":   # one [block_n, rows] y^T tile per warpgroup, and the scales
     return stage * steps + mp * block_n * out_item + wgs * n_w * block_n * 4
   return stage * steps + mp * epi_n * out_item * min(2, block_n // epi_n)
@@ -98,16 +126,24 @@ def default_knobs(m: int, n: int, k: int, epilogue: str = "none", out_dtype=jnp.
   """64-wide column tiles, no K split and the deepest K pipeline of `_DEPTHS` that fits
   (H200, RESULTS.md runs 16-17, at 64 and 128 rows: 32- and 48-wide tiles, which fill more
   SMs for qkv and o, and wider tiles with K splits were all slower); None when N or K fits no
-  tile (the caller then uses another GEMM)."""
+  tile (the caller then uses another GEMM). fp8 weights split each program's work between
+  the compute warpgroups as FP8_WG_SPLIT says."""
+  wg_split = FP8_WG_SPLIT if fmt == "fp8" else "rows"
   for block_k, steps in _DEPTHS:
-    if fits(m, n, k, epilogue, out_dtype, 64, block_k, steps, fmt=fmt):
-      return dict(block_n=64, block_k=block_k, max_concurrent_steps=steps, split_k=1)
+    if fits(m, n, k, epilogue, out_dtype, 64, block_k, steps, fmt=fmt, wg_split=wg_split):
+      return dict(block_n=64, block_k=block_k, max_concurrent_steps=steps, split_k=1,
+                  wg_split=wg_split)
   return None
 
 
-def _check(x, w, scale, residual, epilogue, block_n, block_k, split_k, keep_splits):
+def _check(x, w, scale, residual, epilogue, block_n, block_k, split_k, keep_splits, wg_split):
   if epilogue not in EPILOGUES:
     raise ValueError(f"batched_matmul: epilogue must be one of {EPILOGUES}, got {epilogue!r}")
+  if wg_split not in WG_SPLITS:
+    raise ValueError(f"batched_matmul: wg_split must be one of {WG_SPLITS}, got {wg_split!r}")
+  if wg_split == "k" and (w.dtype != jnp.float8_e4m3fn or block_k != 128):
+    raise ValueError(f"batched_matmul: wg_split 'k' (two 64-deep halves of each K tile) is for "
+                     f"float8_e4m3fn weights with block_k 128, got {w.dtype}, block_k {block_k}")
   if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
     raise ValueError(f"batched_matmul: x [M, K] and w [N, K] expected, got x {x.shape}, "
                      f"w {w.shape}")
@@ -142,8 +178,8 @@ def _check(x, w, scale, residual, epilogue, block_n, block_k, split_k, keep_spli
     raise ValueError("batched_matmul: gate_up needs whole sums (split_k 1)")
   if keep_splits and epilogue != "none":
     raise ValueError("batched_matmul: keep_splits is for epilogue='none'")
-  mp = padded_rows(min(m, MAX_ROWS))
-  n_acc, rows = 2 if epilogue == "gate_up" else 1, mp // warpgroups(mp)
+  mp = padded_rows(min(m, max_rows(epilogue, wg_split)), wg_split)
+  n_acc, rows = 2 if epilogue == "gate_up" else 1, acc_rows(mp, wg_split)
   if rows * block_n * n_acc > ACC_FLOATS:
     raise ValueError(f"batched_matmul: {n_acc} accumulator(s) of {rows} rows x block_n "
                      f"{block_n} exceed {ACC_FLOATS} floats per warpgroup")
@@ -180,25 +216,30 @@ def batched_matmul(x: jax.Array, w: jax.Array, residual: jax.Array | None = None
                    scale: jax.Array | None = None,
                    epilogue: str = "none", out_dtype=jnp.float32, block_n: int = 64,
                    block_k: int = 128, max_concurrent_steps: int = 4, split_k: int = 1,
-                   keep_splits: bool = False) -> jax.Array:
+                   wg_split: str = "rows", keep_splits: bool = False) -> jax.Array:
   """y [M, N] = the epilogue of x [M, K] @ w [N, K]^T (module docstring). GPU only.
 
   split_k > 1 cuts K into that many programs per column tile, each writing a float32 partial
   sum; keep_splits returns them ([split_k, M, N], for a consumer that adds them up), else they
-  are summed here in order (with the residual, for that epilogue: an XLA fusion)."""
-  m, n, k = _check(x, w, scale, residual, epilogue, block_n, block_k, split_k, keep_splits)
+  are summed here in order (with the residual, for that epilogue: an XLA fusion).
+  wg_split: how a program's two compute warpgroups share its work: "rows" (each over half of
+  the rows) or, for fp8 weights, "k" (each over one 64-deep half of every K tile and all the
+  rows, so each widens half of the weight tile; the halves' sums added in the epilogue)."""
+  m, n, k = _check(x, w, scale, residual, epilogue, block_n, block_k, split_k, keep_splits,
+                   wg_split)
   if epilogue != "gate_up":
     out_dtype = jnp.float32
   knobs = dict(block_n=block_n, block_k=block_k, max_concurrent_steps=max_concurrent_steps,
-               split_k=split_k)
-  if m > MAX_ROWS:
-    parts = [batched_matmul(x[i:i + MAX_ROWS], w,
-                            None if residual is None else residual[i:i + MAX_ROWS],
+               split_k=split_k, wg_split=wg_split)
+  chunk = max_rows(epilogue, wg_split)
+  if m > chunk:
+    parts = [batched_matmul(x[i:i + chunk], w,
+                            None if residual is None else residual[i:i + chunk],
                             scale=scale, epilogue=epilogue, out_dtype=out_dtype,
                             keep_splits=keep_splits, **knobs)
-             for i in range(0, m, MAX_ROWS)]
+             for i in range(0, m, chunk)]
     return jnp.concatenate(parts, axis=1 if keep_splits else 0)
-  mp = padded_rows(m)
+  mp = padded_rows(m, wg_split)
   if mp != m:
     x = jnp.pad(x, ((0, mp - m), (0, 0)))
     if residual is not None:
@@ -206,7 +247,7 @@ def batched_matmul(x: jax.Array, w: jax.Array, residual: jax.Array | None = None
   if scale is not None:
     y = _call_fp8(x, w, scale, gate_up=epilogue == "gate_up", out_dtype=jnp.dtype(out_dtype),
                   n=n, block_n=block_n, block_k=block_k, steps=max_concurrent_steps,
-                  split_k=split_k)
+                  split_k=split_k, wg_split=wg_split)
     # An XLA transpose (with the residual add or the split sum): the kernel writes y^T.
     y = jnp.swapaxes(y, -1, -2)[..., :m, :]
     if split_k > 1:
@@ -229,8 +270,8 @@ def batched_matmul(x: jax.Array, w: jax.Array, residual: jax.Array | None = None
 
 class _Program(NamedTuple):
   """One program's place (`_streamed`): its column tile j, its compute warpgroup wg and that
-  warpgroup's rows of the x tile, the weight rows of its n_w tiles (gate, up), and the output
-  (this K split's partials when split)."""
+  warpgroup's rows of the x tile (every row with wg_split "k"), the weight rows of its n_w
+  tiles (gate, up), and the output (this K split's partials when split)."""
   j: Any
   wg: Any
   wg_rows: Any
@@ -239,22 +280,26 @@ class _Program(NamedTuple):
 
 
 def _streamed(program, x, w, extra, *, n, n_w, block_n, block_k, steps, split_k, out_shape,
-              out_dtype, scratch):
+              out_dtype, scratch, wg_split="rows"):
   """What both kernel bodies share: the grid (one program per column tile and K split), the
   compute warpgroups over the x rows, and the K pipeline in which a memory warpgroup streams
   the x tile [M, block_k] and the n_w weight tiles [block_n, block_k] of the program's
-  columns. program(p, rows, refs) -> (body, compute_context) of the pipeline, given the
-  `_Program` p, the rows per warpgroup and the refs of `extra`'s inputs then `scratch`."""
+  columns (wg_split "k": each tile as two 64-deep halves, x's halves first, then each weight
+  tile's, so each warpgroup waits only on whole tiles of its own). program(p, rows, refs) ->
+  (body, compute_context) of the pipeline, given the `_Program` p, the rows per warpgroup
+  and the refs of `extra`'s inputs then `scratch`."""
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
 
   m, k = x.shape
-  wgs = warpgroups(m)                # compute warpgroups, each over `rows` of the x tile
-  rows = m // wgs
+  wgs = warpgroups(m, wg_split)      # compute warpgroups, each over `rows` of the x tile
+  rows = acc_rows(m, wg_split)
   k_steps = k // block_k // split_k  # per program
   k_len = k_steps * block_k
-  in_t = smem_transforms(block_k, jnp.bfloat16)
-  w_t = smem_transforms(block_k, w.dtype)
+  parts = 2 if wg_split == "k" else 1
+  part = block_k // parts
+  in_t = smem_transforms(part, jnp.bfloat16)
+  w_t = smem_transforms(part, w.dtype)
 
   def kernel(x_gmem, w_gmem, *refs):
     extra_refs, (out_gmem, *scratch_refs) = refs[:len(extra)], refs[len(extra):]
@@ -263,18 +308,19 @@ def _streamed(program, x, w, extra, *, n, n_w, block_n, block_k, steps, split_k,
     if split_k > 1:
       out_gmem = out_gmem.at[lax.axis_index("k")]
     wg = lax.axis_index("wg")
-    wg_rows = pl.ds(wg * rows, rows)
+    wg_rows = pl.ds(0, rows) if wg_split == "k" else pl.ds(wg * rows, rows)
     w_rows = [pl.ds(i * n + j * block_n, block_n) for i in range(n_w)]
     p = _Program(j, wg, wg_rows, w_rows, out_gmem)
     body, compute_context = program(p, rows, (*extra_refs, *scratch_refs))
-    w_spec = plgpu.BlockSpec((block_n, block_k), lambda kk: (0, kk), transforms=w_t)
+    spec = lambda r, h, t: plgpu.BlockSpec((r, part), lambda kk: (0, kk * parts + h),
+                                           transforms=t)
     pipeline = plgpu.emit_pipeline_warp_specialized(
         body, grid=(k_steps,), memory_registers=40,
-        in_specs=[plgpu.BlockSpec((m, block_k), lambda kk: (0, kk), transforms=in_t)]
-        + [w_spec] * n_w,
+        in_specs=[spec(m, h, in_t) for h in range(parts)]
+        + [spec(block_n, h, w_t) for _ in range(n_w) for h in range(parts)],
         wg_axis="wg", num_compute_wgs=wgs, max_concurrent_steps=steps,
         compute_context=compute_context)
-    pipeline(x_gmem.at[:, ks], *[w_gmem.at[r, ks] for r in w_rows])
+    pipeline(*[x_gmem.at[:, ks]] * parts, *[w_gmem.at[r, ks] for r in w_rows for _ in range(parts)])
 
   f = plgpu.kernel(
       kernel, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
@@ -357,59 +403,103 @@ def _call(x, w, residual, *, epilogue, out_dtype, n, block_n, block_k, steps, sp
 
 
 @functools.partial(jax.jit, static_argnames=("gate_up", "out_dtype", "n", "block_n", "block_k",
-                                             "steps", "split_k"))
-def _call_fp8(x, w, scale, *, gate_up, out_dtype, n, block_n, block_k, steps, split_k):
+                                             "steps", "split_k", "wg_split"))
+def _call_fp8(x, w, scale, *, gate_up, out_dtype, n, block_n, block_k, steps, split_k,
+              wg_split="rows"):
   """fp8 weights, the product transposed: y^T [N, M] (or [split_k, N, M] partials). Each
-  compute warpgroup loads the stage's e4m3 weight tile [block_n, block_k] into registers,
-  widens it to bf16 there and runs wgmma with it as the register A operand against its rows of
-  the x tile (B from shared memory, read transposed): the tile never goes back to shared
-  memory. The row scales apply to the accumulator's rows."""
+  compute warpgroup loads its e4m3 weight tile (wg_split "rows": the stage's whole
+  [block_n, block_k] tile, against its half of the rows; "k": its 64-deep half of the tile,
+  against all the rows) into registers, widens it to bf16 there and runs wgmma with it as the
+  register A operand against the x tile (B from shared memory, read transposed): the tile
+  never goes back to shared memory. With "k" the second warpgroup hands its float32 sums to
+  the first through shared memory (an mbarrier orders them) and the first finishes alone,
+  writing a float32 y^T over the handed-over sums (each thread rewrites the elements it read).
+  The row scales apply to the accumulator's rows."""
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
 
   m = x.shape[0]
-  wgs = warpgroups(m)
+  wgs = warpgroups(m, wg_split)
+  rows = acc_rows(m, wg_split)
   n_w = 2 if gate_up else 1
+  parts = 2 if wg_split == "k" else 1
+
+  def widen(w_smem):
+    # No direct e4m3 -> bf16 convert on this ptxas; e4m3 -> f16 -> f32 -> bf16 is exact
+    # (every e4m3 value is an f16 and a bf16).
+    return w_smem[...].astype(jnp.float16).astype(jnp.float32).astype(jnp.bfloat16)
 
   def program(p, rows, refs):
-    s_gmem, out_smem, s_smem, s_barrier = refs
+    s_gmem, s_smem, s_barrier, out_smem, *red = refs
+
+    def finish(vals, out):
+      """Scale, epilogue, y^T out through the shared-memory tile `out`; vals: one
+      [block_n, rows] float32 value per weight tile."""
+      for i in range(n_w):
+        plgpu.barrier_wait(s_barrier.at[p.wg * n_w + i])
+      vals = [v * lax.broadcast_in_dim(s_smem[p.wg, i], (block_n, rows), [0])
+              for i, v in enumerate(vals)]
+      out[...] = _silu_gate(vals, gate_up, out_dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(out, p.out.at[pl.ds(p.j * block_n, block_n), p.wg_rows])
+      plgpu.wait_smem_to_gmem(0)
 
     def compute_context(run_pipeline):
       def scope(*accs):
-        for i in range(n_w):   # the scales arrive while the pipeline runs
-          plgpu.copy_gmem_to_smem(s_gmem.at[p.w_rows[i]], s_smem.at[p.wg, i],
-                                  s_barrier.at[p.wg * n_w + i])
+        # The scales arrive while the pipeline runs, for each warpgroup that finishes.
+        @pl.when(p.wg == 0 if parts == 2 else True)
+        def _():
+          for i in range(n_w):
+            plgpu.copy_gmem_to_smem(s_gmem.at[p.w_rows[i]], s_smem.at[p.wg, i],
+                                    s_barrier.at[p.wg * n_w + i])
         accs = run_pipeline(accs)
-        vals = []
-        for i, acc in enumerate(accs):
-          plgpu.barrier_wait(s_barrier.at[p.wg * n_w + i])
-          vals.append(acc[...] * lax.broadcast_in_dim(s_smem[p.wg, i], (block_n, rows), [0]))
-        out_smem[p.wg] = _silu_gate(vals, gate_up, out_dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem.at[p.wg],
-                                p.out.at[pl.ds(p.j * block_n, block_n), p.wg_rows])
-        plgpu.wait_smem_to_gmem(0)
+        if parts == 1:
+          finish([acc[...] for acc in accs], out_smem.at[p.wg])
+          return
+        red_smem, red_barrier = out_smem, red[0]
+
+        @pl.when(p.wg == 1)
+        def _():
+          for i, acc in enumerate(accs):
+            red_smem[i] = acc[...]
+          plgpu.barrier_arrive(red_barrier)
+
+        @pl.when(p.wg == 0)
+        def _():
+          plgpu.barrier_wait(red_barrier)
+          finish([acc[...] + red_smem[i] for i, acc in enumerate(accs)],
+                 red[1] if gate_up else red_smem.at[0])
 
       pl.run_scoped(scope, *[plgpu.ACC((block_n, rows), jnp.float32)] * n_w)
 
-    def body(_, x_smem, *w_and_carry):
-      *w_smems, accs = w_and_carry
-      for acc, w_smem in zip(accs, w_smems):
-        # No direct e4m3 -> bf16 convert on this ptxas; e4m3 -> f16 -> f32 -> bf16 is exact
-        # (every e4m3 value is an f16 and a bf16).
-        w_reg = w_smem[...].astype(jnp.float16).astype(jnp.float32).astype(jnp.bfloat16)
-        plgpu.wgmma(acc, w_reg, x_smem.at[p.wg_rows].transpose((1, 0)))
+    def body(_, *refs):
+      x_smems, w_smems, accs = refs[:parts], refs[parts:-1], refs[-1]
+      if parts == 1:
+        for acc, w_smem in zip(accs, w_smems):
+          plgpu.wgmma(acc, widen(w_smem), x_smems[0].at[p.wg_rows].transpose((1, 0)))
+      else:
+        for h in range(parts):
+          @pl.when(p.wg == h)
+          def _():
+            for i, acc in enumerate(accs):
+              plgpu.wgmma(acc, widen(w_smems[i * parts + h]), x_smems[h].transpose((1, 0)))
       plgpu.wgmma_wait(0)
       return accs
 
     return body, compute_context
 
-  rows = m // wgs
-  scratch = [plgpu.SMEM((wgs, block_n, rows), out_dtype,
-                        transforms=smem_transforms(rows, out_dtype)),
-             plgpu.SMEM((wgs, n_w, block_n), jnp.float32),
-             plgpu.Barrier(num_barriers=wgs * n_w)]
+  scratch = [plgpu.SMEM((wgs, n_w, block_n), jnp.float32), plgpu.Barrier(num_barriers=wgs * n_w)]
+  if parts == 1:   # one y^T tile per warpgroup
+    scratch.append(plgpu.SMEM((wgs, block_n, rows), out_dtype,
+                              transforms=smem_transforms(rows, out_dtype)))
+  else:            # the handed-over sums (the float32 y^T tile), their barrier, gate_up's tile
+    scratch += [plgpu.SMEM((n_w, block_n, rows), jnp.float32,
+                           transforms=smem_transforms(rows, jnp.float32)),
+                plgpu.Barrier(num_arrivals=1, num_barriers=1)]
+    if gate_up:
+      scratch.append(plgpu.SMEM((block_n, rows), out_dtype,
+                                transforms=smem_transforms(rows, out_dtype)))
   return _streamed(program, x, w, (scale,), n=n, n_w=n_w, block_n=block_n, block_k=block_k,
                    steps=steps, split_k=split_k,
                    out_shape=(split_k, n, m) if split_k > 1 else (n, m), out_dtype=out_dtype,
-                   scratch=scratch)
+                   scratch=scratch, wg_split=wg_split)

@@ -97,9 +97,34 @@ def test_default_knobs_fit_shared_memory():
   # At most 4 stages of 128-deep K tiles (the measured best), fewer where they do not fit.
   for m in (64, 128):
     assert BG.default_knobs(m, 6144, 6656) == dict(block_n=64, block_k=128,
-                                                   max_concurrent_steps=4, split_k=1)
+                                                   max_concurrent_steps=4, split_k=1,
+                                                   wg_split="rows")
   assert BG.default_knobs(128, 19968, 6656, "gate_up", jnp.bfloat16) == dict(
-      block_n=64, block_k=128, max_concurrent_steps=3, split_k=1)
+      block_n=64, block_k=128, max_concurrent_steps=3, split_k=1, wg_split="rows")
+
+
+@pytest.mark.parametrize("wg_split", BG.WG_SPLITS)
+def test_fp8_knobs_fit_shared_memory(monkeypatch, wg_split):
+  """fp8's default tiles at every row count the kernel takes in one call fit shared memory
+  (counting wg_split "k"'s handed-over sums) and the accumulator registers."""
+  monkeypatch.setattr(BG, "FP8_WG_SPLIT", wg_split)
+  for m in (20, 32, 64, 96, 128, 200, 256):
+    for n, k, epilogue, out_dtype in ((6144, 6656, "none", jnp.float32),
+                                      (6656, 19968, "residual", jnp.float32),
+                                      (19968, 6656, "gate_up", jnp.bfloat16)):
+      kn = BG.default_knobs(m, n, k, epilogue, out_dtype, "fp8")
+      assert kn is not None and kn["wg_split"] == wg_split and kn["block_n"] == 64
+      assert BG.smem_bytes(m, epilogue, out_dtype, 64, kn["block_k"], kn["max_concurrent_steps"],
+                           "fp8", wg_split) <= BG.SMEM_BYTES - 2048
+      mp = BG.padded_rows(min(m, BG.max_rows(epilogue, wg_split)), wg_split)
+      n_acc = 2 if epilogue == "gate_up" else 1
+      assert BG.acc_rows(mp, wg_split) * 64 * n_acc <= BG.ACC_FLOATS
+  # "k" halves 128-deep K tiles, holds every row (gate_up's two accumulators: 128 of them).
+  assert [BG.padded_rows(m, "k") for m in (1, 32, 33, 100, 256)] == [32, 32, 64, 128, 256]
+  assert (BG.max_rows("gate_up", "k"), BG.max_rows("none", "k")) == (128, 256)
+  assert BG.acc_rows(96, "k") == 96 and BG.acc_rows(128, "rows") == 64
+  assert not BG.fits(128, 6144, 6656, "none", jnp.float32, 64, 64, 4, fmt="fp8", wg_split="k")
+  assert not BG.fits(128, 6144, 6656, "none", jnp.float32, 64, 128, 4, wg_split="k")   # bf16
 
 
 def test_linear_keeps_xla_off_hopper():
@@ -146,8 +171,8 @@ def test_gpu_matches_oracle(name, m, n, k, epilogue):
 def test_gpu_linear_routes_batched_rows_to_the_kernel():
   x = jnp.ones((128, 1024), jnp.bfloat16)
   w = jnp.ones((512, 1024), jnp.bfloat16)
-  for rows, want in ((P.BATCHED_MIN_M - 1, False), (P.BATCHED_MIN_M, True),
-                     (P.BATCHED_MAX_M, True), (P.BATCHED_MAX_M + 1, False)):
+  lo, hi = P.BATCHED_ROWS["bf16"]
+  for rows, want in ((lo - 1, False), (lo, True), (hi, True), (hi + 1, False)):
     xr = jnp.ones((rows, 1024), jnp.bfloat16)
     text = jax.jit(lambda x, w: P.linear(x, w, residual=jnp.zeros((x.shape[0], 512)))).lower(
         xr, w).as_text()
@@ -158,17 +183,18 @@ def test_gpu_linear_routes_batched_rows_to_the_kernel():
 CALLS = []   # (rows, epilogue) of every kernel launch the stand-in below saw
 
 
-def _fake_call_fp8(x, w, scale, *, gate_up, out_dtype, n, split_k=1, **_):
+def _fake_call_fp8(x, w, scale, *, gate_up, out_dtype, n, split_k=1, wg_split, **_):
   """The fp8 kernel's stand-in on CPU: the twin's y^T (per K split), as the kernel writes it."""
   y = _fake_call(x, w, None, epilogue="gate_up" if gate_up else "none", out_dtype=out_dtype,
-                 n=n, split_k=split_k, scale=scale)
+                 n=n, split_k=split_k, scale=scale, wg_split=wg_split)
   return jnp.swapaxes(y, -1, -2)
 
 
-def _fake_call(x, w, residual, *, epilogue, out_dtype, n, split_k=1, scale=None, **_):
+def _fake_call(x, w, residual, *, epilogue, out_dtype, n, split_k=1, scale=None,
+               wg_split="rows", **_):
   """The kernel body's stand-in on CPU: the twin on the padded operands (per K split)."""
-  assert x.dtype == jnp.bfloat16 and x.shape[0] == BG.padded_rows(x.shape[0])
-  assert x.shape[0] <= BG.MAX_ROWS
+  assert x.dtype == jnp.bfloat16 and x.shape[0] == BG.padded_rows(x.shape[0], wg_split)
+  assert x.shape[0] <= BG.max_rows(epilogue, wg_split)
   CALLS.append((x.shape[0], epilogue))
   if split_k == 1:
     return BG.batched_matmul_reference(x, w, residual, scale=scale, epilogue=epilogue,
@@ -190,7 +216,7 @@ def test_linear_batched_branch_on_cpu(monkeypatch):
   k, n = 256, 128
   w = jnp.asarray(rng.standard_normal((n, k)) / 16, jnp.bfloat16)
   wgu = jnp.asarray(rng.standard_normal((2 * n, k)) / 16, jnp.bfloat16)
-  for m in (P.BATCHED_MIN_M, P.BATCHED_MAX_M):
+  for m in (P.BATCHED_ROWS["bf16"][0], P.BATCHED_ROWS["bf16"][1]):
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
     r = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
     want = [P.linear(x, w, impl="xla", residual=r), P.linear(x, w, impl="xla", partials=True),
@@ -206,36 +232,41 @@ def test_linear_batched_branch_on_cpu(monkeypatch):
       np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(e, np.float32),
                                  rtol=1e-5, atol=1e-5)
   assert {c[1] for c in calls} == {"residual", "none", "gate_up"}
-  n_bf16 = len(calls)
-  # fp8 weights take the same branch (their twin dequantizes; exact for power-of-two scales).
-  for wb in (w, wgu):
-    w8, sc = quantize_fp8(np.asarray(wb, np.float32))
-    qw = P.QuantWeight(jnp.asarray(w8), jnp.asarray(sc), "fp8")
-    x = jnp.asarray(rng.standard_normal((P.BATCHED_MAX_M, k)), jnp.float32)
-    gu = wb is wgu
-    want = P.linear(x, qw, impl="xla", gate_up=gu, out_dtype=jnp.bfloat16 if gu else jnp.float32)
-    monkeypatch.setattr(P, "hopper_available", lambda: True)
-    monkeypatch.setattr(BG, "_call", fake_call)
-    monkeypatch.setattr(BG, "_call_fp8", _fake_call_fp8)
-    monkeypatch.setattr(P, "BATCHED_FORMATS", ("bf16", "fp8"))
-    got = P.linear(x, qw, gate_up=gu, out_dtype=jnp.bfloat16 if gu else jnp.float32)
-    monkeypatch.undo()
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
-                               rtol=1e-5, atol=1e-5)
-  assert len(calls) == n_bf16 + 2
+  # 33 rows pad to one warpgroup's 64, 128 run as two warpgroups' halves.
+  assert calls.count((64, "none")) == 1 and calls.count((128, "none")) == 1
+  # fp8 weights take the same branch (their twin dequantizes; exact for power-of-two scales),
+  # with either wg_split: "k" pads to 32 rows and runs gate_up in 128-row chunks, the other
+  # epilogues in 256-row ones.
+  for wg_split, m, want_calls in (
+      ("k", 20, [(32, "none"), (32, "gate_up")]),
+      ("k", 512, [(256, "none")] * 2 + [(128, "gate_up")] * 4),
+      ("rows", 100, [(128, "none"), (128, "gate_up")])):
+    calls.clear()
+    for wb in (w, wgu):
+      w8, sc = quantize_fp8(np.asarray(wb, np.float32))
+      qw = P.QuantWeight(jnp.asarray(w8), jnp.asarray(sc), "fp8")
+      x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+      gu = wb is wgu
+      od = jnp.bfloat16 if gu else jnp.float32
+      want = P.linear(x, qw, impl="xla", gate_up=gu, out_dtype=od)
+      monkeypatch.setattr(P, "hopper_available", lambda: True)
+      monkeypatch.setattr(BG, "_call", fake_call)
+      monkeypatch.setattr(BG, "_call_fp8", _fake_call_fp8)
+      monkeypatch.setattr(BG, "FP8_WG_SPLIT", wg_split)
+      monkeypatch.setattr(P, "BATCHED_ROWS", {"fp8": (17, 512)})
+      got = P.linear(x, qw, gate_up=gu, out_dtype=od)
+      monkeypatch.undo()
+      np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                                 rtol=1e-5, atol=1e-5)
+    assert calls == want_calls, (wg_split, m)
   # By default fp8 runs there too (measured faster than the skinny fp8 GEMM on the H200); q8_0
   # never does.
   monkeypatch.setattr(P, "hopper_available", lambda: True)
-  monkeypatch.setattr(BG, "_call", fake_call)
-  monkeypatch.setattr(BG, "_call_fp8", _fake_call_fp8)
+  x = x[:P.BATCHED_ROWS["fp8"][1]]
   assert P._batched_knobs(x, qw, True, jnp.bfloat16) is not None
-  assert P._batched_knobs(x, wgu, True, jnp.bfloat16) is not None
   q8 = P.QuantWeight(*map(jnp.asarray, quantize_q8_0(np.asarray(wgu, np.float32))), "q8_0")
   assert P._batched_knobs(x, q8, True, jnp.bfloat16) is None
   monkeypatch.undo()
-  calls[:] = calls[:n_bf16]
-  # BATCHED_MIN_M = 33 rows pad to one warpgroup's 64, BATCHED_MAX_M = 128 to two.
-  assert calls.count((64, "none")) == 1 and calls.count((128, "none")) == 1
   # Past MAX_ROWS the kernel runs in 256-row chunks (the last one, 44 rows, padded to 64).
   calls.clear()
   x = jnp.asarray(rng.standard_normal((300, k)), jnp.bfloat16)
@@ -316,17 +347,23 @@ def test_gpu_knob_variants_match_oracle(m, variant, epilogue):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("epilogue", BG.EPILOGUES)
-@pytest.mark.parametrize("m, n, k", [(128, 6144, 6656), (64, 512, 1024), (100, 512, 1024)])
-def test_gpu_fp8_matches_oracle(m, n, k, epilogue):
-  """fp8 weights (tiles converted to bf16 in shared memory, row scales in the epilogue)
-  against the float64 oracle on the dequantized weights."""
-  x, w, rng = _inputs(hash((m, n, epilogue, "fp8")) % 2**31, m,
+@pytest.mark.parametrize("m, n, k, wg_split", [
+    (128, 6144, 6656, "rows"), (64, 512, 1024, "rows"), (100, 512, 1024, "rows"),
+    (128, 6144, 6656, "k"), (32, 512, 1024, "k"), (20, 512, 1024, "k"), (100, 512, 1024, "k"),
+    (256, 512, 1024, "k"), (300, 512, 1024, "k")])
+def test_gpu_fp8_matches_oracle(monkeypatch, m, n, k, wg_split, epilogue):
+  """fp8 weights (tiles widened to bf16 in registers, row scales in the epilogue) against
+  the float64 oracle on the dequantized weights, both ways of sharing a program between the
+  compute warpgroups (rows padded, chunked past one call's rows)."""
+  monkeypatch.setattr(BG, "FP8_WG_SPLIT", wg_split)
+  x, w, rng = _inputs(hash((m, n, epilogue, "fp8", wg_split)) % 2**31, m,
                       2 * n if epilogue == "gate_up" else n, k)
   w8, sc = quantize_fp8(np.asarray(w, np.float32))
   wd = (np.asarray(w8, np.float32) * sc[:, None]).astype(ml_dtypes.bfloat16)   # exact
   r = rng.standard_normal((m, n)).astype(np.float32) if epilogue == "residual" else None
   out_dtype = jnp.bfloat16 if epilogue == "gate_up" else jnp.float32
   kn = BG.default_knobs(m, n, k, epilogue, out_dtype, "fp8")
+  assert kn["wg_split"] == wg_split
   got = BG.batched_matmul(jnp.asarray(x), jnp.asarray(w8), None if r is None else jnp.asarray(r),
                           scale=jnp.asarray(sc), epilogue=epilogue, out_dtype=out_dtype, **kn)
   got = np.asarray(got.astype(jnp.float32), np.float64)
@@ -335,17 +372,22 @@ def test_gpu_fp8_matches_oracle(m, n, k, epilogue):
   assert got.shape == want.shape and not (np.abs(got - want) > bound).any()
 
 
-@pytest.mark.parametrize("fmt, name, m", [
-    ("bf16", "qkv", 128), ("bf16", "gate_up", 128), ("bf16", "down", 64),
-    ("fp8", "qkv", 128), ("fp8", "gate_up", 128), ("fp8", "o", 64)])
-def test_seed_shapes_lower_for_hopper_on_cpu(fmt, name, m):
+@pytest.mark.parametrize("fmt, name, m, wg_split", [
+    ("bf16", "qkv", 128, "rows"), ("bf16", "gate_up", 128, "rows"), ("bf16", "down", 64, "rows"),
+    ("fp8", "qkv", 128, "rows"), ("fp8", "gate_up", 128, "rows"), ("fp8", "o", 64, "rows"),
+    ("fp8", "qkv", 32, "k"), ("fp8", "gate_up", 128, "k"), ("fp8", "down", 256, "k"),
+    ("fp8", "o", 96, "k")])
+def test_seed_shapes_lower_for_hopper_on_cpu(monkeypatch, fmt, name, m, wg_split):
   """Mosaic GPU lowers the kernel at the seed's matrices with the default tiles for an sm90
-  target without a GPU (layouts, the register A operand of the fp8 body, shared memory within
-  the H200's): what would otherwise first fail on the GPU."""
+  target without a GPU (layouts, the register A operand of the fp8 body, wg_split "k"'s
+  conditional wgmma and hand-over, shared memory within the H200's): what would otherwise
+  first fail on the GPU."""
+  monkeypatch.setattr(BG, "FP8_WG_SPLIT", wg_split)
   n, k, epilogue = {"qkv": (6144, 6656, "none"), "o": (6656, 4096, "residual"),
                     "gate_up": (19968, 6656, "gate_up"), "down": (6656, 19968, "residual")}[name]
   out_dtype = jnp.bfloat16 if epilogue == "gate_up" else jnp.float32
   kn = BG.default_knobs(m, n, k, epilogue, out_dtype, fmt)
+  assert kn["wg_split"] == wg_split
   n_w = 2 * n if epilogue == "gate_up" else n
   x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
   if fmt == "fp8":
@@ -353,7 +395,7 @@ def test_seed_shapes_lower_for_hopper_on_cpu(fmt, name, m):
     f = lambda x, w, s: BG._call_fp8(
         x, w, s, gate_up=epilogue == "gate_up", out_dtype=jnp.dtype(out_dtype), n=n,
         block_n=kn["block_n"], block_k=kn["block_k"], steps=kn["max_concurrent_steps"],
-        split_k=kn["split_k"])
+        split_k=kn["split_k"], wg_split=wg_split)
     args = (x, w, jax.ShapeDtypeStruct((n_w,), jnp.float32))
   else:
     w = jax.ShapeDtypeStruct((n_w, k), jnp.bfloat16)

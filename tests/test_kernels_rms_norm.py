@@ -84,8 +84,8 @@ def test_gemm_input_norm_routes_with_the_batched_gemm(monkeypatch):
   w = jnp.asarray(rng.standard_normal((n, k)), jnp.bfloat16)
   wn = jnp.asarray(rng.standard_normal(k) + 1, jnp.float32)
   monkeypatch.setattr(P, "hopper_available", lambda: True)
-  for rows, kernel in ((P.BATCHED_MIN_M - 1, False), (P.BATCHED_MIN_M, True),
-                       (P.BATCHED_MAX_M, True), (P.BATCHED_MAX_M + 1, False)):
+  lo, hi = P.BATCHED_ROWS["bf16"]
+  for rows, kernel in ((lo - 1, False), (lo, True), (hi, True), (hi + 1, False)):
     x = jnp.asarray(rng.standard_normal((rows, k)), jnp.float32)
     got = P.gemm_input_norm(x, wn, EPS, w)
     assert got.dtype == (jnp.bfloat16 if kernel else jnp.float32), rows
@@ -95,4 +95,4 @@ def test_gemm_input_norm_routes_with_the_batched_gemm(monkeypatch):
                                np.asarray(xla.astype(jnp.bfloat16), np.float32),
                                rtol=2 * BF16_EPS, atol=1e-30)
   monkeypatch.setattr(P, "NORM_KERNEL", False)
-  assert P.gemm_input_norm(x[:P.BATCHED_MAX_M], wn, EPS, w).dtype == jnp.float32
+  assert P.gemm_input_norm(x[:hi], wn, EPS, w).dtype == jnp.float32
