@@ -22,7 +22,7 @@ Sections (each printed as it finishes, all written to DIR/batch.json and batch.m
   interleaved in one process, at 32-128 rows (bf16 weights; `--ab-points` takes fp8 points
   too; `ab_settings` says what each compares): the batched GEMM on vs off (where
   `params.BATCHED_ROWS` comes from), fp8's warpgroup split and row range on it
-  (`batched_gemm.FP8_WG_SPLIT`, `BATCHED_ROWS["fp8"]`), XLA's or the Pallas RMS norm in front of it
+  (`batched_gemm.FP8_K_SPLIT_MAX_M`, `BATCHED_ROWS["fp8"]`), XLA's or the Pallas RMS norm in front of it
   (`params.NORM_KERNEL`), the block's own keys in a program of their own or folded into
   chunk 0's (`ring_attention.FOLD_OWN_MIN_SEQS`), the Triton or the Mosaic GPU partials with
   one or two compute warpgroups (`ring_attention_mgpu.MAX_SEQS`, `COMPUTE_WGS`). By default
@@ -208,9 +208,10 @@ def ab_settings(section: str) -> list[tuple[str, dict]]:
   batched_ab: the Mosaic GPU batched GEMM off (params.BATCHED_ROWS emptied: XLA's GEMM for
   bf16, the skinny GEMM for fp8) vs on for bf16 and fp8 from SKINNY_MAX_M + 1 rows (so the
   A/B also says where each format's lower bound belongs). fp8_ab: fp8 on the batched GEMM at
-  33-128 rows with its compute warpgroups over halves of the rows (run 18's kernel) vs over
-  halves of each K tile (batched_gemm.FP8_WG_SPLIT "k"), then "k" from 17 to 512 rows (256-row
-  chunks, gate_up 128). norm_ab: XLA's RMS norm vs the Pallas row norm
+  33-128 rows with its compute warpgroups over halves of the rows (run 18's kernel), then over
+  halves of each K tile up to 128 rows (batched_gemm.FP8_K_SPLIT_MAX_M) from 33 / 17 rows to
+  512 (past 128 over halves of the rows, in 256-row calls). norm_ab: XLA's RMS norm vs the
+  Pallas row norm
   in front of the batched GEMM (params.NORM_KERNEL). attn_ab: the Triton attention's own-key
   program vs folded into chunk 0 (ring_attention.FOLD_OWN_MIN_SEQS). mgpu_attn_ab: the
   Triton attention vs the Mosaic GPU partials with one or two compute warpgroups
@@ -220,9 +221,9 @@ def ab_settings(section: str) -> list[tuple[str, dict]]:
     return [("off", {(P, "BATCHED_ROWS"): {}}), ("on", {(P, "BATCHED_ROWS"): on})]
   if section == "fp8_ab":
     fp8_rows = lambda lo, hi: {(P, "BATCHED_ROWS"): {**P.BATCHED_ROWS, "fp8": (lo, hi)}}
-    return [("rows", {(BG, "FP8_WG_SPLIT"): "rows", **fp8_rows(33, 128)}),
-            ("k", {(BG, "FP8_WG_SPLIT"): "k", **fp8_rows(33, 128)}),
-            ("k_17_512", {(BG, "FP8_WG_SPLIT"): "k", **fp8_rows(17, 512)})]
+    return [("rows_33_128", {(BG, "FP8_K_SPLIT_MAX_M"): 0, **fp8_rows(33, 128)}),
+            ("k_33_512", {(BG, "FP8_K_SPLIT_MAX_M"): 128, **fp8_rows(33, 512)}),
+            ("k_17_512", {(BG, "FP8_K_SPLIT_MAX_M"): 128, **fp8_rows(17, 512)})]
   if section == "norm_ab":
     return [("xla", {(P, "NORM_KERNEL"): False}), ("pallas", {(P, "NORM_KERNEL"): True})]
   if section == "attn_ab":

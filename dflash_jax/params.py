@@ -248,8 +248,11 @@ SKINNY_MAX_M = 16
 # fp8: each weight tile widened to bf16 in registers as wgmma's A operand, the row scales on
 # the accumulator (run 18: w 16 rounds of S = 8 2.625 -> 2.034 ms, S = 4 1.960 -> 1.503
 # against the skinny fp8 GEMM; run 17's version, which widened the tiles through shared
-# memory, was slower than the skinny GEMM). q8_0's 32-wide block scales have no path there.
-BATCHED_ROWS = {"bf16": (33, 128), "fp8": (33, 128)}
+# memory, was slower than the skinny GEMM). From 32 rows (run 20, us, the skinny fp8 GEMM /
+# this one: gate_up 104.0 / 92.4, down 57.7 / 57.8, qkv 16.4 / 19.8) to 512 in 256-row calls
+# (256 rows: gate_up 366.1 / 249.2, qkv 70.5 / 59.0). q8_0's 32-wide block scales have no
+# path there.
+BATCHED_ROWS = {"bf16": (33, 128), "fp8": (32, 512)}
 
 
 def _bf16_skinny(x: jax.Array, w: jax.Array) -> bool:

@@ -49,10 +49,18 @@ SMEM_BYTES = 232448   # the H200's shared memory per block (Mosaic GPU's limit)
 # seed matrix: 4 x 128 the best or within 1 us of it; 5 or 6 stages 1-3 us slower at 64 rows
 # for down, at most 1 us faster for qkv and o). 2 x 128 last: fp8's wg_split "k" at 256 rows.
 _DEPTHS = ((128, 4), (128, 3), (64, 6), (64, 5), (64, 4), (64, 3), (64, 2), (128, 2))
-# How the two compute warpgroups of an fp8 program share its work (`wg_split`): each
-# widening a whole weight tile for half of the rows ("rows"), or half of every tile for all
-# of them ("k"), which widens each weight byte once.
-FP8_WG_SPLIT = "k"
+# How the two compute warpgroups of an fp8 program share its work (`wg_split`): up to this
+# many rows each widens half of every weight tile for all the rows ("k": each weight byte
+# widened once), past it the whole tile for half of the rows ("rows": one call holds 256 rows,
+# gate_up's too). H200, RESULTS.md run 20 (us, best depth, "rows" / "k"): 128 rows qkv 32.7 /
+# 29.2, gate_up 164.3 / 144.2, down 87.9 / 77.2; 64 rows qkv 23.5 / 22.5, gate_up 113.3 /
+# 105.9, down 65.9 / 63.5; 256 rows gate_up 249.2 / 288.0 (two 128-row calls), qkv 59.0 / 59.2.
+FP8_K_SPLIT_MAX_M = 128
+
+
+def fp8_wg_split(m: int) -> str:
+  """The wg_split of fp8 weights at m rows (FP8_K_SPLIT_MAX_M)."""
+  return "k" if m <= FP8_K_SPLIT_MAX_M else "rows"
 
 
 WG_SPLITS = ("rows", "k")
@@ -127,8 +135,8 @@ def default_knobs(m: int, n: int, k: int, epilogue: str = "none", out_dtype=jnp.
   (H200, RESULTS.md runs 16-17, at 64 and 128 rows: 32- and 48-wide tiles, which fill more
   SMs for qkv and o, and wider tiles with K splits were all slower); None when N or K fits no
   tile (the caller then uses another GEMM). fp8 weights split each program's work between
-  the compute warpgroups as FP8_WG_SPLIT says."""
-  wg_split = FP8_WG_SPLIT if fmt == "fp8" else "rows"
+  the compute warpgroups as `fp8_wg_split` says."""
+  wg_split = fp8_wg_split(m) if fmt == "fp8" else "rows"
   for block_k, steps in _DEPTHS:
     if fits(m, n, k, epilogue, out_dtype, 64, block_k, steps, fmt=fmt, wg_split=wg_split):
       return dict(block_n=64, block_k=block_k, max_concurrent_steps=steps, split_k=1,

@@ -107,7 +107,7 @@ def test_default_knobs_fit_shared_memory():
 def test_fp8_knobs_fit_shared_memory(monkeypatch, wg_split):
   """fp8's default tiles at every row count the kernel takes in one call fit shared memory
   (counting wg_split "k"'s handed-over sums) and the accumulator registers."""
-  monkeypatch.setattr(BG, "FP8_WG_SPLIT", wg_split)
+  monkeypatch.setattr(BG, "FP8_K_SPLIT_MAX_M", 512 if wg_split == "k" else 0)
   for m in (20, 32, 64, 96, 128, 200, 256):
     for n, k, epilogue, out_dtype in ((6144, 6656, "none", jnp.float32),
                                       (6656, 19968, "residual", jnp.float32),
@@ -252,7 +252,7 @@ def test_linear_batched_branch_on_cpu(monkeypatch):
       monkeypatch.setattr(P, "hopper_available", lambda: True)
       monkeypatch.setattr(BG, "_call", fake_call)
       monkeypatch.setattr(BG, "_call_fp8", _fake_call_fp8)
-      monkeypatch.setattr(BG, "FP8_WG_SPLIT", wg_split)
+      monkeypatch.setattr(BG, "FP8_K_SPLIT_MAX_M", 512 if wg_split == "k" else 0)
       monkeypatch.setattr(P, "BATCHED_ROWS", {"fp8": (17, 512)})
       got = P.linear(x, qw, gate_up=gu, out_dtype=od)
       monkeypatch.undo()
@@ -355,7 +355,7 @@ def test_gpu_fp8_matches_oracle(monkeypatch, m, n, k, wg_split, epilogue):
   """fp8 weights (tiles widened to bf16 in registers, row scales in the epilogue) against
   the float64 oracle on the dequantized weights, both ways of sharing a program between the
   compute warpgroups (rows padded, chunked past one call's rows)."""
-  monkeypatch.setattr(BG, "FP8_WG_SPLIT", wg_split)
+  monkeypatch.setattr(BG, "FP8_K_SPLIT_MAX_M", 512 if wg_split == "k" else 0)
   x, w, rng = _inputs(hash((m, n, epilogue, "fp8", wg_split)) % 2**31, m,
                       2 * n if epilogue == "gate_up" else n, k)
   w8, sc = quantize_fp8(np.asarray(w, np.float32))
@@ -382,7 +382,7 @@ def test_seed_shapes_lower_for_hopper_on_cpu(monkeypatch, fmt, name, m, wg_split
   target without a GPU (layouts, the register A operand of the fp8 body, wg_split "k"'s
   conditional wgmma and hand-over, shared memory within the H200's): what would otherwise
   first fail on the GPU."""
-  monkeypatch.setattr(BG, "FP8_WG_SPLIT", wg_split)
+  monkeypatch.setattr(BG, "FP8_K_SPLIT_MAX_M", 512 if wg_split == "k" else 0)
   n, k, epilogue = {"qkv": (6144, 6656, "none"), "o": (6656, 4096, "residual"),
                     "gate_up": (19968, 6656, "gate_up"), "down": (6656, 19968, "residual")}[name]
   out_dtype = jnp.bfloat16 if epilogue == "gate_up" else jnp.float32

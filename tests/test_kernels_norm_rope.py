@@ -190,9 +190,10 @@ def test_limits_shapes_and_dtypes():
 
 def _assert_parts_of_f32(c: dict, interpret: bool):
   """parts=True is the bf16 split of the float32 launch's outputs (q / sqrt(D)): bitwise in
-  interpret mode; compiled, the two launches' float32 values may differ by an ulp (the H200
-  run: 1 of 65536 q elements, FMA contraction in another kernel), so there hi + lo agree to
-  the split's 2^-16 instead."""
+  interpret mode; compiled, the two launches' float32 values may differ by a few ulps of the
+  rope's terms (FMA contraction in another kernel: the H200 runs found 1 of 65536 q elements
+  one bf16 step apart, then 3e-9 apart at -8.3e-5 where x cos - y sin cancels between terms
+  near 0.17), so there hi + lo agree to the split's 2^-15 plus 2^-20 of the largest value."""
   from pallas_kernels.ring_attention_mgpu import split_operands
   kw = dict(n_head=c["n_head"], n_head_kv=c["n_head_kv"], eps=EPS, interpret=interpret)
   f32 = qk_norm_rope(*args(c), **kw)
@@ -211,8 +212,9 @@ def _assert_parts_of_f32(c: dict, interpret: bool):
   # the low parts carry the next 8 bits: they are not all zero
   assert all(np.abs(as32(parts[i])).max() > 0 for i in (1, 3, 5))
   scale = 1.0 / np.sqrt(c["q_norm"].shape[0])
-  np.testing.assert_allclose(as32(parts[0]) + as32(parts[1]), np.asarray(f32[0]) * scale,
-                             rtol=2.0 ** -15, atol=1e-30)
+  q = np.asarray(f32[0]) * scale
+  np.testing.assert_allclose(as32(parts[0]) + as32(parts[1]), q, rtol=2.0 ** -15,
+                             atol=1e-30 if interpret else 2.0 ** -20 * np.abs(q).max())
 
 
 @pytest.mark.parametrize("t, hkv, g, d", [(16, 2, 4, 64), (10, 2, 3, 48)])
