@@ -402,15 +402,12 @@ SEED2 = dataclasses.replace(dfj.SEED_CONFIG, n_layer=2)
 GPU_SLOTS = 8
 
 
-@pytest.fixture(scope="module")
-def seed_case():
-  """A seed-dims (2-layer) bf16 drafter with random device weights; 8 slots' rings after
-  prefills of different lengths (some past the 2048-slot window); the unbatched round of
-  every slot at widths 16 and 8, computed once."""
-  params = random_params(SEED2, 8192, "bf16")
-  prefill = (2100, 300, 2048, 17, 1500, 2200, 64, 900)
-  t = max(prefill)
-  feats = dfj.synthetic_features(SEED2, t + 16 * GPU_SLOTS, seed=1)
+def _seed_case(dtype: str, prefill: tuple[int, ...], widths: tuple[int, ...]) -> dict:
+  """A seed-dims (2-layer) drafter with random device weights; one ring per prefill length
+  (some past the 2048-slot window); the unbatched round of every slot at each width."""
+  params = random_params(SEED2, 8192, dtype)
+  n_slots, t = len(prefill), max(prefill)
+  feats = dfj.synthetic_features(SEED2, t + 16 * n_slots, seed=1)
   rings = []
   for s, n in enumerate(prefill):
     ring = dfj.init_ring(SEED2, ring_dtype="bf16")
@@ -418,25 +415,42 @@ def seed_case():
     rings.append(S.inject_jit(params, ring, S.encode_jit(params, rows),
                               jnp.arange(t, dtype=jnp.int32), n))
   rng = np.random.default_rng(2)
-  new = jnp.asarray(np.stack([feats[s * 16:(s + 1) * 16] for s in range(GPU_SLOTS)]) * 0.5)
-  n_new = jnp.asarray(rng.integers(1, 17, GPU_SLOTS), jnp.int32)
-  id_last = jnp.asarray(rng.integers(0, 8192, GPU_SLOTS), jnp.int32)
+  new = jnp.asarray(np.stack([feats[s * 16:(s + 1) * 16] for s in range(n_slots)]) * 0.5)
+  n_new = jnp.asarray(rng.integers(1, 17, n_slots), jnp.int32)
+  id_last = jnp.asarray(rng.integers(0, 8192, n_slots), jnp.int32)
   n_past = jnp.asarray(prefill, jnp.int32) + n_new
   single = {}
-  for width in (16, 8):
-    for s in range(GPU_SLOTS):
+  for width in widths:
+    for s in range(n_slots):
       ring, drafts, logits = S.draft_round_jit(params, _copy(rings[s]), new[s], n_new[s],
                                                id_last[s], n_past[s], width=width)
       single[width, s] = (_tree_np(ring), np.asarray(drafts), np.asarray(logits))
   return dict(params=params, rings=rings, inputs=(new, n_new, id_last, n_past), single=single)
 
 
+@pytest.fixture(scope="module")
+def seed_case():
+  """bf16 weights, 8 slots, widths 16 and 8, computed once."""
+  return _seed_case("bf16", (2100, 300, 2048, 17, 1500, 2200, 64, 900), (16, 8))
+
+
+@pytest.fixture(scope="module")
+def seed_case_fp8():
+  """fp8 weights, 16 slots at width 16 (up to 256 rows), computed once."""
+  return _seed_case("fp8", (2100, 300, 2048, 17, 1500, 2200, 64, 900,
+                            40, 2049, 700, 1999, 5, 1234, 2300, 333), (16,))
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("n_slots,width", [(1, 16), (4, 16), (8, 16), (8, 8)])
-def test_gpu_batched_round_equals_unbatched(seed_case, n_slots, width):
-  """Real dims: S = 1's 16 rows run on the skinny GEMM, 4 x 16, 8 x 16 and 8 x 8 rows on XLA's
-  (past SKINNY_MAX_M); every slot equals its unbatched round (S = 1: the same launches, so to
+@pytest.mark.parametrize("dtype,n_slots,width", [
+    ("bf16", 1, 16), ("bf16", 4, 16), ("bf16", 8, 16), ("bf16", 8, 8),
+    ("fp8", 2, 16), ("fp8", 8, 16), ("fp8", 16, 16)])
+def test_gpu_batched_round_equals_unbatched(request, dtype, n_slots, width):
+  """Real dims: S = 1's 16 rows run on the skinny GEMM, bf16 past SKINNY_MAX_M on XLA's or the
+  batched GEMM, fp8 at 32 and 128 rows on the batched GEMM's K-split warpgroups and at 256 on
+  its row-split ones; every slot equals its unbatched round (S = 1: the same launches, so to
   float32 rounding at most), drafts on clear margins."""
+  seed_case = request.getfixturevalue("seed_case" if dtype == "bf16" else "seed_case_fp8")
   new, n_new, id_last, n_past = seed_case["inputs"]
   inputs = tuple(a[:n_slots] for a in (new, n_new, id_last, n_past)) + (
       jnp.ones((n_slots,), bool),)
