@@ -1,5 +1,5 @@
 """Batched-row GEMM of bf16 rows and bf16 or fp8 weights on Hopper tensor cores (Mosaic GPU):
-y = x @ w^T for 33-256+ rows.
+y = x @ w^T for 32-256+ rows.
 
 The skinny GEMM (skinny_gemm.py) streams the weights through CUDA-core-sized MMAs and wins up
 to one block of rows; a batched round (issue 14) puts S x w rows through every GEMM, where
@@ -22,11 +22,14 @@ rows, else two, each over half of the rows (padded to 64 or a multiple of 128 by
 The epilogue leaves through shared memory in 64-column tiles. fp8 (e4m3) weights with
 per-row scales run a second body (`_call_fp8`): the weight tile is widened in registers and
 is wgmma's A operand, so the kernel writes y^T and XLA transposes it, adding the residual
-there. At 128 rows the x tile is twice a 64-wide weight tile, so shared memory, not the
-weights, bounds the pipeline's depth: wider column tiles with K splits (the partials summed
-by their consumer) trade that for more partial traffic (`benchmarks.sweep bgemm`). GPU only (Mosaic GPU has no interpreter): the jnp
-twin `batched_matmul_reference` is the contract, and the CPU tests check the wrapper's
-validation, padding and split bookkeeping with the twin in the kernel body's place.
+there; its two compute warpgroups may instead each take one 64-deep half of every K tile for
+all the rows (`wg_split="k"`), so that each weight byte is widened once. At 128 rows the x
+tile is twice a 64-wide weight tile, so shared memory, not the weights, bounds the
+pipeline's depth: wider column tiles with K splits (the partials summed by their consumer)
+trade that for more partial traffic (`benchmarks.sweep bgemm`). GPU only (Mosaic GPU has no
+interpreter): the jnp twin `batched_matmul_reference` is the contract, and the CPU tests
+check the wrapper's validation, padding and split bookkeeping with the twin in the kernel
+body's place.
 """
 from __future__ import annotations
 
@@ -438,7 +441,7 @@ def _call_fp8(x, w, scale, *, gate_up, out_dtype, n, block_n, block_k, steps, sp
     return w_smem[...].astype(jnp.float16).astype(jnp.float32).astype(jnp.bfloat16)
 
   def program(p, rows, refs):
-    s_gmem, s_smem, s_barrier, out_smem, *red = refs
+    s_gmem, s_smem, s_barrier, *tiles = refs
 
     def finish(vals, out):
       """Scale, epilogue, y^T out through the shared-memory tile `out`; vals: one
@@ -453,30 +456,33 @@ def _call_fp8(x, w, scale, *, gate_up, out_dtype, n, block_n, block_k, steps, sp
       plgpu.wait_smem_to_gmem(0)
 
     def compute_context(run_pipeline):
+      def load_scales():   # they arrive while the pipeline runs
+        for i in range(n_w):
+          plgpu.copy_gmem_to_smem(s_gmem.at[p.w_rows[i]], s_smem.at[p.wg, i],
+                                  s_barrier.at[p.wg * n_w + i])
+
       def scope(*accs):
-        # The scales arrive while the pipeline runs, for each warpgroup that finishes.
-        @pl.when(p.wg == 0 if parts == 2 else True)
-        def _():
-          for i in range(n_w):
-            plgpu.copy_gmem_to_smem(s_gmem.at[p.w_rows[i]], s_smem.at[p.wg, i],
-                                    s_barrier.at[p.wg * n_w + i])
-        accs = run_pipeline(accs)
         if parts == 1:
+          load_scales()
+          accs = run_pipeline(accs)
+          (out_smem,) = tiles
           finish([acc[...] for acc in accs], out_smem.at[p.wg])
           return
-        red_smem, red_barrier = out_smem, red[0]
+        sums, sums_barrier, *gate_up_out = tiles
+        pl.when(p.wg == 0)(load_scales)   # only the first warpgroup finishes
+        accs = run_pipeline(accs)
 
         @pl.when(p.wg == 1)
         def _():
           for i, acc in enumerate(accs):
-            red_smem[i] = acc[...]
-          plgpu.barrier_arrive(red_barrier)
+            sums[i] = acc[...]
+          plgpu.barrier_arrive(sums_barrier)
 
         @pl.when(p.wg == 0)
         def _():
-          plgpu.barrier_wait(red_barrier)
-          finish([acc[...] + red_smem[i] for i, acc in enumerate(accs)],
-                 red[1] if gate_up else red_smem.at[0])
+          plgpu.barrier_wait(sums_barrier)
+          finish([acc[...] + sums[i] for i, acc in enumerate(accs)],
+                 gate_up_out[0] if gate_up else sums.at[0])
 
       pl.run_scoped(scope, *[plgpu.ACC((block_n, rows), jnp.float32)] * n_w)
 
