@@ -180,7 +180,7 @@ def test_one_launch_per_kernel_for_all_slots(dtype):
   """The batched round traces to the unbatched round's launches, whatever S: every GEMM takes
   all S x w rows in one launch and each per-sequence kernel runs once with the slot as a grid
   axis (no loop over slots). Past SKINNY_MAX_M rows the bf16 GEMMs move to XLA's GEMM; fp8
-  weights stay on the skinny kernel at any row count."""
+  weights stay on the skinny kernel at any row count where there is no batched GEMM (a CPU)."""
   from dflash_jax.params import SKINNY_MAX_M
   mixed = dataclasses.replace(CFG, layer_types=(SLIDE, FULL))
   params = dfj.prepare_weights(mixed, _weights(mixed), dtype)
@@ -399,7 +399,6 @@ def test_batched_drafter_checks_inputs_before_any_state_change():
 
 # ----------------------------------------------------------------------------- GPU, real dims
 SEED2 = dataclasses.replace(dfj.SEED_CONFIG, n_layer=2)
-GPU_SLOTS = 8
 
 
 def _seed_case(dtype: str, prefill: tuple[int, ...], widths: tuple[int, ...]) -> dict:
