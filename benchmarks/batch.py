@@ -21,8 +21,8 @@ Sections (each printed as it finishes, all written to DIR/batch.json and batch.m
 - batched_ab, fp8_ab, norm_ab, attn_ab, mgpu_attn_ab: rounds under two or more routings,
   interleaved in one process, at 32-128 rows (bf16 weights; `--ab-points` takes fp8 points
   too; `ab_settings` says what each compares): the batched GEMM on vs off (where
-  `params.BATCHED_ROWS` comes from), fp8's warpgroup split and row range on it
-  (`batched_gemm.FP8_K_SPLIT_MAX_M`, `BATCHED_ROWS["fp8"]`), XLA's or the Pallas RMS norm in front of it
+  `params.BATCHED_ROWS` comes from), fp8's pipeline depth and small-matrix routing on it
+  (`batched_gemm.FP8_DEEP_K`, `params.FP8_SMALL_WEIGHTS`), XLA's or the Pallas RMS norm in front of it
   (`params.NORM_KERNEL`), the block's own keys in a program of their own or folded into
   chunk 0's (`ring_attention.FOLD_OWN_MIN_SEQS`), the Triton or the Mosaic GPU partials with
   one or two compute warpgroups (`ring_attention_mgpu.MAX_SEQS`, `COMPUTE_WGS`). By default
@@ -108,10 +108,12 @@ def gemm_rate(n: int, iters: int) -> float:
 
 
 def gemm_path(dtype: str, rows: int) -> str:
-  """Which GEMM a round's weights run on at this row count (params.linear's rule)."""
-  if P.batched_gemm_runs(dtype, rows):
-    return "batched"
-  return "skinny" if dtype != "bf16" or rows <= SKINNY_MAX_M else "xla"
+  """Which GEMM a round's weights run on at this row count (params.linear's rule; fp8's small
+  matrices may stay on the skinny GEMM: "batched+skinny")."""
+  other = "skinny" if dtype != "bf16" or rows <= SKINNY_MAX_M else "xla"
+  if not P.batched_gemm_runs(dtype, rows):
+    return other
+  return "batched" if P.batched_gemm_runs(dtype, rows, 0) else f"batched+{other}"
 
 
 def round_inputs(cfg: dfj.DFlashConfig, n_slots: int, width: int, n_past: int, seed: int = 3):
@@ -207,10 +209,10 @@ def ab_settings(section: str) -> list[tuple[str, dict]]:
   {(module, attribute): value}) patched in for that tag's jit.
   batched_ab: the Mosaic GPU batched GEMM off (params.BATCHED_ROWS emptied: XLA's GEMM for
   bf16, the skinny GEMM for fp8) vs on for bf16 and fp8 from SKINNY_MAX_M + 1 rows (so the
-  A/B also says where each format's lower bound belongs). fp8_ab: fp8 on the batched GEMM at
-  33-128 rows with its compute warpgroups over halves of the rows (run 18's kernel), then over
-  halves of each K tile up to 128 rows (batched_gemm.FP8_K_SPLIT_MAX_M) from 33 / 17 rows to
-  512 (past 128 over halves of the rows, in 256-row calls). norm_ab: XLA's RMS norm vs the
+  A/B also says where each format's lower bound belongs). fp8_ab: fp8 on the batched GEMM as
+  in run 20 (at most 4 pipeline stages, every matrix from 32 rows), then with up to 6 stages
+  from batched_gemm.FP8_DEEP_K, then also with the small matrices on the skinny GEMM at 32
+  rows (params.FP8_SMALL_WEIGHTS, the shipped routing). norm_ab: XLA's RMS norm vs the
   Pallas row norm
   in front of the batched GEMM (params.NORM_KERNEL). attn_ab: the Triton attention's own-key
   program vs folded into chunk 0 (ring_attention.FOLD_OWN_MIN_SEQS). mgpu_attn_ab: the
@@ -220,10 +222,10 @@ def ab_settings(section: str) -> list[tuple[str, dict]]:
     on = {f: (P.SKINNY_MAX_M + 1, P.BATCHED_ROWS.get(f, (0, 128))[1]) for f in ("bf16", "fp8")}
     return [("off", {(P, "BATCHED_ROWS"): {}}), ("on", {(P, "BATCHED_ROWS"): on})]
   if section == "fp8_ab":
-    fp8_rows = lambda lo, hi: {(P, "BATCHED_ROWS"): {**P.BATCHED_ROWS, "fp8": (lo, hi)}}
-    return [("rows_33_128", {(BG, "FP8_K_SPLIT_MAX_M"): 0, **fp8_rows(33, 128)}),
-            ("k_33_512", {(BG, "FP8_K_SPLIT_MAX_M"): 128, **fp8_rows(33, 512)}),
-            ("k_17_512", {(BG, "FP8_K_SPLIT_MAX_M"): 128, **fp8_rows(17, 512)})]
+    return [("run20", {(BG, "FP8_DEEP_K"): 1 << 30, (P, "FP8_SMALL_WEIGHTS"): 0}),
+            ("deep", {(BG, "FP8_DEEP_K"): BG.FP8_DEEP_K, (P, "FP8_SMALL_WEIGHTS"): 0}),
+            ("deep_small", {(BG, "FP8_DEEP_K"): BG.FP8_DEEP_K,
+                            (P, "FP8_SMALL_WEIGHTS"): P.FP8_SMALL_WEIGHTS})]
   if section == "norm_ab":
     return [("xla", {(P, "NORM_KERNEL"): False}), ("pallas", {(P, "NORM_KERNEL"): True})]
   if section == "attn_ab":

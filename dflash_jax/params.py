@@ -253,6 +253,12 @@ SKINNY_MAX_M = 16
 # (256 rows: gate_up 366.1 / 249.2, qkv 70.5 / 59.0). q8_0's 32-wide block scales have no
 # path there.
 BATCHED_ROWS = {"bf16": (33, 128), "fp8": (32, 512)}
+# fp8 weights of fewer elements than this (at the seed dims qkv, o and inject: 27-68 M, against
+# down's 133 M) start there at FP8_SMALL_MIN_ROWS instead: at 32 rows their 96-160 column
+# tiles leave SMs idle where the skinny GEMM splits K (run 21, us, skinny / batched: qkv
+# 16.6 / 20.1, inject 28.4 / 41.2, o 14.0 / 14.2; at 64 rows o 21.7 / 16.0).
+FP8_SMALL_WEIGHTS = 100_000_000
+FP8_SMALL_MIN_ROWS = 33
 
 
 def _bf16_skinny(x: jax.Array, w: jax.Array) -> bool:
@@ -261,19 +267,21 @@ def _bf16_skinny(x: jax.Array, w: jax.Array) -> bool:
   return w.dtype == jnp.bfloat16 and x.ndim == 2 and x.shape[0] <= SKINNY_MAX_M
 
 
-def batched_gemm_runs(fmt: str, rows: int) -> bool:
-  """Whether weights of this format at this row count go to the batched GEMM (shapes that fit
-  its tiles; `_batched_knobs` checks those)."""
+def batched_gemm_runs(fmt: str, rows: int, n_weights: int | None = None) -> bool:
+  """Whether a weight of this format and element count (None: a large one) at this row count
+  goes to the batched GEMM (shapes that fit its tiles; `_batched_knobs` checks those)."""
   lo, hi = BATCHED_ROWS.get(fmt, (1, 0))
+  if fmt == "fp8" and n_weights is not None and n_weights < FP8_SMALL_WEIGHTS:
+    lo = max(lo, FP8_SMALL_MIN_ROWS)
   return lo <= rows <= hi and hopper_available()
 
 
 def _batched_knobs(x: jax.Array, w, gate_up: bool, out_dtype) -> dict | None:
   """The batched GEMM's tiles when it runs this product, else None."""
   fmt = matrix_format(w)
-  if x.ndim != 2 or not batched_gemm_runs(fmt, x.shape[0]):
-    return None
   n, k = w.shape
+  if x.ndim != 2 or not batched_gemm_runs(fmt, x.shape[0], n * k):
+    return None
   return batched_gemm.default_knobs(x.shape[0], n // 2 if gate_up else n, k,
                                     "gate_up" if gate_up else "none", out_dtype, fmt)
 

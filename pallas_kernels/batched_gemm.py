@@ -59,6 +59,13 @@ _DEPTHS = ((128, 4), (128, 3), (64, 6), (64, 5), (64, 4), (64, 3), (64, 2), (128
 # 29.2, gate_up 164.3 / 144.2, down 87.9 / 77.2; 64 rows qkv 23.5 / 22.5, gate_up 113.3 /
 # 105.9, down 65.9 / 63.5; 256 rows gate_up 249.2 / 288.0 (two 128-row calls), qkv 59.0 / 59.2.
 FP8_K_SPLIT_MAX_M = 128
+# wg_split "k" runs its sums' hand-over in the pipeline's memory once the pipeline ends, so
+# the stages may fill shared memory: from this K on (down, fc) up to 6 stages of 128-deep tiles
+# pay, below it 4 stay the best (H200, RESULTS.md run 21, us, 4 / 6 stages (5 at 128 rows):
+# down 58.4 / 55.1 at 32 rows, 63.8 / 62.5 at 64, 80.3 / 78.9 at 128; fc 91.9 / 86.7 at 32,
+# 100.0 / 97.1 at 64; qkv 20.1 / 20.7 at 32, gate_up 107.1 / 108.4 at 64).
+FP8_DEEP_K = 16384
+_DEEP = ((128, 6), (128, 5))
 
 
 def fp8_wg_split(m: int) -> str:
@@ -116,7 +123,7 @@ def smem_bytes(m: int, epilogue: str, out_dtype, block_n: int, block_k: int, ste
   """Shared memory of one program: the x and weight tiles of every pipeline stage, the
   compute warpgroups' epilogue tiles and, for fp8 weights, their scales (a small margin for
   barriers is left to the caller); with wg_split "k" the second warpgroup's float32 sums,
-  which the y^T tile shares where it is float32."""
+  which the y^T tile shares where it is float32, both in the pipeline's memory once it ends."""
   mp = padded_rows(min(m, max_rows(epilogue, wg_split)), wg_split)
   wgs = warpgroups(mp, wg_split)
   n_w = 2 if epilogue == "gate_up" else 1
@@ -126,7 +133,7 @@ def smem_bytes(m: int, epilogue: str, out_dtype, block_n: int, block_k: int, ste
   epi_n = min(block_n, EPI_N)
   if wg_split == "k":
     out = n_w * block_n * mp * 4 + (block_n * mp * out_item if epilogue == "gate_up" else 0)
-    return stage * steps + out + wgs * n_w * block_n * 4
+    return max(stage * steps, out + 1024) + wgs * n_w * block_n * 4
   if fmt == "fp8":   # one [block_n, rows] y^T tile per warpgroup, and the scales
     return stage * steps + mp * block_n * out_item + wgs * n_w * block_n * 4
   return stage * steps + mp * epi_n * out_item * min(2, block_n // epi_n)
@@ -138,9 +145,10 @@ def default_knobs(m: int, n: int, k: int, epilogue: str = "none", out_dtype=jnp.
   (H200, RESULTS.md runs 16-17, at 64 and 128 rows: 32- and 48-wide tiles, which fill more
   SMs for qkv and o, and wider tiles with K splits were all slower); None when N or K fits no
   tile (the caller then uses another GEMM). fp8 weights split each program's work between
-  the compute warpgroups as `fp8_wg_split` says."""
+  the compute warpgroups as `fp8_wg_split` says ("k" from FP8_DEEP_K on: up to 6 stages)."""
   wg_split = fp8_wg_split(m) if fmt == "fp8" else "rows"
-  for block_k, steps in _DEPTHS:
+  deep = _DEEP if wg_split == "k" and k >= FP8_DEEP_K else ()
+  for block_k, steps in deep + _DEPTHS:
     if fits(m, n, k, epilogue, out_dtype, 64, block_k, steps, fmt=fmt, wg_split=wg_split):
       return dict(block_n=64, block_k=block_k, max_concurrent_steps=steps, split_k=1,
                   wg_split=wg_split)
@@ -291,14 +299,16 @@ class _Program(NamedTuple):
 
 
 def _streamed(program, x, w, extra, *, n, n_w, block_n, block_k, steps, split_k, out_shape,
-              out_dtype, scratch, wg_split="rows"):
+              out_dtype, scratch, wg_split="rows", after=()):
   """What both kernel bodies share: the grid (one program per column tile and K split), the
   compute warpgroups over the x rows, and the K pipeline in which a memory warpgroup streams
   the x tile [M, block_k] and the n_w weight tiles [block_n, block_k] of the program's
   columns (wg_split "k": each tile as two 64-deep halves, x's halves first, then each weight
   tile's, so each warpgroup waits only on whole tiles of its own). program(p, rows, refs) ->
   (body, compute_context) of the pipeline, given the `_Program` p, the rows per warpgroup
-  and the refs of `extra`'s inputs then `scratch`."""
+  and the refs of `extra`'s inputs, `scratch`, then `after`: shared-memory tiles that share
+  the pipeline's tiles' memory (a `RefUnion`), for the compute context to use once every
+  compute warpgroup's pipeline has ended."""
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -322,16 +332,28 @@ def _streamed(program, x, w, extra, *, n, n_w, block_n, block_k, steps, split_k,
     wg_rows = pl.ds(0, rows) if wg_split == "k" else pl.ds(wg * rows, rows)
     w_rows = [pl.ds(i * n + j * block_n, block_n) for i in range(n_w)]
     p = _Program(j, wg, wg_rows, w_rows, out_gmem)
-    body, compute_context = program(p, rows, (*extra_refs, *scratch_refs))
     spec = lambda r, h, t: plgpu.BlockSpec((r, part), lambda kk: (0, kk * parts + h),
                                            transforms=t)
-    pipeline = plgpu.emit_pipeline_warp_specialized(
+    pipeline = lambda body, compute_context: plgpu.emit_pipeline_warp_specialized(
         body, grid=(k_steps,), memory_registers=40,
         in_specs=[spec(m, h, in_t) for h in range(parts)]
         + [spec(block_n, h, w_t) for _ in range(n_w) for h in range(parts)],
         wg_axis="wg", num_compute_wgs=wgs, max_concurrent_steps=steps,
         compute_context=compute_context)
-    pipeline(*[x_gmem.at[:, ks]] * parts, *[w_gmem.at[r, ks] for r in w_rows for _ in range(parts)])
+    gmem = (*[x_gmem.at[:, ks]] * parts, *[w_gmem.at[r, ks] for r in w_rows for _ in range(parts)])
+    if not after:
+      pipeline(*program(p, rows, (*extra_refs, *scratch_refs)))(*gmem)
+      return
+    ignore = lambda *_, **__: None
+    allocs = pipeline(ignore, ignore).get_allocations(*gmem)
+    tiles = allocs.pop("flat_in_smem_refs")
+
+    def scoped(union, rest):
+      tile_refs, after_refs = union
+      pipeline(*program(p, rows, (*extra_refs, *scratch_refs, *after_refs)))(
+          *gmem, allocations=dict(flat_in_smem_refs=tile_refs, **rest))
+
+    pl.run_scoped(scoped, plgpu.RefUnion(tiles, tuple(after)), allocs, collective_axes="wg")
 
   f = plgpu.kernel(
       kernel, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
@@ -424,7 +446,9 @@ def _call_fp8(x, w, scale, *, gate_up, out_dtype, n, block_n, block_k, steps, sp
   register A operand against the x tile (B from shared memory, read transposed): the tile
   never goes back to shared memory. With "k" the second warpgroup hands its float32 sums to
   the first through shared memory (an mbarrier orders them) and the first finishes alone,
-  writing a float32 y^T over the handed-over sums (each thread rewrites the elements it read).
+  writing a float32 y^T over the handed-over sums (each thread rewrites the elements it read);
+  the sums and gate_up's y^T tile use the pipeline's memory, taken once the first warpgroup
+  has signalled that its pipeline (the last reader of those tiles) has ended.
   The row scales apply to the accumulator's rows."""
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -468,12 +492,14 @@ def _call_fp8(x, w, scale, *, gate_up, out_dtype, n, block_n, block_k, steps, sp
           (out_smem,) = tiles
           finish([acc[...] for acc in accs], out_smem.at[p.wg])
           return
-        sums, sums_barrier, *gate_up_out = tiles
+        sums_barrier, ended, sums, *gate_up_out = tiles
         pl.when(p.wg == 0)(load_scales)   # only the first warpgroup finishes
         accs = run_pipeline(accs)
+        pl.when(p.wg == 0)(lambda: plgpu.barrier_arrive(ended))
 
         @pl.when(p.wg == 1)
         def _():
+          plgpu.barrier_wait(ended)
           for i, acc in enumerate(accs):
             sums[i] = acc[...]
           plgpu.barrier_arrive(sums_barrier)
@@ -503,17 +529,18 @@ def _call_fp8(x, w, scale, *, gate_up, out_dtype, n, block_n, block_k, steps, sp
     return body, compute_context
 
   scratch = [plgpu.SMEM((wgs, n_w, block_n), jnp.float32), plgpu.Barrier(num_barriers=wgs * n_w)]
+  after = []
   if parts == 1:   # one y^T tile per warpgroup
     scratch.append(plgpu.SMEM((wgs, block_n, rows), out_dtype,
                               transforms=smem_transforms(rows, out_dtype)))
-  else:            # the handed-over sums (the float32 y^T tile), their barrier, gate_up's tile
-    scratch += [plgpu.SMEM((n_w, block_n, rows), jnp.float32,
-                           transforms=smem_transforms(rows, jnp.float32)),
-                plgpu.Barrier(num_arrivals=1, num_barriers=1)]
+  else:   # the hand-over's and the pipeline's end's barriers; the sums (float32 y^T), gate_up's
+    scratch += [plgpu.Barrier(num_arrivals=1, num_barriers=1)] * 2
+    after.append(plgpu.SMEM((n_w, block_n, rows), jnp.float32,
+                            transforms=smem_transforms(rows, jnp.float32)))
     if gate_up:
-      scratch.append(plgpu.SMEM((block_n, rows), out_dtype,
-                                transforms=smem_transforms(rows, out_dtype)))
+      after.append(plgpu.SMEM((block_n, rows), out_dtype,
+                              transforms=smem_transforms(rows, out_dtype)))
   return _streamed(program, x, w, (scale,), n=n, n_w=n_w, block_n=block_n, block_k=block_k,
                    steps=steps, split_k=split_k,
                    out_shape=(split_k, n, m) if split_k > 1 else (n, m), out_dtype=out_dtype,
-                   scratch=scratch, wg_split=wg_split)
+                   scratch=scratch, wg_split=wg_split, after=after)

@@ -127,6 +127,26 @@ def test_fp8_knobs_fit_shared_memory(monkeypatch, wg_split):
   assert not BG.fits(128, 6144, 6656, "none", jnp.float32, 64, 128, 4, wg_split="k")   # bf16
 
 
+def test_fp8_k_split_stages_share_memory_with_the_hand_over():
+  """wg_split "k" hands its sums over in the pipeline's memory (a RefUnion), so its stages
+  count alone: gate_up at 128 rows takes 4 stages (3 when the sums took 80 KiB of their own),
+  and long-K matrices (K >= FP8_DEEP_K: down, fc) as many as fit, up to 6."""
+  stage = lambda m, n_w: 128 * (m * 2 + n_w * 64)   # x's and the weight tiles' bytes
+  for m, n, k, epilogue, out_dtype, steps in (
+      (128, 19968, 6656, "gate_up", jnp.bfloat16, 4), (32, 19968, 6656, "gate_up", jnp.bfloat16, 4),
+      (32, 6144, 6656, "none", jnp.float32, 4), (32, 6656, 19968, "residual", jnp.float32, 6),
+      (64, 6656, 33280, "none", jnp.float32, 6), (128, 6656, 19968, "residual", jnp.float32, 5)):
+    kn = BG.default_knobs(m, n, k, epilogue, out_dtype, "fp8")
+    assert (kn["wg_split"], kn["block_k"], kn["max_concurrent_steps"]) == ("k", 128, steps), (m, n)
+    n_w = 2 if epilogue == "gate_up" else 1
+    used = BG.smem_bytes(m, epilogue, out_dtype, 64, 128, steps, "fp8", "k")
+    assert used == stage(m, n_w) * steps + 2 * n_w * 64 * 4   # the tiles and the row scales
+    assert used <= BG.SMEM_BYTES - 2048
+    if m == 128:   # one more stage would not fit
+      assert not BG.fits(m, n, k, epilogue, out_dtype, 64, 128, steps + 1, fmt="fp8",
+                         wg_split="k")
+
+
 def test_linear_keeps_xla_off_hopper():
   # On a backend without the kernel (CPU here), every row count past the skinny GEMM's runs
   # XLA's GEMM: no Mosaic GPU call in the lowered program.
@@ -254,6 +274,7 @@ def test_linear_batched_branch_on_cpu(monkeypatch):
       monkeypatch.setattr(BG, "_call_fp8", _fake_call_fp8)
       monkeypatch.setattr(BG, "FP8_K_SPLIT_MAX_M", 512 if wg_split == "k" else 0)
       monkeypatch.setattr(P, "BATCHED_ROWS", {"fp8": (17, 512)})
+      monkeypatch.setattr(P, "FP8_SMALL_WEIGHTS", 0)
       got = P.linear(x, qw, gate_up=gu, out_dtype=od)
       monkeypatch.undo()
       np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
@@ -264,6 +285,17 @@ def test_linear_batched_branch_on_cpu(monkeypatch):
   monkeypatch.setattr(P, "hopper_available", lambda: True)
   x = x[:P.BATCHED_ROWS["fp8"][1]]
   assert P._batched_knobs(x, qw, True, jnp.bfloat16) is not None
+  # Except that at 32 rows matrices under FP8_SMALL_WEIGHTS elements stay on the skinny GEMM.
+  lo = P.BATCHED_ROWS["fp8"][0]
+  assert lo < P.FP8_SMALL_MIN_ROWS
+  for rows, n_w, k_w, runs in ((lo, 6144, 6656, False), (P.FP8_SMALL_MIN_ROWS, 6144, 6656, True),
+                               (lo, 39936, 6656, True), (lo, 6656, 19968, True)):
+    big = jax.ShapeDtypeStruct((n_w, k_w), jnp.float8_e4m3fn)
+    xs = jax.ShapeDtypeStruct((rows, k_w), jnp.bfloat16)
+    knobs = P._batched_knobs(
+        xs, P.QuantWeight(big, jax.ShapeDtypeStruct((n_w,), jnp.float32), "fp8"), False,
+        jnp.float32)
+    assert (knobs is not None) == runs, (rows, n_w, k_w)
   q8 = P.QuantWeight(*map(jnp.asarray, quantize_q8_0(np.asarray(wgu, np.float32))), "q8_0")
   assert P._batched_knobs(x, q8, True, jnp.bfloat16) is None
   monkeypatch.undo()
