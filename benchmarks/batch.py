@@ -22,8 +22,8 @@ Sections (each printed as it finishes, all written to DIR/batch.json and batch.m
   interleaved in one process, at 32-128 rows (bf16 weights; `--ab-points` takes fp8 points
   too; `ab_settings` says what each compares): the batched GEMM on vs off (where
   `params.BATCHED_ROWS` comes from), fp8's pipeline depth and small-matrix routing on it
-  (`batched_gemm.FP8_DEEP_K`, `params.FP8_SMALL_WEIGHTS`), XLA's or the Pallas RMS norm in front of it
-  (`params.NORM_KERNEL`), the block's own keys in a program of their own or folded into
+  (`batched_gemm.FP8_DEEP_K`, `params.FP8_SMALL_WEIGHTS`), XLA's or the Pallas RMS norm in
+  front of it (`params.NORM_KERNEL`), the block's own keys in a program of their own or folded into
   chunk 0's (`ring_attention.FOLD_OWN_MIN_SEQS`), the Triton or the Mosaic GPU partials with
   one or two compute warpgroups (`ring_attention_mgpu.MAX_SEQS`, `COMPUTE_WGS`). By default
   only batched_ab runs (each A/B takes minutes).
