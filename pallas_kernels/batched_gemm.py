@@ -133,6 +133,8 @@ def smem_bytes(m: int, epilogue: str, out_dtype, block_n: int, block_k: int, ste
   epi_n = min(block_n, EPI_N)
   if wg_split == "k":
     out = n_w * block_n * mp * 4 + (block_n * mp * out_item if epilogue == "gate_up" else 0)
+    # The union is as large as its larger group; 1 KiB covers the alignment between the sums
+    # and gate_up's tile.
     return max(stage * steps, out + 1024) + wgs * n_w * block_n * 4
   if fmt == "fp8":   # one [block_n, rows] y^T tile per warpgroup, and the scales
     return stage * steps + mp * block_n * out_item + wgs * n_w * block_n * 4
