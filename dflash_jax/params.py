@@ -250,8 +250,8 @@ SKINNY_MAX_M = 16
 # against the skinny fp8 GEMM; run 17's version, which widened the tiles through shared
 # memory, was slower than the skinny GEMM). From 32 rows (run 20, us, the skinny fp8 GEMM /
 # this one: gate_up 104.0 / 92.4, down 57.7 / 57.8, qkv 16.4 / 19.8) to 512 in 256-row calls
-# (256 rows: gate_up 366.1 / 249.2, qkv 70.5 / 59.0). q8_0's 32-wide block scales have no
-# path there.
+# (256 rows: gate_up 366.1 / 249.2, qkv 70.5 / 59.0; run 21: 366.4 / 248.7, 70.5 / 46.4, down
+# 239.4 / 126.5). q8_0's 32-wide block scales have no path there.
 BATCHED_ROWS = {"bf16": (33, 128), "fp8": (32, 512)}
 # fp8 weights of fewer elements than this (at the seed dims qkv, o and inject: 27-68 M, against
 # down's 133 M) start there at FP8_SMALL_MIN_ROWS instead: at 32 rows their 96-160 column

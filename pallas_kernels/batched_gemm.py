@@ -51,6 +51,9 @@ SMEM_BYTES = 232448   # the H200's shared memory per block (Mosaic GPU's limit)
 # in flight, up to 4 stages of 128-deep tiles (H200, RESULTS.md run 17: 64 and 128 rows, every
 # seed matrix: 4 x 128 the best or within 1 us of it; 5 or 6 stages 1-3 us slower at 64 rows
 # for down, at most 1 us faster for qkv and o). 2 x 128 last: fp8's wg_split "k" at 256 rows.
+# fp8's y^T tiles share the pipeline's memory, so at 256 rows ("rows") 3 x 128 fits there
+# (run 21, us, 3 x 128 / 4 x 64, the earlier default: qkv 46.4 / 51.1, down 126.5 / 143.7;
+# gate_up's two weight tiles take 5 x 64: 248.7, against 249.9 at 4 x 64).
 _DEPTHS = ((128, 4), (128, 3), (64, 6), (64, 5), (64, 4), (64, 3), (64, 2), (128, 2))
 # How the two compute warpgroups of an fp8 program share its work (`wg_split`): up to this
 # many rows each widens half of every weight tile for all the rows ("k": each weight byte
@@ -136,8 +139,8 @@ def smem_bytes(m: int, epilogue: str, out_dtype, block_n: int, block_k: int, ste
     # The union is as large as its larger group; 1 KiB covers the alignment between the sums
     # and gate_up's tile.
     return max(stage * steps, out + 1024) + wgs * n_w * block_n * 4
-  if fmt == "fp8":   # one [block_n, rows] y^T tile per warpgroup, and the scales
-    return stage * steps + mp * block_n * out_item + wgs * n_w * block_n * 4
+  if fmt == "fp8":   # one [block_n, rows] y^T tile per warpgroup (in the pipeline's memory)
+    return max(stage * steps, mp * block_n * out_item) + wgs * n_w * block_n * 4
   return stage * steps + mp * epi_n * out_item * min(2, block_n // epi_n)
 
 
@@ -450,7 +453,9 @@ def _call_fp8(x, w, scale, *, gate_up, out_dtype, n, block_n, block_k, steps, sp
   the first through shared memory (an mbarrier orders them) and the first finishes alone,
   writing a float32 y^T over the handed-over sums (each thread rewrites the elements it read);
   the sums and gate_up's y^T tile use the pipeline's memory, taken once the first warpgroup
-  has signalled that its pipeline (the last reader of those tiles) has ended.
+  has signalled that its pipeline (the last reader of those tiles) has ended. With "rows"
+  each warpgroup's y^T tile is in the pipeline's memory too, written once both pipelines
+  have ended.
   The row scales apply to the accumulator's rows."""
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -491,7 +496,9 @@ def _call_fp8(x, w, scale, *, gate_up, out_dtype, n, block_n, block_k, steps, sp
         if parts == 1:
           load_scales()
           accs = run_pipeline(accs)
-          (out_smem,) = tiles
+          ended, out_smem = tiles
+          plgpu.barrier_arrive(ended)   # the y^T tiles take the pipeline's memory
+          plgpu.barrier_wait(ended)
           finish([acc[...] for acc in accs], out_smem.at[p.wg])
           return
         sums_barrier, ended, sums, *gate_up_out = tiles
@@ -531,14 +538,14 @@ def _call_fp8(x, w, scale, *, gate_up, out_dtype, n, block_n, block_k, steps, sp
     return body, compute_context
 
   scratch = [plgpu.SMEM((wgs, n_w, block_n), jnp.float32), plgpu.Barrier(num_barriers=wgs * n_w)]
-  after = []
-  if parts == 1:   # one y^T tile per warpgroup
-    scratch.append(plgpu.SMEM((wgs, block_n, rows), out_dtype,
-                              transforms=smem_transforms(rows, out_dtype)))
+  if parts == 1:   # every pipeline's end (wgs arrivals); one y^T tile per warpgroup
+    scratch.append(plgpu.Barrier(num_arrivals=wgs, num_barriers=1))
+    after = [plgpu.SMEM((wgs, block_n, rows), out_dtype,
+                        transforms=smem_transforms(rows, out_dtype))]
   else:   # the hand-over's and the pipeline's end's barriers; the sums (float32 y^T), gate_up's
     scratch += [plgpu.Barrier(num_arrivals=1, num_barriers=1)] * 2
-    after.append(plgpu.SMEM((n_w, block_n, rows), jnp.float32,
-                            transforms=smem_transforms(rows, jnp.float32)))
+    after = [plgpu.SMEM((n_w, block_n, rows), jnp.float32,
+                        transforms=smem_transforms(rows, jnp.float32))]
     if gate_up:
       after.append(plgpu.SMEM((block_n, rows), out_dtype,
                               transforms=smem_transforms(rows, out_dtype)))

@@ -127,7 +127,7 @@ def test_fp8_knobs_fit_shared_memory(monkeypatch, wg_split):
   assert not BG.fits(128, 6144, 6656, "none", jnp.float32, 64, 128, 4, wg_split="k")   # bf16
 
 
-def test_fp8_k_split_stages_share_memory_with_the_hand_over():
+def test_fp8_stages_share_memory_with_the_epilogue_tiles():
   """wg_split "k" hands its sums over in the pipeline's memory (a RefUnion), so its stages
   count alone: gate_up at 128 rows takes 4 stages (3 when the sums took 80 KiB of their own),
   and long-K matrices (K >= FP8_DEEP_K: down, fc) as many as fit, up to 6."""
@@ -145,6 +145,17 @@ def test_fp8_k_split_stages_share_memory_with_the_hand_over():
     if m == 128:   # one more stage would not fit
       assert not BG.fits(m, n, k, epilogue, out_dtype, 64, 128, steps + 1, fmt="fp8",
                          wg_split="k")
+  # "rows" (past 128 rows) writes its y^T tiles there too, once both pipelines have ended:
+  # 3 x 128 stages at 256 rows (4 x 64 when the tiles took 64 KiB of their own), gate_up's
+  # two weight tiles 5 x 64.
+  for n, k, epilogue, out_dtype, depth in ((6144, 6656, "none", jnp.float32, (128, 3)),
+                                           (6656, 19968, "residual", jnp.float32, (128, 3)),
+                                           (19968, 6656, "gate_up", jnp.bfloat16, (64, 5))):
+    kn = BG.default_knobs(256, n, k, epilogue, out_dtype, "fp8")
+    assert (kn["wg_split"], kn["block_k"], kn["max_concurrent_steps"]) == ("rows", *depth)
+    n_w = 2 if epilogue == "gate_up" else 1
+    used = BG.smem_bytes(256, epilogue, out_dtype, 64, *depth, "fp8", "rows")
+    assert used == depth[0] * (256 * 2 + n_w * 64) * depth[1] + 2 * n_w * 64 * 4
 
 
 def test_linear_keeps_xla_off_hopper():
