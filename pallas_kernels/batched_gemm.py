@@ -123,24 +123,24 @@ def fits(m: int, n: int, k: int, epilogue: str, out_dtype, block_n: int, block_k
 
 def smem_bytes(m: int, epilogue: str, out_dtype, block_n: int, block_k: int, steps: int,
                fmt: str = "bf16", wg_split: str = "rows") -> int:
-  """Shared memory of one program: the x and weight tiles of every pipeline stage, the
-  compute warpgroups' epilogue tiles and, for fp8 weights, their scales (a small margin for
-  barriers is left to the caller); with wg_split "k" the second warpgroup's float32 sums,
-  which the y^T tile shares where it is float32, both in the pipeline's memory once it ends."""
+  """Shared memory of one program: the x and weight tiles of every pipeline stage and the
+  compute warpgroups' epilogue tiles (a small margin for barriers is left to the caller).
+  fp8 weights' epilogue tiles (wg_split "rows": one y^T tile per warpgroup; "k": the second
+  warpgroup's float32 sums, which the y^T tile shares where it is float32, and gate_up's tile)
+  share the pipeline's memory once it ends; their row scales come on top."""
   mp = padded_rows(min(m, max_rows(epilogue, wg_split)), wg_split)
   wgs = warpgroups(mp, wg_split)
   n_w = 2 if epilogue == "gate_up" else 1
   w_item = 1 if fmt == "fp8" else 2
   stage = block_k * (mp * 2 + n_w * block_n * w_item)
   out_item = jnp.dtype(out_dtype if epilogue == "gate_up" else jnp.float32).itemsize
+  if fmt == "fp8":
+    if wg_split == "k":   # 1 KiB covers the alignment between the sums and gate_up's tile
+      out = n_w * block_n * mp * 4 + (block_n * mp * out_item + 1024 if n_w == 2 else 0)
+    else:
+      out = mp * block_n * out_item
+    return max(stage * steps, out) + wgs * n_w * block_n * 4
   epi_n = min(block_n, EPI_N)
-  if wg_split == "k":
-    out = n_w * block_n * mp * 4 + (block_n * mp * out_item if epilogue == "gate_up" else 0)
-    # The union is as large as its larger group; 1 KiB covers the alignment between the sums
-    # and gate_up's tile.
-    return max(stage * steps, out + 1024) + wgs * n_w * block_n * 4
-  if fmt == "fp8":   # one [block_n, rows] y^T tile per warpgroup (in the pipeline's memory)
-    return max(stage * steps, mp * block_n * out_item) + wgs * n_w * block_n * 4
   return stage * steps + mp * epi_n * out_item * min(2, block_n // epi_n)
 
 
