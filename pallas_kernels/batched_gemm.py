@@ -360,6 +360,10 @@ def _streamed(program, x, w, extra, *, n, n_w, block_n, block_k, steps, split_k,
 
     pl.run_scoped(scoped, plgpu.RefUnion(tiles, tuple(after)), allocs, collective_axes="wg")
 
+  # One program per column tile (and K split), although one program fills an SM and gate_up's
+  # 312 tiles make 2.36 waves: stream-K ranges that keep all 132 SMs busy took fp8 gate_up at
+  # 32 rows from 89.4 to 85.3 us, and adding up the cut tiles' partials cost more than that
+  # (H200, RESULTS.md run 22).
   f = plgpu.kernel(
       kernel, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
       grid=(n // block_n, split_k), grid_names=("n", "k"), num_threads=wgs + 1,
