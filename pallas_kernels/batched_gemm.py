@@ -22,8 +22,8 @@ rows, else two, each over half of the rows (padded to 64 or a multiple of 128 by
 The epilogue leaves through shared memory in 64-column tiles. fp8 (e4m3) weights with
 per-row scales run a second body (`_call_fp8`): the weight tile is widened in registers and
 is wgmma's A operand, so the kernel writes y^T and XLA transposes it, adding the residual
-there; its two compute warpgroups may instead each take one 64-deep half of every K tile for
-all the rows (`wg_split="k"`), so that each weight byte is widened once. At 128 rows the x
+there; its two compute warpgroups may instead take alternate K steps for all the rows
+(`wg_split="k"`), so that each weight byte is widened once. At 128 rows the x
 tile is twice a 64-wide weight tile, so shared memory, not the weights, bounds the
 pipeline's depth: wider column tiles with K splits (the partials summed by their consumer)
 trade that for more partial traffic (`benchmarks.sweep bgemm`). GPU only (Mosaic GPU has no
@@ -56,7 +56,7 @@ SMEM_BYTES = 232448   # the H200's shared memory per block (Mosaic GPU's limit)
 # gate_up's two weight tiles take 5 x 64: 248.7, against 249.9 at 4 x 64).
 _DEPTHS = ((128, 4), (128, 3), (64, 6), (64, 5), (64, 4), (64, 3), (64, 2), (128, 2))
 # How the two compute warpgroups of an fp8 program share its work (`wg_split`): up to this
-# many rows each widens half of every weight tile for all the rows ("k": each weight byte
+# many rows each widens every other weight tile for all the rows ("k": each weight byte
 # widened once), past it the whole tile for half of the rows ("rows": one call holds 256 rows,
 # gate_up's too). H200, RESULTS.md run 20 (us, best depth, "rows" / "k"): 128 rows qkv 32.7 /
 # 29.2, gate_up 164.3 / 144.2, down 87.9 / 77.2; 64 rows qkv 23.5 / 22.5, gate_up 113.3 /
@@ -97,7 +97,7 @@ def padded_rows(m: int, wg_split: str = "rows") -> int:
 
 def warpgroups(mp: int, wg_split: str = "rows") -> int:
   """Compute warpgroups for mp padded rows: one for 64, else two over half the rows each;
-  with wg_split "k" always two, each over half of every K tile."""
+  with wg_split "k" always two, taking alternate K tiles."""
   return 2 if wg_split == "k" or mp != 64 else 1
 
 
@@ -247,8 +247,8 @@ def batched_matmul(x: jax.Array, w: jax.Array, residual: jax.Array | None = None
   sum; keep_splits returns them ([split_k, M, N], for a consumer that adds them up), else they
   are summed here in order (with the residual, for that epilogue: an XLA fusion).
   wg_split: how a program's two compute warpgroups share its work: "rows" (each over half of
-  the rows) or, for fp8 weights, "k" (each over one 64-deep half of every K tile and all the
-  rows, so each widens half of the weight tile; the halves' sums added in the epilogue)."""
+  the rows) or, for fp8 weights, "k" (alternate K steps, each over all the rows, so each
+  weight tile is widened once; the two sums added in the epilogue)."""
   m, n, k = _check(x, w, scale, residual, epilogue, block_n, block_k, split_k, keep_splits,
                    wg_split)
   if epilogue != "gate_up":
@@ -309,7 +309,7 @@ def _streamed(program, x, w, extra, *, n, n_w, block_n, block_k, steps, split_k,
   compute warpgroups over the x rows, and the K pipeline in which a memory warpgroup streams
   the x tile [M, block_k] and the n_w weight tiles [block_n, block_k] of the program's
   columns (wg_split "k": each tile as two 64-deep halves, x's halves first, then each weight
-  tile's, so each warpgroup waits only on whole tiles of its own). program(p, rows, refs) ->
+  tile's, 64 bf16 being one swizzled wgmma operand tile). program(p, rows, refs) ->
   (body, compute_context) of the pipeline, given the `_Program` p, the rows per warpgroup
   and the refs of `extra`'s inputs, `scratch`, then `after`: shared-memory tiles that share
   the pipeline's tiles' memory (a `RefUnion`), for the compute context to use once every
@@ -450,10 +450,15 @@ def _call_fp8(x, w, scale, *, gate_up, out_dtype, n, block_n, block_k, steps, sp
               wg_split="rows"):
   """fp8 weights, the product transposed: y^T [N, M] (or [split_k, N, M] partials). Each
   compute warpgroup loads its e4m3 weight tile (wg_split "rows": the stage's whole
-  [block_n, block_k] tile, against its half of the rows; "k": its 64-deep half of the tile,
+  [block_n, block_k] tile, against its half of the rows; "k": every other stage's whole tile,
   against all the rows) into registers, widens it to bf16 there and runs wgmma with it as the
   register A operand against the x tile (B from shared memory, read transposed): the tile
-  never goes back to shared memory. With "k" the second warpgroup hands its float32 sums to
+  never goes back to shared memory. "k"'s warpgroups taking alternate stages lets one widen
+  while the other's wgmma runs: splitting each stage's tile into two 64-deep halves, one per
+  warpgroup, kept them in lock-step and was 1-6% slower (H200, RESULTS.md run 23, us, halves /
+  alternate at the default depths: down 54.5 / 52.4 at 32 rows, 61.4 / 58.1 at 64, 78.2 / 74.2
+  at 128 (5 stages); gate_up 139.6 / 137.0 at 128; o 14.1 / 13.1 at 32; within 1% elsewhere).
+  With "k" the second warpgroup hands its float32 sums to
   the first through shared memory (an mbarrier orders them) and the first finishes alone,
   writing a float32 y^T over the handed-over sums (each thread rewrites the elements it read);
   the sums and gate_up's y^T tile use the pipeline's memory, taken once the first warpgroup
@@ -525,15 +530,15 @@ def _call_fp8(x, w, scale, *, gate_up, out_dtype, n, block_n, block_k, steps, sp
 
       pl.run_scoped(scope, *[plgpu.ACC((block_n, rows), jnp.float32)] * n_w)
 
-    def body(_, *refs):
+    def body(idx, *refs):
       x_smems, w_smems, accs = refs[:parts], refs[parts:-1], refs[-1]
       if parts == 1:
         for acc, w_smem in zip(accs, w_smems):
           plgpu.wgmma(acc, widen(w_smem), x_smems[0].at[p.wg_rows].transpose((1, 0)))
       else:
-        for h in range(parts):
-          @pl.when(p.wg == h)
-          def _():
+        @pl.when(p.wg == idx[0] % 2)
+        def _():
+          for h in range(parts):
             for i, acc in enumerate(accs):
               plgpu.wgmma(acc, widen(w_smems[i * parts + h]), x_smems[h].transpose((1, 0)))
       plgpu.wgmma_wait(0)

@@ -119,7 +119,7 @@ def test_fp8_knobs_fit_shared_memory(monkeypatch, wg_split):
       mp = BG.padded_rows(min(m, BG.max_rows(epilogue, wg_split)), wg_split)
       n_acc = 2 if epilogue == "gate_up" else 1
       assert BG.acc_rows(mp, wg_split) * 64 * n_acc <= BG.ACC_FLOATS
-  # "k" halves 128-deep K tiles, holds every row (gate_up's two accumulators: 128 of them).
+  # "k" alternates 128-deep K tiles, holds every row (gate_up's two accumulators: 128 of them).
   assert [BG.padded_rows(m, "k") for m in (1, 32, 33, 100, 256)] == [32, 32, 64, 128, 256]
   assert (BG.max_rows("gate_up", "k"), BG.max_rows("none", "k")) == (128, 256)
   assert BG.acc_rows(96, "k") == 96 and BG.acc_rows(128, "rows") == 64
