@@ -71,12 +71,27 @@ FP8_DEEP_K = 16384
 _DEEP = ((128, 6), (128, 5))
 
 
+# Up to this many rows fp8 takes wg_split "k3" (0: never; `benchmarks.batch --only fp8_ab`
+# sets it to 64).
+FP8_K3_MAX_M = 0
+
+
 def fp8_wg_split(m: int) -> str:
-  """The wg_split of fp8 weights at m rows (FP8_K_SPLIT_MAX_M)."""
+  """The wg_split of fp8 weights at m rows (FP8_K3_MAX_M, FP8_K_SPLIT_MAX_M)."""
+  if m <= FP8_K3_MAX_M:
+    return "k3"
   return "k" if m <= FP8_K_SPLIT_MAX_M else "rows"
 
 
-WG_SPLITS = ("rows", "k")
+WG_SPLITS = ("rows", "k", "k3")
+# Compute warpgroups of the splits over K tiles ("k3": three take every third tile; the
+# library gives them 152 registers each, so their accumulators get half of ACC_FLOATS).
+K_WGS = {"k": 2, "k3": 3}
+
+
+def acc_floats(wg_split: str = "rows") -> int:
+  """Accumulator floats per compute warpgroup."""
+  return ACC_FLOATS // 2 if wg_split == "k3" else ACC_FLOATS
 K_SPLIT_ROWS = 32   # wg_split "k" pads rows to a multiple of this (the wgmma N of its x tile)
 
 
@@ -84,13 +99,15 @@ def max_rows(epilogue: str = "none", wg_split: str = "rows") -> int:
   """Rows one call of the kernel body takes (more run in chunks of this many): two
   warpgroups x 128 accumulator rows; with wg_split "k" each warpgroup holds every row, so
   gate_up's two accumulators take 128."""
-  return 128 if wg_split == "k" and epilogue == "gate_up" else MAX_ROWS
+  if wg_split in K_WGS:
+    return min(MAX_ROWS, acc_floats(wg_split) // (64 * (2 if epilogue == "gate_up" else 1)))
+  return MAX_ROWS
 
 
 def padded_rows(m: int, wg_split: str = "rows") -> int:
   """Rows the kernel runs for m <= max_rows: one warpgroup's 64 rows, else two warpgroups'
   multiples of 64 (wg_split "rows"); a multiple of K_SPLIT_ROWS (wg_split "k")."""
-  if wg_split == "k":
+  if wg_split in K_WGS:
     return _round_up(m, K_SPLIT_ROWS)
   return 64 if m <= 64 else _round_up(m, 128)
 
@@ -98,12 +115,14 @@ def padded_rows(m: int, wg_split: str = "rows") -> int:
 def warpgroups(mp: int, wg_split: str = "rows") -> int:
   """Compute warpgroups for mp padded rows: one for 64, else two over half the rows each;
   with wg_split "k" always two, taking alternate K tiles."""
-  return 2 if wg_split == "k" or mp != 64 else 1
+  if wg_split in K_WGS:
+    return K_WGS[wg_split]
+  return 2 if mp != 64 else 1
 
 
 def acc_rows(mp: int, wg_split: str = "rows") -> int:
   """Rows of each compute warpgroup's accumulator."""
-  return mp if wg_split == "k" else mp // warpgroups(mp)
+  return mp if wg_split in K_WGS else mp // warpgroups(mp)
 
 
 def fits(m: int, n: int, k: int, epilogue: str, out_dtype, block_n: int, block_k: int,
@@ -116,7 +135,7 @@ def fits(m: int, n: int, k: int, epilogue: str, out_dtype, block_n: int, block_k
   return (n % block_n == 0 and k % block_k == 0 and (k // block_k) % split_k == 0
           and (split_k == 1 or epilogue != "gate_up") and (fmt != "fp8" or block_n == 64)
           and (wg_split == "rows" or (fmt == "fp8" and block_k == 128))
-          and acc_rows(mp, wg_split) * block_n * n_acc <= ACC_FLOATS
+          and acc_rows(mp, wg_split) * block_n * n_acc <= acc_floats(wg_split)
           and smem_bytes(m, epilogue, out_dtype, block_n, block_k, steps, fmt, wg_split)
           <= SMEM_BYTES - 2048)
 
@@ -135,8 +154,9 @@ def smem_bytes(m: int, epilogue: str, out_dtype, block_n: int, block_k: int, ste
   stage = block_k * (mp * 2 + n_w * block_n * w_item)
   out_item = jnp.dtype(out_dtype if epilogue == "gate_up" else jnp.float32).itemsize
   if fmt == "fp8":
-    if wg_split == "k":   # 1 KiB covers the alignment between the sums and gate_up's tile
-      out = n_w * block_n * mp * 4 + (block_n * mp * out_item + 1024 if n_w == 2 else 0)
+    if wg_split in K_WGS:   # 1 KiB covers the alignment between the sums and gate_up's tile
+      out = ((wgs - 1) * n_w * block_n * mp * 4
+             + (block_n * mp * out_item + 1024 if n_w == 2 else 0))
     else:
       out = mp * block_n * out_item
     return max(stage * steps, out) + wgs * n_w * block_n * 4
@@ -152,7 +172,7 @@ def default_knobs(m: int, n: int, k: int, epilogue: str = "none", out_dtype=jnp.
   tile (the caller then uses another GEMM). fp8 weights split each program's work between
   the compute warpgroups as `fp8_wg_split` says ("k" from FP8_DEEP_K on: up to 6 stages)."""
   wg_split = fp8_wg_split(m) if fmt == "fp8" else "rows"
-  deep = _DEEP if wg_split == "k" and k >= FP8_DEEP_K else ()
+  deep = _DEEP if wg_split in K_WGS and k >= FP8_DEEP_K else ()
   for block_k, steps in deep + _DEPTHS:
     if fits(m, n, k, epilogue, out_dtype, 64, block_k, steps, fmt=fmt, wg_split=wg_split):
       return dict(block_n=64, block_k=block_k, max_concurrent_steps=steps, split_k=1,
@@ -165,8 +185,8 @@ def _check(x, w, scale, residual, epilogue, block_n, block_k, split_k, keep_spli
     raise ValueError(f"batched_matmul: epilogue must be one of {EPILOGUES}, got {epilogue!r}")
   if wg_split not in WG_SPLITS:
     raise ValueError(f"batched_matmul: wg_split must be one of {WG_SPLITS}, got {wg_split!r}")
-  if wg_split == "k" and (w.dtype != jnp.float8_e4m3fn or block_k != 128):
-    raise ValueError(f"batched_matmul: wg_split 'k' (two 64-deep halves of each K tile) is for "
+  if wg_split in K_WGS and (w.dtype != jnp.float8_e4m3fn or block_k != 128):
+    raise ValueError(f"batched_matmul: wg_split {wg_split!r} (two 64-deep halves of each K tile) is for "
                      f"float8_e4m3fn weights with block_k 128, got {w.dtype}, block_k {block_k}")
   if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
     raise ValueError(f"batched_matmul: x [M, K] and w [N, K] expected, got x {x.shape}, "
@@ -322,7 +342,7 @@ def _streamed(program, x, w, extra, *, n, n_w, block_n, block_k, steps, split_k,
   rows = acc_rows(m, wg_split)
   k_steps = k // block_k // split_k  # per program
   k_len = k_steps * block_k
-  parts = 2 if wg_split == "k" else 1
+  parts = 2 if wg_split in K_WGS else 1
   part = block_k // parts
   in_t = smem_transforms(part, jnp.bfloat16)
   w_t = smem_transforms(part, w.dtype)
@@ -334,7 +354,7 @@ def _streamed(program, x, w, extra, *, n, n_w, block_n, block_k, steps, split_k,
     if split_k > 1:
       out_gmem = out_gmem.at[lax.axis_index("k")]
     wg = lax.axis_index("wg")
-    wg_rows = pl.ds(0, rows) if wg_split == "k" else pl.ds(wg * rows, rows)
+    wg_rows = pl.ds(0, rows) if wg_split in K_WGS else pl.ds(wg * rows, rows)
     w_rows = [pl.ds(i * n + j * block_n, block_n) for i in range(n_w)]
     p = _Program(j, wg, wg_rows, w_rows, out_gmem)
     spec = lambda r, h, t: plgpu.BlockSpec((r, part), lambda kk: (0, kk * parts + h),
@@ -473,7 +493,7 @@ def _call_fp8(x, w, scale, *, gate_up, out_dtype, n, block_n, block_k, steps, sp
   wgs = warpgroups(m, wg_split)
   rows = acc_rows(m, wg_split)
   n_w = 2 if gate_up else 1
-  parts = 2 if wg_split == "k" else 1
+  parts = 2 if wg_split in K_WGS else 1
 
   def widen(w_smem):
     # No direct e4m3 -> bf16 convert on this ptxas; e4m3 -> f16 -> f32 -> bf16 is exact
@@ -510,23 +530,29 @@ def _call_fp8(x, w, scale, *, gate_up, out_dtype, n, block_n, block_k, steps, sp
           plgpu.barrier_wait(ended)
           finish([acc[...] for acc in accs], out_smem.at[p.wg])
           return
-        sums_barrier, ended, sums, *gate_up_out = tiles
+        ended, sums_barrier, sums, *gate_up_out = tiles
         pl.when(p.wg == 0)(load_scales)   # only the first warpgroup finishes
         accs = run_pipeline(accs)
-        pl.when(p.wg == 0)(lambda: plgpu.barrier_arrive(ended))
+        plgpu.barrier_arrive(ended)
 
-        @pl.when(p.wg == 1)
-        def _():
-          plgpu.barrier_wait(ended)
-          for i, acc in enumerate(accs):
-            sums[i] = acc[...]
-          plgpu.barrier_arrive(sums_barrier)
+        for h in range(1, wgs):
+          @pl.when(p.wg == h)
+          def _():
+            plgpu.barrier_wait(ended)   # every pipeline has ended: its memory is free
+            for i, acc in enumerate(accs):
+              sums[(h - 1) * n_w + i] = acc[...]
+            plgpu.barrier_arrive(sums_barrier)
 
         @pl.when(p.wg == 0)
         def _():
           plgpu.barrier_wait(sums_barrier)
-          finish([acc[...] + sums[i] for i, acc in enumerate(accs)],
-                 gate_up_out[0] if gate_up else sums.at[0])
+          vals = []
+          for i, acc in enumerate(accs):
+            v = acc[...]
+            for h in range(1, wgs):
+              v = v + sums[(h - 1) * n_w + i]
+            vals.append(v)
+          finish(vals, gate_up_out[0] if gate_up else sums.at[0])
 
       pl.run_scoped(scope, *[plgpu.ACC((block_n, rows), jnp.float32)] * n_w)
 
@@ -536,7 +562,7 @@ def _call_fp8(x, w, scale, *, gate_up, out_dtype, n, block_n, block_k, steps, sp
         for acc, w_smem in zip(accs, w_smems):
           plgpu.wgmma(acc, widen(w_smem), x_smems[0].at[p.wg_rows].transpose((1, 0)))
       else:
-        @pl.when(p.wg == idx[0] % 2)
+        @pl.when(p.wg == idx[0] % wgs)
         def _():
           for h in range(parts):
             for i, acc in enumerate(accs):
@@ -546,14 +572,15 @@ def _call_fp8(x, w, scale, *, gate_up, out_dtype, n, block_n, block_k, steps, sp
 
     return body, compute_context
 
-  scratch = [plgpu.SMEM((wgs, n_w, block_n), jnp.float32), plgpu.Barrier(num_barriers=wgs * n_w)]
-  if parts == 1:   # every pipeline's end (wgs arrivals); one y^T tile per warpgroup
-    scratch.append(plgpu.Barrier(num_arrivals=wgs, num_barriers=1))
+  # Every pipeline's end (wgs arrivals) frees the tiles' memory for the after-tiles.
+  scratch = [plgpu.SMEM((wgs, n_w, block_n), jnp.float32), plgpu.Barrier(num_barriers=wgs * n_w),
+             plgpu.Barrier(num_arrivals=wgs, num_barriers=1)]
+  if parts == 1:   # one y^T tile per warpgroup
     after = [plgpu.SMEM((wgs, block_n, rows), out_dtype,
                         transforms=smem_transforms(rows, out_dtype))]
-  else:   # the hand-over's and the pipeline's end's barriers; the sums (float32 y^T), gate_up's
-    scratch += [plgpu.Barrier(num_arrivals=1, num_barriers=1)] * 2
-    after = [plgpu.SMEM((n_w, block_n, rows), jnp.float32,
+  else:   # the hand-over's barrier; the other warpgroups' sums (float32 y^T), gate_up's y^T
+    scratch.append(plgpu.Barrier(num_arrivals=wgs - 1, num_barriers=1))
+    after = [plgpu.SMEM(((wgs - 1) * n_w, block_n, rows), jnp.float32,
                         transforms=smem_transforms(rows, jnp.float32))]
     if gate_up:
       after.append(plgpu.SMEM((block_n, rows), out_dtype,
