@@ -209,9 +209,10 @@ def ab_settings(section: str) -> list[tuple[str, dict]]:
   {(module, attribute): value}) patched in for that tag's jit.
   batched_ab: the Mosaic GPU batched GEMM off (params.BATCHED_ROWS emptied: XLA's GEMM for
   bf16, the skinny GEMM for fp8) vs on for bf16 and fp8 from SKINNY_MAX_M + 1 rows (so the
-  A/B also says where each format's lower bound belongs). fp8_ab: the fp8 batched GEMM's
-  wg_split "k" (two compute warpgroups) vs "k3" (three) up to 64 rows
-  (batched_gemm.FP8_K3_MAX_M). norm_ab: XLA's RMS norm vs the
+  A/B also says where each format's lower bound belongs). fp8_ab: fp8 on the batched GEMM as
+  in run 20 (at most 4 pipeline stages, every matrix from 32 rows), then with up to 6 stages
+  from batched_gemm.FP8_DEEP_K, then also with the small matrices on the skinny GEMM at 32
+  rows (params.FP8_SMALL_WEIGHTS, the shipped routing). norm_ab: XLA's RMS norm vs the
   Pallas row norm
   in front of the batched GEMM (params.NORM_KERNEL). attn_ab: the Triton attention's own-key
   program vs folded into chunk 0 (ring_attention.FOLD_OWN_MIN_SEQS). mgpu_attn_ab: the
@@ -221,7 +222,10 @@ def ab_settings(section: str) -> list[tuple[str, dict]]:
     on = {f: (P.SKINNY_MAX_M + 1, P.BATCHED_ROWS.get(f, (0, 128))[1]) for f in ("bf16", "fp8")}
     return [("off", {(P, "BATCHED_ROWS"): {}}), ("on", {(P, "BATCHED_ROWS"): on})]
   if section == "fp8_ab":
-    return [("k", {(BG, "FP8_K3_MAX_M"): 0}), ("k3", {(BG, "FP8_K3_MAX_M"): 64})]
+    return [("run20", {(BG, "FP8_DEEP_K"): 1 << 30, (P, "FP8_SMALL_WEIGHTS"): 0}),
+            ("deep", {(BG, "FP8_DEEP_K"): BG.FP8_DEEP_K, (P, "FP8_SMALL_WEIGHTS"): 0}),
+            ("deep_small", {(BG, "FP8_DEEP_K"): BG.FP8_DEEP_K,
+                            (P, "FP8_SMALL_WEIGHTS"): P.FP8_SMALL_WEIGHTS})]
   if section == "norm_ab":
     return [("xla", {(P, "NORM_KERNEL"): False}), ("pallas", {(P, "NORM_KERNEL"): True})]
   if section == "attn_ab":

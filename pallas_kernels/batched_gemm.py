@@ -71,27 +71,12 @@ FP8_DEEP_K = 16384
 _DEEP = ((128, 6), (128, 5))
 
 
-# Up to this many rows fp8 takes wg_split "k3" (0: never; `benchmarks.batch --only fp8_ab`
-# sets it to 64).
-FP8_K3_MAX_M = 0
-
-
 def fp8_wg_split(m: int) -> str:
-  """The wg_split of fp8 weights at m rows (FP8_K3_MAX_M, FP8_K_SPLIT_MAX_M)."""
-  if m <= FP8_K3_MAX_M:
-    return "k3"
+  """The wg_split of fp8 weights at m rows (FP8_K_SPLIT_MAX_M)."""
   return "k" if m <= FP8_K_SPLIT_MAX_M else "rows"
 
 
-WG_SPLITS = ("rows", "k", "k3")
-# Compute warpgroups of the splits over K tiles ("k3": three take every third tile; the
-# library gives them 152 registers each, so their accumulators get half of ACC_FLOATS).
-K_WGS = {"k": 2, "k3": 3}
-
-
-def acc_floats(wg_split: str = "rows") -> int:
-  """Accumulator floats per compute warpgroup."""
-  return ACC_FLOATS // 2 if wg_split == "k3" else ACC_FLOATS
+WG_SPLITS = ("rows", "k")
 K_SPLIT_ROWS = 32   # wg_split "k" pads rows to a multiple of this (the wgmma N of its x tile)
 
 
@@ -99,15 +84,13 @@ def max_rows(epilogue: str = "none", wg_split: str = "rows") -> int:
   """Rows one call of the kernel body takes (more run in chunks of this many): two
   warpgroups x 128 accumulator rows; with wg_split "k" each warpgroup holds every row, so
   gate_up's two accumulators take 128."""
-  if wg_split in K_WGS:
-    return min(MAX_ROWS, acc_floats(wg_split) // (64 * (2 if epilogue == "gate_up" else 1)))
-  return MAX_ROWS
+  return 128 if wg_split == "k" and epilogue == "gate_up" else MAX_ROWS
 
 
 def padded_rows(m: int, wg_split: str = "rows") -> int:
   """Rows the kernel runs for m <= max_rows: one warpgroup's 64 rows, else two warpgroups'
   multiples of 64 (wg_split "rows"); a multiple of K_SPLIT_ROWS (wg_split "k")."""
-  if wg_split in K_WGS:
+  if wg_split == "k":
     return _round_up(m, K_SPLIT_ROWS)
   return 64 if m <= 64 else _round_up(m, 128)
 
@@ -115,14 +98,12 @@ def padded_rows(m: int, wg_split: str = "rows") -> int:
 def warpgroups(mp: int, wg_split: str = "rows") -> int:
   """Compute warpgroups for mp padded rows: one for 64, else two over half the rows each;
   with wg_split "k" always two, taking alternate K tiles."""
-  if wg_split in K_WGS:
-    return K_WGS[wg_split]
-  return 2 if mp != 64 else 1
+  return 2 if wg_split == "k" or mp != 64 else 1
 
 
 def acc_rows(mp: int, wg_split: str = "rows") -> int:
   """Rows of each compute warpgroup's accumulator."""
-  return mp if wg_split in K_WGS else mp // warpgroups(mp)
+  return mp if wg_split == "k" else mp // warpgroups(mp)
 
 
 def fits(m: int, n: int, k: int, epilogue: str, out_dtype, block_n: int, block_k: int,
@@ -135,7 +116,7 @@ def fits(m: int, n: int, k: int, epilogue: str, out_dtype, block_n: int, block_k
   return (n % block_n == 0 and k % block_k == 0 and (k // block_k) % split_k == 0
           and (split_k == 1 or epilogue != "gate_up") and (fmt != "fp8" or block_n == 64)
           and (wg_split == "rows" or (fmt == "fp8" and block_k == 128))
-          and acc_rows(mp, wg_split) * block_n * n_acc <= acc_floats(wg_split)
+          and acc_rows(mp, wg_split) * block_n * n_acc <= ACC_FLOATS
           and smem_bytes(m, epilogue, out_dtype, block_n, block_k, steps, fmt, wg_split)
           <= SMEM_BYTES - 2048)
 
@@ -154,9 +135,8 @@ def smem_bytes(m: int, epilogue: str, out_dtype, block_n: int, block_k: int, ste
   stage = block_k * (mp * 2 + n_w * block_n * w_item)
   out_item = jnp.dtype(out_dtype if epilogue == "gate_up" else jnp.float32).itemsize
   if fmt == "fp8":
-    if wg_split in K_WGS:   # 1 KiB covers the alignment between the sums and gate_up's tile
-      out = ((wgs - 1) * n_w * block_n * mp * 4
-             + (block_n * mp * out_item + 1024 if n_w == 2 else 0))
+    if wg_split == "k":   # 1 KiB covers the alignment between the sums and gate_up's tile
+      out = n_w * block_n * mp * 4 + (block_n * mp * out_item + 1024 if n_w == 2 else 0)
     else:
       out = mp * block_n * out_item
     return max(stage * steps, out) + wgs * n_w * block_n * 4
@@ -172,7 +152,7 @@ def default_knobs(m: int, n: int, k: int, epilogue: str = "none", out_dtype=jnp.
   tile (the caller then uses another GEMM). fp8 weights split each program's work between
   the compute warpgroups as `fp8_wg_split` says ("k" from FP8_DEEP_K on: up to 6 stages)."""
   wg_split = fp8_wg_split(m) if fmt == "fp8" else "rows"
-  deep = _DEEP if wg_split in K_WGS and k >= FP8_DEEP_K else ()
+  deep = _DEEP if wg_split == "k" and k >= FP8_DEEP_K else ()
   for block_k, steps in deep + _DEPTHS:
     if fits(m, n, k, epilogue, out_dtype, 64, block_k, steps, fmt=fmt, wg_split=wg_split):
       return dict(block_n=64, block_k=block_k, max_concurrent_steps=steps, split_k=1,
@@ -185,8 +165,8 @@ def _check(x, w, scale, residual, epilogue, block_n, block_k, split_k, keep_spli
     raise ValueError(f"batched_matmul: epilogue must be one of {EPILOGUES}, got {epilogue!r}")
   if wg_split not in WG_SPLITS:
     raise ValueError(f"batched_matmul: wg_split must be one of {WG_SPLITS}, got {wg_split!r}")
-  if wg_split in K_WGS and (w.dtype != jnp.float8_e4m3fn or block_k != 128):
-    raise ValueError(f"batched_matmul: wg_split {wg_split!r} (two 64-deep halves of each K tile) is for "
+  if wg_split == "k" and (w.dtype != jnp.float8_e4m3fn or block_k != 128):
+    raise ValueError(f"batched_matmul: wg_split 'k' (two 64-deep halves of each K tile) is for "
                      f"float8_e4m3fn weights with block_k 128, got {w.dtype}, block_k {block_k}")
   if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
     raise ValueError(f"batched_matmul: x [M, K] and w [N, K] expected, got x {x.shape}, "
@@ -342,7 +322,7 @@ def _streamed(program, x, w, extra, *, n, n_w, block_n, block_k, steps, split_k,
   rows = acc_rows(m, wg_split)
   k_steps = k // block_k // split_k  # per program
   k_len = k_steps * block_k
-  parts = 2 if wg_split in K_WGS else 1
+  parts = 2 if wg_split == "k" else 1
   part = block_k // parts
   in_t = smem_transforms(part, jnp.bfloat16)
   w_t = smem_transforms(part, w.dtype)
@@ -354,7 +334,7 @@ def _streamed(program, x, w, extra, *, n, n_w, block_n, block_k, steps, split_k,
     if split_k > 1:
       out_gmem = out_gmem.at[lax.axis_index("k")]
     wg = lax.axis_index("wg")
-    wg_rows = pl.ds(0, rows) if wg_split in K_WGS else pl.ds(wg * rows, rows)
+    wg_rows = pl.ds(0, rows) if wg_split == "k" else pl.ds(wg * rows, rows)
     w_rows = [pl.ds(i * n + j * block_n, block_n) for i in range(n_w)]
     p = _Program(j, wg, wg_rows, w_rows, out_gmem)
     spec = lambda r, h, t: plgpu.BlockSpec((r, part), lambda kk: (0, kk * parts + h),
@@ -477,14 +457,17 @@ def _call_fp8(x, w, scale, *, gate_up, out_dtype, n, block_n, block_k, steps, sp
   while the other's wgmma runs: splitting each stage's tile into two 64-deep halves, one per
   warpgroup, kept them in lock-step and was 1-6% slower (H200, RESULTS.md run 23, us, halves /
   alternate at the default depths: down 54.5 / 52.4 at 32 rows, 61.4 / 58.1 at 64, 78.2 / 74.2
-  at 128 (5 stages); gate_up 139.6 / 137.0 at 128; o 14.1 / 13.1 at 32; within 1% elsewhere).
-  With "k" the second warpgroup hands its float32 sums to
+  at 128 (5 stages); gate_up 139.6 / 137.0 at 128; qkv 29.4 / 28.5 and o 20.8 / 20.0 at 128,
+  o 14.1 / 13.1 at 32; within 1% elsewhere). Three compute warpgroups over every third tile
+  (152 registers each, the library's share for three) were 2-10% slower than two, and four
+  cannot start: the library asks more registers for them than the block's pool holds
+  (run 23). With "k" the second warpgroup hands its float32 sums to
   the first through shared memory (an mbarrier orders them) and the first finishes alone,
   writing a float32 y^T over the handed-over sums (each thread rewrites the elements it read);
-  the sums and gate_up's y^T tile use the pipeline's memory, taken once the first warpgroup
-  has signalled that its pipeline (the last reader of those tiles) has ended. With "rows"
-  each warpgroup's y^T tile is in the pipeline's memory too, written once both pipelines
-  have ended.
+  the sums and gate_up's y^T tile use the pipeline's memory. With "rows" each warpgroup's y^T
+  tile is in the pipeline's memory too. Every compute warpgroup arrives on one barrier when
+  its pipeline (the last reader of those tiles) has ended, and whoever writes there first
+  waits for it.
   The row scales apply to the accumulator's rows."""
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -493,7 +476,7 @@ def _call_fp8(x, w, scale, *, gate_up, out_dtype, n, block_n, block_k, steps, sp
   wgs = warpgroups(m, wg_split)
   rows = acc_rows(m, wg_split)
   n_w = 2 if gate_up else 1
-  parts = 2 if wg_split in K_WGS else 1
+  parts = 2 if wg_split == "k" else 1
 
   def widen(w_smem):
     # No direct e4m3 -> bf16 convert on this ptxas; e4m3 -> f16 -> f32 -> bf16 is exact
@@ -535,24 +518,18 @@ def _call_fp8(x, w, scale, *, gate_up, out_dtype, n, block_n, block_k, steps, sp
         accs = run_pipeline(accs)
         plgpu.barrier_arrive(ended)
 
-        for h in range(1, wgs):
-          @pl.when(p.wg == h)
-          def _():
-            plgpu.barrier_wait(ended)   # every pipeline has ended: its memory is free
-            for i, acc in enumerate(accs):
-              sums[(h - 1) * n_w + i] = acc[...]
-            plgpu.barrier_arrive(sums_barrier)
+        @pl.when(p.wg == 1)
+        def _():
+          plgpu.barrier_wait(ended)   # both pipelines have ended: their memory is free
+          for i, acc in enumerate(accs):
+            sums[i] = acc[...]
+          plgpu.barrier_arrive(sums_barrier)
 
         @pl.when(p.wg == 0)
         def _():
           plgpu.barrier_wait(sums_barrier)
-          vals = []
-          for i, acc in enumerate(accs):
-            v = acc[...]
-            for h in range(1, wgs):
-              v = v + sums[(h - 1) * n_w + i]
-            vals.append(v)
-          finish(vals, gate_up_out[0] if gate_up else sums.at[0])
+          finish([acc[...] + sums[i] for i, acc in enumerate(accs)],
+                 gate_up_out[0] if gate_up else sums.at[0])
 
       pl.run_scoped(scope, *[plgpu.ACC((block_n, rows), jnp.float32)] * n_w)
 
@@ -562,7 +539,7 @@ def _call_fp8(x, w, scale, *, gate_up, out_dtype, n, block_n, block_k, steps, sp
         for acc, w_smem in zip(accs, w_smems):
           plgpu.wgmma(acc, widen(w_smem), x_smems[0].at[p.wg_rows].transpose((1, 0)))
       else:
-        @pl.when(p.wg == idx[0] % wgs)
+        @pl.when(p.wg == idx[0] % 2)
         def _():
           for h in range(parts):
             for i, acc in enumerate(accs):
@@ -578,9 +555,9 @@ def _call_fp8(x, w, scale, *, gate_up, out_dtype, n, block_n, block_k, steps, sp
   if parts == 1:   # one y^T tile per warpgroup
     after = [plgpu.SMEM((wgs, block_n, rows), out_dtype,
                         transforms=smem_transforms(rows, out_dtype))]
-  else:   # the hand-over's barrier; the other warpgroups' sums (float32 y^T), gate_up's y^T
-    scratch.append(plgpu.Barrier(num_arrivals=wgs - 1, num_barriers=1))
-    after = [plgpu.SMEM(((wgs - 1) * n_w, block_n, rows), jnp.float32,
+  else:   # the hand-over's barrier; the second warpgroup's sums (float32 y^T), gate_up's y^T
+    scratch.append(plgpu.Barrier(num_arrivals=1, num_barriers=1))
+    after = [plgpu.SMEM((n_w, block_n, rows), jnp.float32,
                         transforms=smem_transforms(rows, jnp.float32))]
     if gate_up:
       after.append(plgpu.SMEM((block_n, rows), out_dtype,

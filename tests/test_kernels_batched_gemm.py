@@ -106,9 +106,8 @@ def test_default_knobs_fit_shared_memory():
 @pytest.mark.parametrize("wg_split", BG.WG_SPLITS)
 def test_fp8_knobs_fit_shared_memory(monkeypatch, wg_split):
   """fp8's default tiles at every row count the kernel takes in one call fit shared memory
-  (counting the handed-over sums of wg_split "k" and "k3") and the accumulator registers."""
-  monkeypatch.setattr(BG, "FP8_K_SPLIT_MAX_M", 512 if wg_split in BG.K_WGS else 0)
-  monkeypatch.setattr(BG, "FP8_K3_MAX_M", 512 if wg_split == "k3" else 0)
+  (counting wg_split "k"'s handed-over sums) and the accumulator registers."""
+  monkeypatch.setattr(BG, "FP8_K_SPLIT_MAX_M", 512 if wg_split == "k" else 0)
   for m in (20, 32, 64, 96, 128, 200, 256):
     for n, k, epilogue, out_dtype in ((6144, 6656, "none", jnp.float32),
                                       (6656, 19968, "residual", jnp.float32),
@@ -119,13 +118,10 @@ def test_fp8_knobs_fit_shared_memory(monkeypatch, wg_split):
                            "fp8", wg_split) <= BG.SMEM_BYTES - 2048
       mp = BG.padded_rows(min(m, BG.max_rows(epilogue, wg_split)), wg_split)
       n_acc = 2 if epilogue == "gate_up" else 1
-      assert BG.acc_rows(mp, wg_split) * 64 * n_acc <= BG.acc_floats(wg_split)
+      assert BG.acc_rows(mp, wg_split) * 64 * n_acc <= BG.ACC_FLOATS
   # "k" alternates 128-deep K tiles, holds every row (gate_up's two accumulators: 128 of them).
   assert [BG.padded_rows(m, "k") for m in (1, 32, 33, 100, 256)] == [32, 32, 64, 128, 256]
   assert (BG.max_rows("gate_up", "k"), BG.max_rows("none", "k")) == (128, 256)
-  # "k3": three warpgroups' registers, half the accumulator floats each.
-  assert (BG.max_rows("gate_up", "k3"), BG.max_rows("none", "k3")) == (64, 128)
-  assert BG.warpgroups(64, "k3") == 3 and BG.acc_floats("k3") == BG.ACC_FLOATS // 2
   assert BG.acc_rows(96, "k") == 96 and BG.acc_rows(128, "rows") == 64
   assert not BG.fits(128, 6144, 6656, "none", jnp.float32, 64, 64, 4, fmt="fp8", wg_split="k")
   assert not BG.fits(128, 6144, 6656, "none", jnp.float32, 64, 128, 4, wg_split="k")   # bf16
@@ -397,14 +393,12 @@ def test_gpu_knob_variants_match_oracle(m, variant, epilogue):
 @pytest.mark.parametrize("m, n, k, wg_split", [
     (128, 6144, 6656, "rows"), (64, 512, 1024, "rows"), (100, 512, 1024, "rows"),
     (128, 6144, 6656, "k"), (32, 512, 1024, "k"), (20, 512, 1024, "k"), (100, 512, 1024, "k"),
-    (256, 512, 1024, "k"), (300, 512, 1024, "k"), (32, 6144, 6656, "k3"), (20, 512, 1024, "k3"),
-    (64, 512, 1024, "k3"), (100, 512, 1024, "k3")])
+    (256, 512, 1024, "k"), (300, 512, 1024, "k")])
 def test_gpu_fp8_matches_oracle(monkeypatch, m, n, k, wg_split, epilogue):
   """fp8 weights (tiles widened to bf16 in registers, row scales in the epilogue) against
   the float64 oracle on the dequantized weights, both ways of sharing a program between the
   compute warpgroups (rows padded, chunked past one call's rows)."""
-  monkeypatch.setattr(BG, "FP8_K_SPLIT_MAX_M", 512 if wg_split in BG.K_WGS else 0)
-  monkeypatch.setattr(BG, "FP8_K3_MAX_M", 512 if wg_split == "k3" else 0)
+  monkeypatch.setattr(BG, "FP8_K_SPLIT_MAX_M", 512 if wg_split == "k" else 0)
   x, w, rng = _inputs(hash((m, n, epilogue, "fp8", wg_split)) % 2**31, m,
                       2 * n if epilogue == "gate_up" else n, k)
   w8, sc = quantize_fp8(np.asarray(w, np.float32))
@@ -425,14 +419,13 @@ def test_gpu_fp8_matches_oracle(monkeypatch, m, n, k, wg_split, epilogue):
     ("bf16", "qkv", 128, "rows"), ("bf16", "gate_up", 128, "rows"), ("bf16", "down", 64, "rows"),
     ("fp8", "qkv", 128, "rows"), ("fp8", "gate_up", 128, "rows"), ("fp8", "o", 64, "rows"),
     ("fp8", "qkv", 32, "k"), ("fp8", "gate_up", 128, "k"), ("fp8", "down", 256, "k"),
-    ("fp8", "o", 96, "k"), ("fp8", "gate_up", 64, "k3"), ("fp8", "down", 32, "k3")])
+    ("fp8", "o", 96, "k")])
 def test_seed_shapes_lower_for_hopper_on_cpu(monkeypatch, fmt, name, m, wg_split):
   """Mosaic GPU lowers the kernel at the seed's matrices with the default tiles for an sm90
   target without a GPU (layouts, the register A operand of the fp8 body, wg_split "k"'s
   conditional wgmma and hand-over, shared memory within the H200's): what would otherwise
   first fail on the GPU."""
-  monkeypatch.setattr(BG, "FP8_K_SPLIT_MAX_M", 512 if wg_split in BG.K_WGS else 0)
-  monkeypatch.setattr(BG, "FP8_K3_MAX_M", 512 if wg_split == "k3" else 0)
+  monkeypatch.setattr(BG, "FP8_K_SPLIT_MAX_M", 512 if wg_split == "k" else 0)
   n, k, epilogue = {"qkv": (6144, 6656, "none"), "o": (6656, 4096, "residual"),
                     "gate_up": (19968, 6656, "gate_up"), "down": (6656, 19968, "residual")}[name]
   out_dtype = jnp.bfloat16 if epilogue == "gate_up" else jnp.float32
