@@ -539,7 +539,7 @@ def _call_fp8(x, w, scale, *, gate_up, out_dtype, n, block_n, block_k, steps, sp
         for acc, w_smem in zip(accs, w_smems):
           plgpu.wgmma(acc, widen(w_smem), x_smems[0].at[p.wg_rows].transpose((1, 0)))
       else:
-        @pl.when(p.wg == idx[0] % 2)
+        @pl.when(p.wg == idx[0] % wgs)
         def _():
           for h in range(parts):
             for i, acc in enumerate(accs):
