@@ -22,7 +22,7 @@ rows, else two, each over half of the rows (padded to 64 or a multiple of 128 by
 The epilogue leaves through shared memory in 64-column tiles. fp8 (e4m3) weights with
 per-row scales run a second body (`_call_fp8`): the weight tile is widened in registers and
 is wgmma's A operand, so the kernel writes y^T and XLA transposes it, adding the residual
-there; its two compute warpgroups may instead take alternate K steps for all the rows
+there; its two compute warpgroups may instead take alternate K tiles for all the rows
 (`wg_split="k"`), so that each weight byte is widened once. At 128 rows the x
 tile is twice a 64-wide weight tile, so shared memory, not the weights, bounds the
 pipeline's depth: wider column tiles with K splits (the partials summed by their consumer)
@@ -247,7 +247,7 @@ def batched_matmul(x: jax.Array, w: jax.Array, residual: jax.Array | None = None
   sum; keep_splits returns them ([split_k, M, N], for a consumer that adds them up), else they
   are summed here in order (with the residual, for that epilogue: an XLA fusion).
   wg_split: how a program's two compute warpgroups share its work: "rows" (each over half of
-  the rows) or, for fp8 weights, "k" (alternate K steps, each over all the rows, so each
+  the rows) or, for fp8 weights, "k" (alternate K tiles, each over all the rows, so each
   weight tile is widened once; the two sums added in the epilogue)."""
   m, n, k = _check(x, w, scale, residual, epilogue, block_n, block_k, split_k, keep_splits,
                    wg_split)
@@ -450,10 +450,10 @@ def _call_fp8(x, w, scale, *, gate_up, out_dtype, n, block_n, block_k, steps, sp
               wg_split="rows"):
   """fp8 weights, the product transposed: y^T [N, M] (or [split_k, N, M] partials). Each
   compute warpgroup loads its e4m3 weight tile (wg_split "rows": the stage's whole
-  [block_n, block_k] tile, against its half of the rows; "k": every other stage's whole tile,
+  [block_n, block_k] tile, against its half of the rows; "k": every other K tile whole,
   against all the rows) into registers, widens it to bf16 there and runs wgmma with it as the
   register A operand against the x tile (B from shared memory, read transposed): the tile
-  never goes back to shared memory. "k"'s warpgroups taking alternate stages lets one widen
+  never goes back to shared memory. "k"'s warpgroups taking alternate K tiles lets one widen
   while the other's wgmma runs: splitting each stage's tile into two 64-deep halves, one per
   warpgroup, kept them in lock-step and was 1-6% slower (H200, RESULTS.md run 23, us, halves /
   alternate at the default depths: down 54.5 / 52.4 at 32 rows, 61.4 / 58.1 at 64, 78.2 / 74.2
@@ -505,18 +505,18 @@ def _call_fp8(x, w, scale, *, gate_up, out_dtype, n, block_n, block_k, steps, sp
                                   s_barrier.at[p.wg * n_w + i])
 
       def scope(*accs):
+        ended, *after = tiles
         if parts == 1:
           load_scales()
-          accs = run_pipeline(accs)
-          ended, out_smem = tiles
-          plgpu.barrier_arrive(ended)   # the y^T tiles take the pipeline's memory
-          plgpu.barrier_wait(ended)
-          finish([acc[...] for acc in accs], out_smem.at[p.wg])
-          return
-        ended, sums_barrier, sums, *gate_up_out = tiles
-        pl.when(p.wg == 0)(load_scales)   # only the first warpgroup finishes
+        else:
+          pl.when(p.wg == 0)(load_scales)   # only the first warpgroup finishes
         accs = run_pipeline(accs)
-        plgpu.barrier_arrive(ended)
+        plgpu.barrier_arrive(ended)   # the after-tiles may take the pipeline's memory
+        if parts == 1:
+          plgpu.barrier_wait(ended)
+          finish([acc[...] for acc in accs], after[0].at[p.wg])
+          return
+        sums_barrier, sums, *gate_up_out = after
 
         @pl.when(p.wg == 1)
         def _():
