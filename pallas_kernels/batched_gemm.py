@@ -56,11 +56,14 @@ SMEM_BYTES = 232448   # the H200's shared memory per block (Mosaic GPU's limit)
 # gate_up's two weight tiles take 5 x 64: 248.7, against 249.9 at 4 x 64).
 _DEPTHS = ((128, 4), (128, 3), (64, 6), (64, 5), (64, 4), (64, 3), (64, 2), (128, 2))
 # How the two compute warpgroups of an fp8 program share its work (`wg_split`): up to this
-# many rows each widens every other weight tile for all the rows ("k": each weight byte
-# widened once), past it the whole tile for half of the rows ("rows": one call holds 256 rows,
-# gate_up's too). H200, RESULTS.md run 20 (us, best depth, "rows" / "k"): 128 rows qkv 32.7 /
-# 29.2, gate_up 164.3 / 144.2, down 87.9 / 77.2; 64 rows qkv 23.5 / 22.5, gate_up 113.3 /
-# 105.9, down 65.9 / 63.5; 256 rows gate_up 249.2 / 288.0 (two 128-row calls), qkv 59.0 / 59.2.
+# many rows for gate_up (twice as many for one accumulator's epilogues) each widens every
+# other weight tile for all the rows ("k": each weight byte widened once), past it the whole
+# tile for half of the rows ("rows": one call holds 256 rows, gate_up's too). H200, RESULTS.md
+# run 20 (us, best depth, "rows" / "k"): 128 rows qkv 32.7 / 29.2, gate_up 164.3 / 144.2, down
+# 87.9 / 77.2; 64 rows qkv 23.5 / 22.5, gate_up 113.3 / 105.9, down 65.9 / 63.5; 256 rows
+# gate_up 249.2 / 288.0 (two 128-row calls); run 24, 256 rows at 3 x 128 since "k" takes
+# alternate K tiles: qkv 46.9 / 45.3, o 34.9 / 34.2, down 126.3 / 123.3; gate_up 243.7 ("rows"
+# at its default 5 x 64) / 271.8 (two 128-row calls, 4 x 128).
 FP8_K_SPLIT_MAX_M = 128
 # wg_split "k" runs its sums' hand-over in the pipeline's memory once the pipeline ends, so
 # the stages may fill shared memory: from this K on (down, fc) up to 6 stages of 128-deep tiles
@@ -71,9 +74,11 @@ FP8_DEEP_K = 16384
 _DEEP = ((128, 6), (128, 5))
 
 
-def fp8_wg_split(m: int) -> str:
-  """The wg_split of fp8 weights at m rows (FP8_K_SPLIT_MAX_M)."""
-  return "k" if m <= FP8_K_SPLIT_MAX_M else "rows"
+def fp8_wg_split(m: int, epilogue: str = "none") -> str:
+  """The wg_split of fp8 weights at m rows (called in chunks of at most MAX_ROWS):
+  FP8_K_SPLIT_MAX_M for gate_up, twice that for the other epilogues."""
+  limit = FP8_K_SPLIT_MAX_M * (1 if epilogue == "gate_up" else 2)
+  return "k" if min(m, MAX_ROWS) <= limit else "rows"
 
 
 WG_SPLITS = ("rows", "k")
@@ -151,7 +156,7 @@ def default_knobs(m: int, n: int, k: int, epilogue: str = "none", out_dtype=jnp.
   SMs for qkv and o, and wider tiles with K splits were all slower); None when N or K fits no
   tile (the caller then uses another GEMM). fp8 weights split each program's work between
   the compute warpgroups as `fp8_wg_split` says ("k" from FP8_DEEP_K on: up to 6 stages)."""
-  wg_split = fp8_wg_split(m) if fmt == "fp8" else "rows"
+  wg_split = fp8_wg_split(m, epilogue) if fmt == "fp8" else "rows"
   deep = _DEEP if wg_split == "k" and k >= FP8_DEEP_K else ()
   for block_k, steps in deep + _DEPTHS:
     if fits(m, n, k, epilogue, out_dtype, 64, block_k, steps, fmt=fmt, wg_split=wg_split):

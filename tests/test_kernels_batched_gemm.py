@@ -127,6 +127,21 @@ def test_fp8_knobs_fit_shared_memory(monkeypatch, wg_split):
   assert not BG.fits(128, 6144, 6656, "none", jnp.float32, 64, 128, 4, wg_split="k")   # bf16
 
 
+def test_fp8_wg_split_by_rows_and_epilogue():
+  """gate_up's two accumulators take "k" up to FP8_K_SPLIT_MAX_M rows, one accumulator's
+  epilogues twice as many; past one call's rows the chunks decide."""
+  assert (BG.FP8_K_SPLIT_MAX_M, BG.MAX_ROWS) == (128, 256)
+  for ep in ("none", "residual"):   # every chunk of one accumulator's rows fits "k"
+    assert {BG.fp8_wg_split(m, ep) for m in (1, 128, 129, 256, 257, 1024)} == {"k"}
+  assert [BG.fp8_wg_split(m, "gate_up") for m in (1, 128, 129, 256, 1024)] == (
+      ["k", "k", "rows", "rows", "rows"])
+  for m in (256, 512):
+    assert BG.default_knobs(m, 6144, 6656, "none", jnp.float32, "fp8") == dict(
+        block_n=64, block_k=128, max_concurrent_steps=3, split_k=1, wg_split="k")
+    assert BG.default_knobs(m, 6656, 19968, "residual", jnp.float32, "fp8")["wg_split"] == "k"
+    assert BG.default_knobs(m, 19968, 6656, "gate_up", jnp.bfloat16, "fp8")["wg_split"] == "rows"
+
+
 def test_fp8_stages_share_memory_with_the_epilogue_tiles():
   """wg_split "k" hands its sums over in the pipeline's memory (a RefUnion), so its stages
   count alone: gate_up at 128 rows takes 4 stages (3 when the sums took 80 KiB of their own),
@@ -145,17 +160,21 @@ def test_fp8_stages_share_memory_with_the_epilogue_tiles():
     if m == 128:   # one more stage would not fit
       assert not BG.fits(m, n, k, epilogue, out_dtype, 64, 128, steps + 1, fmt="fp8",
                          wg_split="k")
-  # "rows" (past 128 rows) writes its y^T tiles there too, once both pipelines have ended:
-  # 3 x 128 stages at 256 rows (4 x 64 when the tiles took 64 KiB of their own), gate_up's
-  # two weight tiles 5 x 64.
-  for n, k, epilogue, out_dtype, depth in ((6144, 6656, "none", jnp.float32, (128, 3)),
-                                           (6656, 19968, "residual", jnp.float32, (128, 3)),
-                                           (19968, 6656, "gate_up", jnp.bfloat16, (64, 5))):
+  # At 256 rows one accumulator's epilogues run "k" in 3 x 128 stages; gate_up runs "rows",
+  # which writes its y^T tiles there too once both pipelines have ended (4 x 64 when the tiles
+  # took 64 KiB of their own), its two weight tiles in 5 x 64; "rows" fits 3 x 128 for the
+  # others as well.
+  for n, k, epilogue, out_dtype, split, depth in (
+      (6144, 6656, "none", jnp.float32, "k", (128, 3)),
+      (6656, 19968, "residual", jnp.float32, "k", (128, 3)),
+      (19968, 6656, "gate_up", jnp.bfloat16, "rows", (64, 5))):
     kn = BG.default_knobs(256, n, k, epilogue, out_dtype, "fp8")
-    assert (kn["wg_split"], kn["block_k"], kn["max_concurrent_steps"]) == ("rows", *depth)
+    assert (kn["wg_split"], kn["block_k"], kn["max_concurrent_steps"]) == (split, *depth)
     n_w = 2 if epilogue == "gate_up" else 1
-    used = BG.smem_bytes(256, epilogue, out_dtype, 64, *depth, "fp8", "rows")
+    used = BG.smem_bytes(256, epilogue, out_dtype, 64, *depth, "fp8", split)
     assert used == depth[0] * (256 * 2 + n_w * 64) * depth[1] + 2 * n_w * 64 * 4
+    if n_w == 1:
+      assert BG.fits(256, n, k, epilogue, out_dtype, 64, 128, 3, fmt="fp8", wg_split="rows")
 
 
 def test_linear_keeps_xla_off_hopper():
