@@ -129,17 +129,16 @@ def test_fp8_knobs_fit_shared_memory(monkeypatch, wg_split):
 
 def test_fp8_wg_split_by_rows_and_epilogue():
   """gate_up's two accumulators take "k" up to FP8_K_SPLIT_MAX_M rows, one accumulator's
-  epilogues twice as many; past one call's rows the chunks decide."""
+  epilogues twice as many; past one call's rows its chunks decide."""
   assert (BG.FP8_K_SPLIT_MAX_M, BG.MAX_ROWS) == (128, 256)
   for ep in ("none", "residual"):   # every chunk of one accumulator's rows fits "k"
     assert {BG.fp8_wg_split(m, ep) for m in (1, 128, 129, 256, 257, 1024)} == {"k"}
   assert [BG.fp8_wg_split(m, "gate_up") for m in (1, 128, 129, 256, 1024)] == (
       ["k", "k", "rows", "rows", "rows"])
-  for m in (256, 512):
-    assert BG.default_knobs(m, 6144, 6656, "none", jnp.float32, "fp8") == dict(
-        block_n=64, block_k=128, max_concurrent_steps=3, split_k=1, wg_split="k")
-    assert BG.default_knobs(m, 6656, 19968, "residual", jnp.float32, "fp8")["wg_split"] == "k"
-    assert BG.default_knobs(m, 19968, 6656, "gate_up", jnp.bfloat16, "fp8")["wg_split"] == "rows"
+  # Past one call's rows the knobs are those of its 256-row chunks (256 itself: below).
+  assert BG.default_knobs(512, 6144, 6656, "none", jnp.float32, "fp8") == dict(
+      block_n=64, block_k=128, max_concurrent_steps=3, split_k=1, wg_split="k")
+  assert BG.default_knobs(512, 19968, 6656, "gate_up", jnp.bfloat16, "fp8")["wg_split"] == "rows"
 
 
 def test_fp8_stages_share_memory_with_the_epilogue_tiles():
