@@ -234,10 +234,10 @@ def _block(params: DrafterParams, ring: RingState, id_last: jax.Array, n_past: j
       tokens = tokens.reshape(n_slots * w)
     x = params.tok_embd[tokens].astype(jnp.float32)
   knobs = {kind: attention_knobs(ring.cache(kind), impl) for kind, _ in cfg.kind_groups}
-  # The batched launch's Mosaic GPU partials where they measured faster (None: Triton's).
+  # The Mosaic GPU partials where they measured faster (None: Triton's), for one sequence too.
   mgpu_knobs = {
-      kind: None if n_slots is None or impl != "pallas" else attn_mgpu.batched_knobs(
-          n_slots, cfg.n_head_kv, w * cfg.group, w, cfg.head_dim, ring.cache(kind).slots,
+      kind: None if impl != "pallas" else attn_mgpu.batched_knobs(
+          n_slots or 1, cfg.n_head_kv, w * cfg.group, w, cfg.head_dim, ring.cache(kind).slots,
           ring.cache(kind).k.dtype)
       for kind, _ in cfg.kind_groups}
   # GEMM inputs are rounded to bf16 unless the weights are fp32; the attention and the gate+up
@@ -260,11 +260,20 @@ def _block(params: DrafterParams, ring: RingState, id_last: jax.Array, n_past: j
       with jax.named_scope("qkv"):
         # The split-K partials are summed inside qk_norm_rope (no extra launch).
         qkv = linear(xn, lp.wqkv, impl=impl, partials=True)
-      if n_slots is None:
+      if n_slots is None and mgpu_knobs[kind] is None:
         with jax.named_scope("norm_rope"):
           q, k, v = norm_rope(qkv, n_past, lp)
         with jax.named_scope("attention"):
           o = attend(q, k, v, cache.k, cache.v, cache.pos, n_past)
+      elif n_slots is None:
+        # One sequence as a batch of one slot (leading unit axes: no copies).
+        with jax.named_scope("norm_rope"):
+          operands = [x[None] for x in norm_rope(qkv, n_past, lp, parts=True)]
+        with jax.named_scope("attention"):
+          o = attn_mgpu.ring_attention_batched(
+              *operands, cache.k[None], cache.v[None], cache.pos[None], n_past[None],
+              layer=cfg.index_in_kind(l), window=cache.window, out_dtype=act_dtype,
+              **mgpu_knobs[kind])[0]
       else:
         # Splitting the partials [P, n_slots w, N] into [P, n_slots, w, heads, D] is free, and
         # vmapping over that axis 1 hands each slot's programs their rows: no transpose (a

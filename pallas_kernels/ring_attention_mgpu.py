@@ -32,13 +32,14 @@ ROWS = 64        # one wgmma M: the packed query rows of one (slot, kv head)
 BLOCK_K = 64     # ring slots per compute warpgroup and pipeline step
 
 
-# The batched step runs this kernel for launches of MIN_SEQS..MAX_SEQS sequence slots in about
-# 128 programs (the compute warpgroup's registers allow one per SM), the Triton kernel
-# otherwise (H200, seed dims, full bf16 rings, RESULTS.md run 19, us per layer: partial +
-# combine + the XLA split of the float32 operands; Triton with its own knobs): S = 2 15.6
-# vs 16.2 here; S = 4 31.8 vs 23.1 (4 chunks); S = 8 39.3 vs 36.5 (2); S = 16 65.5 vs 60.5
-# (1); S = 32 110.6 vs 120.7.
-MIN_SEQS, MAX_SEQS = 4, 16
+# The step (one sequence) and the batched step run this kernel for launches of
+# MIN_SEQS..MAX_SEQS sequence slots in about 128 programs (the compute warpgroup's registers
+# allow one per SM), the Triton kernel otherwise (H200, seed dims, full bf16 rings, us per
+# layer, partial + combine, Triton with its own knobs; RESULTS.md run 25, the operands' parts
+# from qk_norm_rope's launch): S = 1 11.6 vs 10.3 here (16 chunks), S = 2 15.6 vs 12.7 (8),
+# S = 3 27.5 vs 17.6 (4); run 19 (with an XLA split): S = 4 31.8 vs 23.1 (4), S = 8 39.3 vs
+# 36.5 (2), S = 16 65.5 vs 60.5 (1), S = 32 110.6 vs 120.7.
+MIN_SEQS, MAX_SEQS = 1, 16
 # Compute warpgroups per program (each a wgmma chain over its 64 slots of a 64 x wgs tile).
 # Two measured slower (H200, RESULTS.md run 19: w16 S8 round 1.817 vs 1.804 ms).
 COMPUTE_WGS = 1
@@ -194,7 +195,7 @@ def _partials(q0, q1, k0, k1, v0, v1, ring_k, ring_v, ring_pos, n_past, *, layer
                 jax.ShapeDtypeStruct((b_n, hkv, n_part, rows), jnp.float32),
                 jax.ShapeDtypeStruct((b_n, hkv, n_part, rows), jnp.float32)),
       grid=(b_n, hkv, n_chunks), grid_names=("b", "h", "c"), num_threads=wgs + 1,
-      thread_name="wg",
+      thread_name="wg", kernel_name="ring_attn_mgpu_partial",
       scratch_types=[plgpu.RefUnion(q_parts, out_bufs),
                      *[plgpu.SMEM((t, d), jnp.bfloat16, transforms=bf16_t)] * 2,
                      *[plgpu.SMEM((t, d), jnp.bfloat16, transforms=own_v_t)] * 2,

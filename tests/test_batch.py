@@ -565,10 +565,57 @@ def test_batched_step_routes_attention_to_mosaic_gpu_kernel(monkeypatch):
              and c["wgs"] == AM.COMPUTE_WGS and c["out_dtype"] == jnp.bfloat16 for c in calls)
   for g, w in zip(got, want, strict=True):
     chex.assert_trees_all_close(g, w, **BF16_TOL)
-  # The routing's bounds: 2 and 32 slots, 48 packed rows, an fp32 ring stay on Triton.
+  # The routing's bounds: 1-16 slots; 32 slots, 48 packed rows, an fp32 ring stay on Triton.
   assert AM.batched_knobs(4, 1, 64, 16, 64, 128, jnp.bfloat16) == dict(splits=32, wgs=1)
-  assert AM.batched_knobs(2, 8, 64, 16, 128, 2048, jnp.bfloat16) is None
+  assert AM.batched_knobs(1, 8, 64, 16, 128, 2048, jnp.bfloat16) == dict(splits=16, wgs=1)
+  assert AM.batched_knobs(2, 8, 64, 16, 128, 2048, jnp.bfloat16) == dict(splits=8, wgs=1)
   assert AM.batched_knobs(32, 8, 64, 16, 128, 2048, jnp.bfloat16) is None
   assert AM.batched_knobs(8, 8, 48, 16, 128, 2048, jnp.bfloat16) is None
   assert AM.batched_knobs(8, 8, 64, 16, 128, 2048, jnp.float32) is None
   assert AM.batched_knobs(8, 8, 64, 16, 128, 2048, jnp.bfloat16) == dict(splits=2, wgs=1)
+
+
+def test_one_sequence_step_routes_attention_to_mosaic_gpu_kernel(monkeypatch):
+  """The unbatched step's wiring of the Mosaic GPU attention (a batch of one slot), on the
+  CPU: with a Hopper GPU pretended and the kernel replaced by the jnp twin on the parts' sum,
+  three draft rounds (the ring wraps) match the Triton kernels' rounds (interpret mode)."""
+  from pallas_kernels import ring_attention as RA
+  from pallas_kernels import ring_attention_mgpu as AM
+  cfg = MGPU_CFG
+  params = dfj.prepare_weights(cfg, dfj.synthetic_drafter(cfg, seed=5, n_vocab=VOCAB), "bf16")
+  rng = np.random.default_rng(8)
+  feats = jnp.asarray(rng.standard_normal((cfg.block_size, cfg.n_embd_fc)), jnp.float32)
+  calls = []
+
+  def fake(q0, q1, k0, k1, v0, v1, ring_k, ring_v, ring_pos, n_past, *, layer, window, splits,
+           wgs, out_dtype):
+    assert q0.shape[0] == 1 and ring_k.shape[0] == 1 and n_past.shape == (1,)
+    calls.append(dict(layer=layer, window=window, splits=splits, out_dtype=out_dtype))
+    f32 = lambda a, b: a.astype(jnp.float32) + b.astype(jnp.float32)
+    q = f32(q0, q1) * np.sqrt(q0.shape[-1])
+    twin = functools.partial(RA.ring_attention_reference, layer=layer, window=window,
+                             out_dtype=out_dtype)
+    return jax.vmap(twin)(q, f32(k0, k1), f32(v0, v1), ring_k, ring_v, ring_pos, n_past)
+
+  def rounds():
+    ring = S.init_ring(cfg, ring_dtype="bf16")
+    outs = []
+    for r in range(3):
+      ring, drafts, logits = S.draft_round(params, ring, feats * (1 + r), 16,
+                                           int(rng.integers(0, VOCAB)), 60 * r + 16,
+                                           impl="pallas")
+      outs.append(np.asarray(logits))
+    return outs
+
+  rng = np.random.default_rng(8)
+  want = rounds()
+  assert not calls
+  monkeypatch.setattr(AM, "hopper_available", lambda: True)
+  monkeypatch.setattr(AM, "ring_attention_batched", fake)
+  rng = np.random.default_rng(8)
+  got = rounds()
+  assert [c["layer"] for c in calls] == list(range(cfg.n_layer)) * 3
+  assert all(c["window"] == cfg.window and c["splits"] == 128 // cfg.n_head_kv
+             and c["out_dtype"] == jnp.bfloat16 for c in calls)
+  for g, w in zip(got, want, strict=True):
+    chex.assert_trees_all_close(g, w, **BF16_TOL)
