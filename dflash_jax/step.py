@@ -265,34 +265,30 @@ def _block(params: DrafterParams, ring: RingState, id_last: jax.Array, n_past: j
           q, k, v = norm_rope(qkv, n_past, lp)
         with jax.named_scope("attention"):
           o = attend(q, k, v, cache.k, cache.v, cache.pos, n_past)
-      elif n_slots is None:
-        # One sequence as a batch of one slot (leading unit axes: no copies).
-        with jax.named_scope("norm_rope"):
-          operands = [x[None] for x in norm_rope(qkv, n_past, lp, parts=True)]
-        with jax.named_scope("attention"):
-          o = attn_mgpu.ring_attention_batched(
-              *operands, cache.k[None], cache.v[None], cache.pos[None], n_past[None],
-              layer=cfg.index_in_kind(l), window=cache.window, out_dtype=act_dtype,
-              **mgpu_knobs[kind])[0]
       else:
-        # Splitting the partials [P, n_slots w, N] into [P, n_slots, w, heads, D] is free, and
-        # vmapping over that axis 1 hands each slot's programs their rows: no transpose (a
-        # reshape under vmap would move the slot axis to the front first, copying them).
-        # The Mosaic GPU attention takes its operands' bf16 parts, emitted by qk_norm_rope.
+        # A batch, or one sequence on the Mosaic GPU partials as a batch of one slot (leading
+        # unit axes: no copies). Splitting the partials [P, n w, N] into [P, n, w, heads, D]
+        # is free, and vmapping over that axis 1 hands each slot's programs their rows: no
+        # transpose (a reshape under vmap would move the slot axis to the front first,
+        # copying them). The Mosaic GPU attention takes its operands' bf16 parts, emitted by
+        # qk_norm_rope.
+        n = n_slots or 1
+        ring_k, ring_v, ring_pos, past = (cache.k, cache.v, cache.pos, n_past)
+        if n_slots is None:
+          ring_k, ring_v, ring_pos, past = (a[None] for a in (ring_k, ring_v, ring_pos, past))
         mgpu = mgpu_knobs[kind] is not None
         with jax.named_scope("norm_rope"):
-          heads = qkv.reshape(qkv.shape[0], n_slots, w, cfg.n_head + 2 * cfg.n_head_kv,
-                              cfg.head_dim)
+          heads = qkv.reshape(qkv.shape[0], n, w, cfg.n_head + 2 * cfg.n_head_kv, cfg.head_dim)
           operands = jax.vmap(functools.partial(norm_rope, lp=lp, parts=mgpu),
-                              in_axes=(1, 0))(heads, n_past)
+                              in_axes=(1, 0))(heads, past)
         with jax.named_scope("attention"):
           if mgpu:
             o = attn_mgpu.ring_attention_batched(
-                *operands, cache.k, cache.v, cache.pos, n_past, layer=cfg.index_in_kind(l),
+                *operands, ring_k, ring_v, ring_pos, past, layer=cfg.index_in_kind(l),
                 window=cache.window, out_dtype=act_dtype, **mgpu_knobs[kind])
           else:
-            o = jax.vmap(attend)(*operands, cache.k, cache.v, cache.pos, n_past)
-          o = o.reshape(n_slots * w, o.shape[-1])
+            o = jax.vmap(attend)(*operands, ring_k, ring_v, ring_pos, past)
+          o = o.reshape(n * w, o.shape[-1])
       with jax.named_scope("o"):
         x = linear(o, lp.wo, impl=impl, residual=x)
       with jax.named_scope("ffn/norm"):
