@@ -518,12 +518,30 @@ MGPU_CFG = dataclasses.replace(dfj.TINY_CONFIG, n_layer=2, n_head=4, n_head_kv=1
                                block_size=16, window=128)
 
 
+def _fake_mosaic_attention(calls: list):
+  """A stand-in for `ring_attention_mgpu.ring_attention_batched` on the CPU: records each
+  call's static arguments and slot count, and returns the jnp twin on the parts' sums (q /
+  sqrt(D) scaled back), so a wrong operand order, scale, layer or window shows."""
+  from pallas_kernels import ring_attention as RA
+
+  def fake(q0, q1, k0, k1, v0, v1, ring_k, ring_v, ring_pos, n_past, *, layer, window, splits,
+           wgs, out_dtype):
+    calls.append(dict(layer=layer, window=window, splits=splits, wgs=wgs, out_dtype=out_dtype,
+                      slots=(q0.shape[0], ring_k.shape[0], n_past.shape[0])))
+    f32 = lambda a, b: a.astype(jnp.float32) + b.astype(jnp.float32)
+    q = f32(q0, q1) * np.sqrt(q0.shape[-1])
+    twin = functools.partial(RA.ring_attention_reference, layer=layer, window=window,
+                             out_dtype=out_dtype)
+    return jax.vmap(twin)(q, f32(k0, k1), f32(v0, v1), ring_k, ring_v, ring_pos, n_past)
+
+  return fake
+
+
 def test_batched_step_routes_attention_to_mosaic_gpu_kernel(monkeypatch):
   """The routing and the wiring of the Mosaic GPU attention, on the CPU: with a Hopper GPU
   pretended, 4 slots take ring_attention_mgpu with qk_norm_rope's bf16 parts. The kernel is
   replaced by the jnp twin on the parts' sum (q / sqrt(D) scaled back), so a wrong operand
   order, scale, layer or window shows against the Triton kernels' round (interpret mode)."""
-  from pallas_kernels import ring_attention as RA
   from pallas_kernels import ring_attention_mgpu as AM
   cfg = MGPU_CFG
   params = dfj.prepare_weights(cfg, dfj.synthetic_drafter(cfg, seed=4, n_vocab=VOCAB), "bf16")
@@ -534,15 +552,7 @@ def test_batched_step_routes_attention_to_mosaic_gpu_kernel(monkeypatch):
   id_last = jnp.asarray(rng.integers(0, VOCAB, n), jnp.int32)
   active = jnp.ones((n,), bool)
   calls = []
-
-  def fake(q0, q1, k0, k1, v0, v1, ring_k, ring_v, ring_pos, n_past, *, layer, window, splits,
-           wgs, out_dtype):
-    calls.append(dict(layer=layer, window=window, splits=splits, wgs=wgs, out_dtype=out_dtype))
-    f32 = lambda a, b: a.astype(jnp.float32) + b.astype(jnp.float32)
-    q = f32(q0, q1) * np.sqrt(q0.shape[-1])
-    twin = functools.partial(RA.ring_attention_reference, layer=layer, window=window,
-                             out_dtype=out_dtype)
-    return jax.vmap(twin)(q, f32(k0, k1), f32(v0, v1), ring_k, ring_v, ring_pos, n_past)
+  fake = _fake_mosaic_attention(calls)
 
   def rounds():
     ring = S.init_batched_ring(cfg, n, ring_dtype="bf16")
@@ -562,7 +572,8 @@ def test_batched_step_routes_attention_to_mosaic_gpu_kernel(monkeypatch):
   assert len(calls) == 3 * cfg.n_layer
   assert [c["layer"] for c in calls[:cfg.n_layer]] == list(range(cfg.n_layer))
   assert all(c["window"] == cfg.window and c["splits"] == 128 // (n * cfg.n_head_kv)
-             and c["wgs"] == AM.COMPUTE_WGS and c["out_dtype"] == jnp.bfloat16 for c in calls)
+             and c["wgs"] == AM.COMPUTE_WGS and c["out_dtype"] == jnp.bfloat16
+             and c["slots"] == (n, n, n) for c in calls)
   for g, w in zip(got, want, strict=True):
     chex.assert_trees_all_close(g, w, **BF16_TOL)
   # The routing's bounds: 1-16 slots; 32 slots, 48 packed rows, an fp32 ring stay on Triton.
@@ -579,23 +590,13 @@ def test_one_sequence_step_routes_attention_to_mosaic_gpu_kernel(monkeypatch):
   """The unbatched step's wiring of the Mosaic GPU attention (a batch of one slot), on the
   CPU: with a Hopper GPU pretended and the kernel replaced by the jnp twin on the parts' sum,
   three draft rounds (the ring wraps) match the Triton kernels' rounds (interpret mode)."""
-  from pallas_kernels import ring_attention as RA
   from pallas_kernels import ring_attention_mgpu as AM
   cfg = MGPU_CFG
   params = dfj.prepare_weights(cfg, dfj.synthetic_drafter(cfg, seed=5, n_vocab=VOCAB), "bf16")
   rng = np.random.default_rng(8)
   feats = jnp.asarray(rng.standard_normal((cfg.block_size, cfg.n_embd_fc)), jnp.float32)
   calls = []
-
-  def fake(q0, q1, k0, k1, v0, v1, ring_k, ring_v, ring_pos, n_past, *, layer, window, splits,
-           wgs, out_dtype):
-    assert q0.shape[0] == 1 and ring_k.shape[0] == 1 and n_past.shape == (1,)
-    calls.append(dict(layer=layer, window=window, splits=splits, out_dtype=out_dtype))
-    f32 = lambda a, b: a.astype(jnp.float32) + b.astype(jnp.float32)
-    q = f32(q0, q1) * np.sqrt(q0.shape[-1])
-    twin = functools.partial(RA.ring_attention_reference, layer=layer, window=window,
-                             out_dtype=out_dtype)
-    return jax.vmap(twin)(q, f32(k0, k1), f32(v0, v1), ring_k, ring_v, ring_pos, n_past)
+  fake = _fake_mosaic_attention(calls)
 
   def rounds():
     ring = S.init_ring(cfg, ring_dtype="bf16")
@@ -616,6 +617,6 @@ def test_one_sequence_step_routes_attention_to_mosaic_gpu_kernel(monkeypatch):
   got = rounds()
   assert [c["layer"] for c in calls] == list(range(cfg.n_layer)) * 3
   assert all(c["window"] == cfg.window and c["splits"] == 128 // cfg.n_head_kv
-             and c["out_dtype"] == jnp.bfloat16 for c in calls)
+             and c["out_dtype"] == jnp.bfloat16 and c["slots"] == (1, 1, 1) for c in calls)
   for g, w in zip(got, want, strict=True):
     chex.assert_trees_all_close(g, w, **BF16_TOL)
