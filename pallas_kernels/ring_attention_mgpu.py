@@ -1,8 +1,9 @@
 """Ring attention partials of a batched bf16 ring on Hopper tensor cores (Mosaic GPU).
 
 The batched step (issue 14) attends S sequences' blocks over their rings in one launch; the
-one-sequence step runs it as a batch of one. The Triton partial (`ring_attention`) runs each (slot, kv head, chunk) program as one warpgroup
-that waits on every load and every MMA in turn. Here a memory warpgroup streams the chunk's
+one-sequence step runs it as a batch of one. The Triton partial (`ring_attention`) runs each
+(slot, kv head, chunk) program as one warpgroup that waits on every load and every MMA in
+turn. Here a memory warpgroup streams the chunk's
 K, V and position tiles by TMA while the compute warpgroup runs wgmma on the one before, the
 same arithmetic: float32 operands split into two bf16 parts (~16 mantissa bits; emitted by
 `qk_norm_rope(..., parts=True)` or `split_operands`), bf16 ring tiles exact as one part,
