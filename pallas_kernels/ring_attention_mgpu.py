@@ -3,14 +3,13 @@
 The batched step (issue 14) attends S sequences' blocks over their rings in one launch; the
 one-sequence step runs it as a batch of one. The Triton partial (`ring_attention`) runs each
 (slot, kv head, chunk) program as one warpgroup that waits on every load and every MMA in
-turn. Here a memory warpgroup streams the chunk's
-K, V and position tiles by TMA while the compute warpgroup runs wgmma on the one before, the
-same arithmetic: float32 operands split into two bf16 parts (~16 mantissa bits; emitted by
-`qk_norm_rope(..., parts=True)` or `split_operands`), bf16 ring tiles exact as one part,
-float32 accumulation, smallest products first. Program (b, h, c) attends kv head h's packed
-query rows of slot b over ring chunk c and, in every chunk, the block's own keys (visible
-only in chunk 0), and writes the unnormalised partial (o, m, l) that
-`ring_attention.combine_partials` merges.
+turn. Here a memory warpgroup streams the chunk's K, V and position tiles by TMA while the
+compute warpgroup runs wgmma on the one before, the same arithmetic: float32 operands split
+into two bf16 parts (~16 mantissa bits; emitted by `qk_norm_rope(..., parts=True)` or
+`split_operands`), bf16 ring tiles exact as one part, float32 accumulation, smallest products
+first. Program (b, h, c) attends kv head h's packed query rows of slot b over ring chunk c
+and, in every chunk, the block's own keys (visible only in chunk 0), and writes the
+unnormalised partial (o, m, l) that `ring_attention.combine_partials` merges.
 
 The shapes it takes (`fits`): 64 packed query rows (T*G; the seed drafter's 16 x 4), T a
 multiple of 16, head_dim 64 or 128, a bf16 ring whose chunks are whole tiles. GPU only
