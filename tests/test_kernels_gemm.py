@@ -145,6 +145,29 @@ def test_fp8_round_trip_error_bound():
   assert np.all(err[~normal] <= sub_bound[~normal])
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "q8_0"])
+def test_quantizers_in_row_blocks_equal_one_block(fmt, monkeypatch):
+  """Big matrices are quantized in blocks of rows on threads: the same bytes as one block
+  (blocks of 3 rows here, uneven at the end), and q8_0 still gguf's own bytes."""
+  from dflash_jax import quant
+  rng = np.random.default_rng(4)
+  w = random_weights(rng, 16, 256)
+  w[5] = 0.0
+  fn = quant.quantize_fp8 if fmt == "fp8" else quant.quantize_q8_0
+  whole = fn(w)
+  monkeypatch.setattr(quant, "_BLOCK_VALUES", 3 * 256)
+  blocked = fn(w)
+  for a, b in zip(whole, blocked, strict=True):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+  if fmt == "q8_0":
+    packed = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0).reshape(16, 8, 34)
+    np.testing.assert_array_equal(blocked[0], packed[..., 2:].copy().view(np.int8).reshape(16, 256))
+    w[14, :32] = 70000.0 * 127                             # d overflows float16, in the last block
+    with pytest.raises(ValueError, match="must fit float16"):
+      fn(w)
+
+
 def test_quantizer_limits():
   with pytest.raises(ValueError, match=r"K % 32 == 0 required \(got K=48\)"):
     quantize_q8_0(np.ones((4, 48), np.float32))
