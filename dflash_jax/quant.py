@@ -34,9 +34,14 @@ def _by_rows(fn, w: np.ndarray) -> tuple[np.ndarray, ...]:
     for out, part in zip(outs, parts, strict=True):
       out[start:start + rows] = part
 
-  with ThreadPoolExecutor(min(16, os.cpu_count() or 1)) as pool:
+  with host_pool() as pool:
     list(pool.map(fill, range(0, w.shape[0], rows)))
   return outs
+
+
+def host_pool() -> ThreadPoolExecutor:
+  """Threads for host array work that releases the GIL (at most 16: the GPU machine's cores)."""
+  return ThreadPoolExecutor(min(16, os.cpu_count() or 1))
 
 
 def to_bf16(w: np.ndarray) -> np.ndarray:

@@ -1,12 +1,12 @@
 """Random drafters for demos, tests and benchmarks (the embedded default)."""
 from __future__ import annotations
 
-import os
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from dflash_jax.config import FULL, DFlashConfig
+from dflash_jax.quant import host_pool
 
 # The seed product's drafter (Muse Glimmer 30B assistant): 5 sliding layers, window 2048.
 SEED_CONFIG = DFlashConfig(
@@ -53,8 +53,8 @@ def drafter_tensor_shapes(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
 
 # Values per random stream. Every tensor is filled in chunks of this size, each from its own
 # stream spawned from the seed, so that threads can fill them (numpy's generators release the
-# GIL) and the values do not depend on how many threads there are. A 2.4B-parameter drafter
-# takes ~4 s on 16 cores instead of ~50 s from one stream.
+# GIL) and the values do not depend on how many threads there are. The seed drafter (2.4B
+# values) takes 4.6 s on the H200 machine's 16 cores, 51.5 s from one stream (RESULTS.md run 26).
 _CHUNK = 1 << 22
 
 
@@ -79,10 +79,6 @@ def _normal(pool: ThreadPoolExecutor, seq: np.random.SeedSequence, shape: tuple[
   return out
 
 
-def _pool() -> ThreadPoolExecutor:
-  return ThreadPoolExecutor(min(16, os.cpu_count() or 1))
-
-
 def synthetic_drafter(cfg: DFlashConfig, seed: int = 0, n_vocab: int = 512,
                       with_target: bool = True) -> dict[str, np.ndarray]:
   """Random float32 drafter weights (plus the target's `tok_embd`/`lm_head` of `n_vocab` rows).
@@ -98,7 +94,7 @@ def synthetic_drafter(cfg: DFlashConfig, seed: int = 0, n_vocab: int = 512,
     shapes.update(tok_embd=(n_vocab, cfg.n_embd), lm_head=(n_vocab, cfg.n_embd))
   branch = 1.0 / np.sqrt(2.0 * cfg.n_layer)
   w = {}
-  with _pool() as pool:
+  with host_pool() as pool:
     for name, shape in shapes.items():
       seq = np.random.SeedSequence([seed, *name.encode()])
       if len(shape) == 1:
@@ -117,5 +113,5 @@ def synthetic_drafter(cfg: DFlashConfig, seed: int = 0, n_vocab: int = 512,
 
 def synthetic_features(cfg: DFlashConfig, n_rows: int, seed: int = 1) -> np.ndarray:
   """Random target features [n_rows, n_target_layers * n_embd] with unit-variance entries."""
-  with _pool() as pool:
+  with host_pool() as pool:
     return _normal(pool, np.random.SeedSequence(seed), (n_rows, cfg.n_embd_fc))

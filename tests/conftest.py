@@ -19,6 +19,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+import dflash_jax as dfj  # noqa: E402
+from reference import DFlashRef  # noqa: E402
+
 # Pallas Triton is deprecated upstream but is the pallas_call GPU backend in jax 0.11.2.
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated",
                         category=DeprecationWarning)
@@ -40,18 +43,14 @@ def pytest_collection_modifyitems(config, items):
 # once.
 @pytest.fixture(scope="module")
 def seed_w():
-  import dflash_jax as dfj
   return dfj.synthetic_drafter(dfj.SEED_CONFIG, seed=0, n_vocab=8192)
 
 
 @pytest.fixture(scope="module")
 def seed_feats():
-  import dflash_jax as dfj
   return dfj.synthetic_features(dfj.SEED_CONFIG, 3100, seed=1)   # more than any ring there
 
 
 @pytest.fixture(scope="module")
 def seed_ref_bf16(seed_w):
-  import dflash_jax as dfj
-  from reference import DFlashRef
   return DFlashRef(dfj.SEED_CONFIG, seed_w, dtype="bf16", ring_dtype="bf16")
