@@ -199,8 +199,7 @@ def prepare_weights(cfg: DFlashConfig, w: dict[str, np.ndarray], dtype: Any = "f
       return QuantWeight(data=jnp.asarray(np.concatenate([p[0] for p in parts])),
                          scale=jnp.asarray(np.concatenate([p[1] for p in parts])), fmt=fmt)
     parts = [np.asarray(w[n], np.float32) for n in names]
-    return jnp.asarray(np.concatenate([quant.to_bf16(a) for a in parts] if fmt == "bf16"
-                                      else parts))
+    return jnp.asarray(quant.to_bf16(*parts) if fmt == "bf16" else np.concatenate(parts))
 
   def vec(name):
     return jnp.asarray(np.asarray(w[name], np.float32))

@@ -21,21 +21,28 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 _BLOCK_VALUES = 1 << 22
 
 
-def _by_rows(fn, w: np.ndarray) -> tuple[np.ndarray, ...]:
-  """fn (a row-wise conversion returning a tuple of [rows, ...] arrays) over blocks of w."""
-  rows = max(1, _BLOCK_VALUES // max(1, w.shape[1]))
-  if w.shape[0] <= rows:
-    return fn(w)
-  first = fn(w[:rows])
-  outs = tuple(np.empty((w.shape[0], *f.shape[1:]), f.dtype) for f in first)
+def _by_rows(fn, *ws: np.ndarray) -> tuple[np.ndarray, ...]:
+  """fn (a row-wise conversion returning a tuple of [rows, ...] arrays) over blocks of rows of
+  the row-wise concatenation of ws (same columns), which is never made in memory."""
+  rows = max(1, _BLOCK_VALUES // max(1, ws[0].shape[1]))
+  if len(ws) == 1 and ws[0].shape[0] <= rows:
+    return fn(ws[0])
+  # (part, first row in the part, first row in the result) of every block.
+  blocks, offset = [], 0
+  for w in ws:
+    blocks += [(w, start, offset + start) for start in range(0, w.shape[0], rows)]
+    offset += w.shape[0]
+  first = fn(ws[0][:0])                   # dtypes and trailing shapes of the outputs
+  outs = tuple(np.empty((offset, *f.shape[1:]), f.dtype) for f in first)
 
-  def fill(start):
-    parts = first if start == 0 else fn(w[start:start + rows])
-    for out, part in zip(outs, parts, strict=True):
-      out[start:start + rows] = part
+  def fill(block):
+    w, start, at = block
+    part = w[start:start + rows]
+    for out, result in zip(outs, fn(part), strict=True):
+      out[at:at + part.shape[0]] = result
 
   with host_pool() as pool:
-    list(pool.map(fill, range(0, w.shape[0], rows)))
+    list(pool.map(fill, blocks))
   return outs
 
 
@@ -44,9 +51,11 @@ def host_pool() -> ThreadPoolExecutor:
   return ThreadPoolExecutor(min(16, os.cpu_count() or 1))
 
 
-def to_bf16(w: np.ndarray) -> np.ndarray:
-  """w [N, K] rounded to bfloat16 (nearest even, ml_dtypes' cast)."""
-  return _by_rows(lambda b: (b.astype(ml_dtypes.bfloat16),), np.asarray(w, np.float32))[0]
+def to_bf16(*ws: np.ndarray) -> np.ndarray:
+  """The row-wise concatenation of ws ([N_i, K] each) rounded to bfloat16 (nearest even,
+  ml_dtypes' cast)."""
+  return _by_rows(lambda b: (b.astype(ml_dtypes.bfloat16),),
+                  *[np.asarray(w, np.float32) for w in ws])[0]
 
 
 def _check_matrix(w: np.ndarray, name: str) -> np.ndarray:

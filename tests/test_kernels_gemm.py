@@ -145,16 +145,22 @@ def test_fp8_round_trip_error_bound():
   assert np.all(err[~normal] <= sub_bound[~normal])
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "q8_0"])
+@pytest.mark.parametrize("fmt", ["fp8", "q8_0", "bf16"])
 def test_quantizers_in_row_blocks_equal_one_block(fmt, monkeypatch):
-  """Big matrices are quantized in blocks of rows on threads: the same bytes as one block
-  (blocks of 3 rows here, uneven at the end), and q8_0 still gguf's own bytes."""
+  """Big matrices are converted in blocks of rows on threads: the same bytes as one block
+  (blocks of 3 rows here, uneven at the end; bf16 over two parts written as one matrix), q8_0
+  still gguf's own bytes."""
   from dflash_jax import quant
   rng = np.random.default_rng(4)
   w = random_weights(rng, 16, 256)
   w[5] = 0.0
-  fn = quant.quantize_fp8 if fmt == "fp8" else quant.quantize_q8_0
-  whole = fn(w)
+  if fmt == "bf16":
+    def fn(a):
+      return (quant.to_bf16(a[:7], a[7:]),)
+    whole = (w.astype(ml_dtypes.bfloat16),)
+  else:
+    fn = quant.quantize_fp8 if fmt == "fp8" else quant.quantize_q8_0
+    whole = fn(w)
   monkeypatch.setattr(quant, "_BLOCK_VALUES", 3 * 256)
   blocked = fn(w)
   for a, b in zip(whole, blocked, strict=True):
