@@ -1,4 +1,4 @@
-"""Host-side (numpy) weight quantization for the streamed skinny GEMMs.
+"""Host-side (numpy) weight quantization for the streamed skinny GEMMs, and the bf16 cast.
 
 Both formats keep the GGUF/torch (out, in) layout: w is [N, K], K contiguous, which is what
 `pallas_kernels.skinny_gemm` streams. Dequantization returns float32; the kernels and their

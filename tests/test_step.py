@@ -445,8 +445,9 @@ def test_bad_dtype_names():
 
 
 def test_bf16_weights_are_the_host_round_to_nearest_even():
-  """prepare_weights casts on the device; every matrix equals ml_dtypes' host rounding bit for
-  bit, ties (to even, both ways) included."""
+  """prepare_weights casts blocks of rows on threads, written straight into the concatenated
+  matrix; every matrix equals ml_dtypes' cast of the whole bit for bit, ties (to even, both
+  ways) included."""
   import ml_dtypes
   w = _weights()
   q = w["blk.0.attn_q"].copy()
