@@ -37,7 +37,8 @@ TOL = {"fp32": 1e-5, "bf16": 1.5e-2}
 
 
 def make_reference() -> dict[str, np.ndarray]:
-  from dflash_jax.synthetic import TINY_CONFIG, synthetic_drafter, synthetic_features
+  from dflash_jax.config import TINY_CONFIG
+  from dflash_jax.synthetic import synthetic_drafter, synthetic_features
   from reference.dflash_ref import DFlashRef
 
   cfg = TINY_CONFIG

@@ -13,9 +13,8 @@ import gguf
 import numpy as np
 
 from dflash_jax import atomic
-from dflash_jax.config import FULL, SLIDING, DFlashConfig
+from dflash_jax.config import FULL, SLIDING, DFlashConfig, drafter_tensor_shapes
 from dflash_jax.gguf_guard import GGUFFormatError, open_gguf
-from dflash_jax.synthetic import drafter_tensor_shapes
 
 ARCH = "dflash"
 KEY_ARCH = "general.architecture"

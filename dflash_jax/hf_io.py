@@ -15,9 +15,8 @@ from typing import Any, Mapping
 import numpy as np
 
 from dflash_jax import atomic, safetensors_io
-from dflash_jax.config import FULL, LAYER_TYPES, SLIDING, DFlashConfig
+from dflash_jax.config import FULL, LAYER_TYPES, SLIDING, DFlashConfig, drafter_tensor_shapes
 from dflash_jax.gguf_io import DEFAULT_BLOCK_SIZE, DrafterFormatError, _checked_weights
-from dflash_jax.synthetic import drafter_tensor_shapes
 
 CONFIG_FILE = "config.json"
 MAX_CONFIG_BYTES = 4 << 20

@@ -9,8 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax import quant
-from dflash_jax.config import DFlashConfig, rope_inv_freq
-from dflash_jax.synthetic import drafter_tensor_shapes
+from dflash_jax.config import DFlashConfig, drafter_tensor_shapes, rope_inv_freq
 from pallas_kernels import batched_gemm, skinny_gemm
 from pallas_kernels._common import hopper_available
 from pallas_kernels import rms_norm as norm_k

@@ -5,51 +5,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from dflash_jax.config import FULL, DFlashConfig
+from dflash_jax.config import DFlashConfig, drafter_tensor_shapes
 from dflash_jax.quant import host_pool
-
-# The seed product's drafter (Muse Glimmer 30B assistant): 5 sliding layers, window 2048.
-SEED_CONFIG = DFlashConfig(
-    n_layer=5, n_embd=6656, n_ff=19968, n_head=32, n_head_kv=8, head_dim=128,
-    rope_theta=5e5, eps=1e-6, target_layers=(2, 14, 26, 38, 50), mask_token_id=8191,
-    block_size=16, window=2048)
-# z-lab/Qwen3-8B-DFlash-b16 as its config.json publishes it (what `load_drafter` reads from
-# that file; tests/test_hf_io.py holds the two equal): 5 full-attention layers (no sliding
-# window), HF target_layer_ids [1, 9, 17, 25, 33] (target_layers = those + 1), mask token
-# 151669, block 16, rope_theta 1e6, max_position_embeddings 40960 (the context length: the
-# default capacity of its full-attention cache; pass `capacity` to hold fewer positions).
-QWEN3_8B_CONFIG = DFlashConfig(
-    n_layer=5, n_embd=4096, n_ff=12288, n_head=32, n_head_kv=8, head_dim=128,
-    rope_theta=1e6, eps=1e-6, target_layers=(2, 10, 18, 26, 34), mask_token_id=151669,
-    block_size=16, window=None, layer_types=(FULL,) * 5, context_length=40960)
-# Small enough for CPU tests and interpret-mode kernels; every axis still > 1.
-TINY_CONFIG = DFlashConfig(
-    n_layer=2, n_embd=64, n_ff=128, n_head=4, n_head_kv=2, head_dim=16,
-    rope_theta=1e4, eps=1e-6, target_layers=(1, 3, 5), mask_token_id=7,
-    block_size=8, window=32)
-
-
-def drafter_tensor_shapes(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
-  """The (out, in) numpy shape of every drafter tensor, keyed without `.weight`."""
-  e, hd = cfg.n_embd, cfg.head_dim
-  shapes = {"fc": (e, cfg.n_embd_fc), "enc.output_norm": (e,), "output_norm": (e,)}
-  for i in range(cfg.n_layer):
-    p = f"blk.{i}."
-    shapes.update({
-        p + "attn_norm": (e,),
-        p + "attn_q": (cfg.n_head * hd, e),
-        p + "attn_k": (cfg.n_head_kv * hd, e),
-        p + "attn_v": (cfg.n_head_kv * hd, e),
-        p + "attn_output": (e, cfg.n_head * hd),
-        p + "attn_q_norm": (hd,),
-        p + "attn_k_norm": (hd,),
-        p + "ffn_norm": (e,),
-        p + "ffn_gate": (cfg.n_ff, e),
-        p + "ffn_up": (cfg.n_ff, e),
-        p + "ffn_down": (e, cfg.n_ff),
-    })
-  return shapes
-
 
 # Values per random stream. Every tensor is filled in chunks of this size, each from its own
 # stream spawned from the seed, so that threads can fill them (numpy's generators release the

@@ -9,8 +9,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from dflash_jax.config import DFlashConfig, rope_inv_freq
-from dflash_jax.synthetic import drafter_tensor_shapes
+from dflash_jax.config import DFlashConfig, drafter_tensor_shapes, rope_inv_freq
 
 _F32 = np.float32
 _PRECISIONS = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16"}

@@ -9,10 +9,10 @@ import gguf
 import numpy as np
 import pytest
 
-from dflash_jax.config import FULL, SLIDING, DFlashConfig
+from dflash_jax.config import FULL, SLIDING, TINY_CONFIG, DFlashConfig, drafter_tensor_shapes
 from dflash_jax.gguf_io import (DrafterFormatError, load_drafter, read_q8_0,
                                 save_drafter)
-from dflash_jax.synthetic import TINY_CONFIG, drafter_tensor_shapes, synthetic_drafter
+from dflash_jax.synthetic import synthetic_drafter
 
 VT = gguf.GGUFValueType
 QT = gguf.GGMLQuantizationType

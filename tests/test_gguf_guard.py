@@ -19,7 +19,8 @@ import pytest
 
 from dflash_jax.gguf_guard import GGUFFormatError, open_gguf
 from dflash_jax.gguf_io import DrafterFormatError, load_drafter, save_drafter
-from dflash_jax.synthetic import TINY_CONFIG, synthetic_drafter
+from dflash_jax.config import TINY_CONFIG
+from dflash_jax.synthetic import synthetic_drafter
 
 VT = gguf.GGUFValueType
 QT = gguf.GGMLQuantizationType

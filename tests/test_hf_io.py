@@ -14,11 +14,11 @@ from safetensors.numpy import save_file
 
 from dflash_jax import safetensors_io
 from dflash_jax.__main__ import main
-from dflash_jax.config import FULL, SLIDING, DFlashConfig
+from dflash_jax.config import FULL, QWEN3_8B_CONFIG, SLIDING, TINY_CONFIG, DFlashConfig
 from dflash_jax.gguf_io import DrafterFormatError, load_drafter, save_drafter
 from dflash_jax.hf_io import config_from_hf, config_to_hf, load_hf_drafter, save_hf_drafter
 from dflash_jax.safetensors_io import SafetensorsFormatError, read_tensors, write_tensors
-from dflash_jax.synthetic import QWEN3_8B_CONFIG, TINY_CONFIG, synthetic_drafter
+from dflash_jax.synthetic import synthetic_drafter
 
 QT = gguf.GGMLQuantizationType
 MIXED = dataclasses.replace(TINY_CONFIG, layer_types=(SLIDING, FULL), context_length=4096)

@@ -26,9 +26,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.config import DFlashConfig, rope_inv_freq
+from dflash_jax.config import DFlashConfig, drafter_tensor_shapes, rope_inv_freq
 from dflash_jax.params import linear, resolve_dtype, rms_norm
-from dflash_jax.synthetic import drafter_tensor_shapes, synthetic_drafter
+from dflash_jax.synthetic import synthetic_drafter
 from pallas_kernels.norm_rope import rms_rope_halves
 
 Weights = Mapping[str, jax.Array]
