@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from dflash_jax.models import qwen3 as Q
+from dflash_jax.models.base import prefill_bucket
 from target_ref import hidden_states
 
 TINY = Q.TargetConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -54,14 +55,15 @@ def test_capture_layers_out_of_range():
 
 def test_cached_prefill_verify_equals_forward():
   """Prefill (bucketed, padded) then verify in chunks of varying width, with a rejected chunk
-  rolled back by setting the length, equals the uncached forward row for row."""
+  committed (none of its rows kept), equals the uncached forward row for row; each chunk
+  is committed in two parts."""
   cfg, p = _model(3, **VARIANTS[0])
   capture = (1, 2)
   toks = _tokens(4, (1, 29))
   ref_logits, ref_feats = Q.forward_jit(p, cfg, toks, capture_layers=capture)
   cache = Q.init_cache(cfg, 1, 40)
   n = 7
-  bucket = Q.prefill_bucket(n)
+  bucket = prefill_bucket(n)
   padded = np.zeros((1, bucket), np.int32)
   padded[0, :n] = toks[0, :n]
   padded[0, n:] = _tokens(5, bucket - n)   # padding rows write past the length only
@@ -70,14 +72,23 @@ def test_cached_prefill_verify_equals_forward():
   assert int(cache.length[0]) == n
   pos = n
   for i, w in enumerate((1, 4, 4, 1, 4)):
-    # A rejected continuation first: verify garbage, then roll back (no copy).
+    # A rejected continuation first: verify garbage, keep none of it (no copy).
     cache, _, _ = Q.verify_jit(p, cfg, cache, _tokens(10 + i, (1, w)), capture_layers=capture)
-    cache = cache.replace(length=jnp.asarray([pos], jnp.int32))
+    assert int(cache.length[0]) == pos   # a verify commits nothing
+    cache = cfg.commit(cache, jnp.zeros((1,), jnp.int32))
     cache, logits, feats = Q.verify_jit(p, cfg, cache, toks[:, pos:pos + w], capture_layers=capture)
     np.testing.assert_allclose(logits, ref_logits[:, pos:pos + w], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(feats, ref_feats[:, pos:pos + w], rtol=1e-5, atol=1e-5)
-    pos += w
+    keep = w // 2   # commit part of the chunk, then re-verify the rest
+    cache = cfg.commit(cache, jnp.asarray([keep], jnp.int32))
+    pos += keep
     assert int(cache.length[0]) == pos
+    if keep < w:
+      cache, logits, _ = Q.verify_jit(p, cfg, cache, toks[:, pos:pos + w - keep],
+                                      capture_layers=capture)
+      np.testing.assert_allclose(logits, ref_logits[:, pos:pos + w - keep], rtol=1e-5, atol=1e-5)
+      cache = cfg.commit(cache, jnp.asarray([w - keep], jnp.int32))
+      pos += w - keep
 
 
 def test_cache_batch_rows_are_independent():
@@ -95,7 +106,8 @@ def test_cache_batch_rows_are_independent():
   np.testing.assert_allclose(logits[0], ref_logits[0, 5:9], rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(logits[1], ref_logits[1, 9:13], rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(feats[1], ref_feats[1, 9:13], rtol=1e-5, atol=1e-5)
-  np.testing.assert_array_equal(cache.length, [9, 13])
+  np.testing.assert_array_equal(cache.length, [5, 9])   # a verify commits nothing
+  np.testing.assert_array_equal(cfg.commit(cache, jnp.asarray([4, 1], jnp.int32)).length, [9, 10])
 
 
 def test_init_cache_rejects_bad_sizes():
@@ -104,7 +116,7 @@ def test_init_cache_rejects_bad_sizes():
 
 
 def test_prefill_bucket():
-  assert [Q.prefill_bucket(n) for n in (0, 1, 16, 17, 64, 65)] == [16, 16, 16, 32, 64, 128]
+  assert [prefill_bucket(n) for n in (0, 1, 16, 17, 64, 65)] == [16, 16, 16, 32, 64, 128]
 
 
 # --- config ------------------------------------------------------------------------------------

@@ -94,7 +94,7 @@ def train_drafter(args) -> int:
     raise C.arg_error("--target", e)
   layers = args.target_layers or default_target_layers(tcfg.num_hidden_layers)
   try:
-    qwen3.check_capture_layers(tcfg, layers)
+    tcfg.check_capture_layers(layers)
   except ValueError as e:
     raise C.arg_error("--target-layers", e)
   bad = [l for l in args.full_layers if not 0 <= l < args.layers]

@@ -8,10 +8,9 @@ head. One layer function serves both paths:
   teacher forcing; differentiable).
 - `prefill` / `verify` over a `TargetCache` (donated state): per-layer K/V `[B, Hkv, S, D]`
   and a device `length [B]`; a call writes its T rows at slots `length .. length + T - 1`
-  (slot = position) and attends causally over the slots up to each row's position. Rollback
-  after a rejection is `cache.replace(length=n)`: the stale slots are never visible (a row at
-  position p sees slots <= p, and the next call rewrites slots from `length` on), so nothing
-  is copied. The caller keeps `length + T <= capacity` (decode.py checks it on the host
+  (slot = position) and attends causally over the slots up to each row's position. A
+  verify commits nothing; `commit(cache, n_keep)` keeps its first rows (the Target protocol
+  of models/base.py, which `TargetConfig` implements). The caller keeps `length + T <= capacity` (decode.py checks it on the host
   before a run starts; inside jit an out-of-range write would be clamped, not caught).
 
 Feature capture (SPEC.md section 2): `capture_layers` are llama.cpp-convention indices, the
@@ -42,6 +41,7 @@ from jax import lax
 
 from dflash_jax import atomic, safetensors_io
 from dflash_jax.config import rope_inv_freq
+from dflash_jax.models import base
 from dflash_jax.params import linear, resolve_dtype, rms_norm
 
 MODEL_TYPES = {"qwen3": True, "llama": False}   # HF model_type -> per-head q/k norm
@@ -104,6 +104,36 @@ class TargetConfig:
       problems.append(f"eos_token_ids {self.eos_token_ids} must lie in [0, {self.vocab_size})")
     if problems:
       raise ValueError("invalid TargetConfig: " + "; ".join(problems))
+
+  # --- the Target protocol (models/base.py) ---
+  @property
+  def n_layers(self) -> int:
+    return self.num_hidden_layers
+
+  def check_capture_layers(self, capture_layers) -> tuple[int, ...]:
+    return base.check_capture_layers(self.num_hidden_layers, capture_layers)
+
+  def init_cache(self, batch: int, capacity: int, dtype: Any = "fp32") -> "TargetCache":
+    return init_cache(self, batch, capacity, dtype)
+
+  def cache_nbytes(self, batch: int, capacity: int, dtype: Any = "fp32",
+                   verify_width: int = 1) -> int:
+    item = resolve_dtype(dtype, "cache dtype").itemsize
+    return (2 * self.num_hidden_layers * batch * self.kv_dim * capacity * item) + 4 * batch
+
+  def prefill(self, params, cache, tokens, n_valid, *, capture_layers=(), impl: str = "xla"):
+    return prefill(params, self, cache, tokens, n_valid, capture_layers=capture_layers,
+                   impl=impl)
+
+  def verify(self, params, cache, tokens, *, capture_layers=(), impl: str = "xla"):
+    return verify(params, self, cache, tokens, capture_layers=capture_layers, impl=impl)
+
+  def commit(self, cache: "TargetCache", n_keep: jax.Array) -> "TargetCache":
+    return commit(cache, n_keep)
+
+  def forward(self, params, tokens, *, capture_layers=(), with_logits: bool = True):
+    return forward(params, self, tokens, capture_layers=capture_layers,
+                   with_logits=with_logits)
 
   @property
   def group(self) -> int:
@@ -331,21 +361,11 @@ def _layer(cfg: TargetConfig, lp: TargetLayer, x: jax.Array, positions: jax.Arra
   return x + linear(hidden, lp.wd, impl=impl), kept
 
 
-def check_capture_layers(cfg: TargetConfig, capture_layers) -> tuple[int, ...]:
-  """capture_layers as a tuple of ints in [0, n_layers] (HF hidden_states indices)."""
-  out = tuple(int(i) for i in capture_layers)
-  bad = [i for i in out if not 0 <= i <= cfg.num_hidden_layers]
-  if bad:
-    raise ValueError(f"capture_layers {bad} outside [0, {cfg.num_hidden_layers}] (HF "
-                     f"hidden_states indices of a {cfg.num_hidden_layers}-layer target)")
-  return out
-
-
 def _trunk(params: TargetParams, cfg: TargetConfig, tokens: jax.Array, positions: jax.Array,
            attend_layer, capture_layers, impl: str):
   """Embeddings -> layers -> final norm. Returns (h [B T, E], features [B, T, F], kept per
   layer). attend_layer(l) gives layer l's attend function."""
-  capture = check_capture_layers(cfg, capture_layers)
+  capture = cfg.check_capture_layers(capture_layers)
   b, t = tokens.shape
   freqs = jnp.asarray(inv_freq(cfg))
   x = params.embed[tokens.reshape(-1)].astype(jnp.float32)
@@ -456,17 +476,18 @@ def prefill(params: TargetParams, cfg: TargetConfig, cache: TargetCache, tokens:
 
 def verify(params: TargetParams, cfg: TargetConfig, cache: TargetCache, tokens: jax.Array, *,
            capture_layers=(), impl: str = "xla"):
-  """Run tokens [B, w] at positions length.. -> (cache with length += w, logits [B, w, V] f32,
-  features [B, w, F] f32). Roll back to n committed rows with `cache.replace(length=n)`.
-  impl="pallas" sends bf16 GEMMs of <= 64 rows through the Pallas skinny GEMM (params.linear);
-  "xla" keeps XLA's GEMMs."""
-  return _extend(params, cfg, cache, tokens, tokens.shape[1], capture_layers, True, impl)
+  """Run tokens [B, w] at positions length.. -> (cache, logits [B, w, V] f32, features
+  [B, w, F] f32). Nothing is committed: the rows' K/V sit past the length until `commit`
+  keeps some of them. impl="pallas" sends bf16 GEMMs of up to `SKINNY_MAX_M` rows through
+  the Pallas skinny GEMM (params.linear); "xla" keeps XLA's GEMMs."""
+  return _extend(params, cfg, cache, tokens, 0, capture_layers, True, impl)
 
 
-def prefill_bucket(n: int, minimum: int = 16) -> int:
-  """The padded prefill length for n rows: the next power of two >= max(n, minimum), so a
-  prompt compiles prefill once per power of two."""
-  return max(minimum, 1 << max(0, int(n) - 1).bit_length())
+def commit(cache: TargetCache, n_keep: jax.Array) -> TargetCache:
+  """Keep the first n_keep [B] rows of the last verify: length += n_keep. The other rows'
+  K/V stay past the length, never visible (a row at position p sees slots <= p, and the
+  next call rewrites slots from the length on), so nothing is copied."""
+  return cache.replace(length=cache.length + jnp.asarray(n_keep, jnp.int32))
 
 
 _STATIC = ("cfg", "capture_layers", "impl")

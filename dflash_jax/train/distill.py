@@ -26,6 +26,7 @@ def _generate(params: qwen3.TargetParams, cfg: qwen3.TargetConfig, prompts: jax.
   def one(carry, _):
     cache, tok = carry
     cache, logits, _ = qwen3.verify(params, cfg, cache, tok[:, None])
+    cache = qwen3.commit(cache, jnp.ones((b,), jnp.int32))
     nxt = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
     return (cache, nxt), nxt
 

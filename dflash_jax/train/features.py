@@ -42,7 +42,7 @@ def write_feature_shards(folder: str, target: qwen3.TargetParams, tcfg: qwen3.Ta
   naming the shard). Returns the manifest."""
   if dtype not in DTYPES:
     raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-  capture_layers = qwen3.check_capture_layers(tcfg, capture_layers)
+  capture_layers = tcfg.check_capture_layers(capture_layers)
   tokens = np.asarray(tokens, np.int32)
   n, t = tokens.shape
   os.makedirs(folder, exist_ok=True)

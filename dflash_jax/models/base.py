@@ -1,0 +1,89 @@
+"""What the decoding loop needs from a target model: the `Target` protocol.
+
+A target family is one module (`qwen3.py`, ...) whose frozen config dataclass implements this
+protocol: the config is the family's handle. It is hashable, so it rides in the static part
+of a jitted call, and its methods are pure functions of their arguments (params and cache
+are pytrees, donated at the jitted edges). `decode.py` talks to a target through these
+methods only; `sharding.ShardedTarget` wraps any implementation for a mesh.
+
+The cache contract. A cache is a pytree whose committed state is a length per sequence
+(`length [B] int32`: positions 0..length-1 are committed). `prefill` appends committed rows.
+`verify` computes w rows at positions length.. and returns their logits and captured
+features without committing them: the returned cache holds whatever `commit` needs (K/V
+written past the length; for recurrent layers, what restores their state after any row).
+`commit(cache, n_keep)` then keeps the first n_keep[b] rows of that verify per sequence
+(0 <= n_keep <= w): length += n_keep and every recurrent state is the state after row
+n_keep - 1 (unchanged for n_keep = 0). Between a verify and its commit no other call may
+touch the cache.
+
+Feature capture: `capture_layers` are HF `hidden_states` indices (llama.cpp's DFlash
+`target_layers`): i < n_layers is the residual stream entering layer i (0 = what the first
+layer receives), i = n_layers the final-normed state. Rows are the concatenation in
+`capture_layers` order.
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+import jax
+
+
+@runtime_checkable
+class Target(Protocol):
+  """A target family bound to its config. Config facts first, then the cached calls."""
+
+  vocab_size: int
+  hidden_size: int
+  max_position_embeddings: int
+  eos_token_ids: tuple[int, ...]
+
+  @property
+  def n_layers(self) -> int:
+    """Decoder layers: capture indices lie in [0, n_layers]."""
+
+  def check_capture_layers(self, capture_layers: Sequence[int]) -> tuple[int, ...]:
+    """capture_layers as ints in [0, n_layers]; a ValueError naming them otherwise."""
+
+  def init_cache(self, batch: int, capacity: int, dtype: Any = "fp32") -> Any:
+    """An empty cache for `batch` sequences of up to `capacity` positions each."""
+
+  def cache_nbytes(self, batch: int, capacity: int, dtype: Any = "fp32",
+                   verify_width: int = 1) -> int:
+    """Device bytes of `init_cache(batch, capacity, dtype)` plus what a verify of
+    `verify_width` rows adds to it (checked on the host before a run starts)."""
+
+  def prefill(self, params: Any, cache: Any, tokens: jax.Array, n_valid: jax.Array, *,
+              capture_layers: Sequence[int] = (), impl: str = "xla") -> tuple[Any, jax.Array]:
+    """Commit rows 0..n_valid[b]-1 of tokens [B, T] at positions length.. -> (cache,
+    features [B, T, F] float32; rows past n_valid are garbage). T is padded to a bucket
+    (`prefill_bucket`); padding rows never become visible."""
+
+  def verify(self, params: Any, cache: Any, tokens: jax.Array, *,
+             capture_layers: Sequence[int] = (), impl: str = "xla"
+             ) -> tuple[Any, jax.Array, jax.Array]:
+    """Run tokens [B, w] at positions length.. without committing them -> (cache, logits
+    [B, w, V] float32, features [B, w, F] float32)."""
+
+  def commit(self, cache: Any, n_keep: jax.Array) -> Any:
+    """Keep the first n_keep [B] rows of the last verify (see the module docstring)."""
+
+  def forward(self, params: Any, tokens: jax.Array, *, capture_layers: Sequence[int] = (),
+              with_logits: bool = True) -> tuple[jax.Array | None, jax.Array]:
+    """Uncached causal forward of tokens [B, T] at positions 0..T-1 -> (logits [B, T, V]
+    or None, features [B, T, F]); differentiable (training, teacher forcing)."""
+
+
+def prefill_bucket(n: int, minimum: int = 16) -> int:
+  """The padded prefill length for n rows: the next power of two >= max(n, minimum), so a
+  prompt compiles prefill once per power of two."""
+  return max(minimum, 1 << max(0, int(n) - 1).bit_length())
+
+
+def check_capture_layers(n_layers: int, capture_layers: Sequence[int]) -> tuple[int, ...]:
+  """The shared check of `Target.check_capture_layers`."""
+  out = tuple(int(i) for i in capture_layers)
+  bad = [i for i in out if not 0 <= i <= n_layers]
+  if bad:
+    raise ValueError(f"capture_layers {bad} outside [0, {n_layers}] (HF hidden_states indices "
+                     f"of a {n_layers}-layer target)")
+  return out
