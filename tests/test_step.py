@@ -95,7 +95,7 @@ def test_pallas_and_xla_paths_agree():
   chex.assert_trees_all_close(np.asarray(a.step(5, 45)), np.asarray(b.step(5, 45)), **BF16_TOL)
 
 
-def check_draft_round_equals_inject_then_step(cfg, w, dtype, n_prefill):
+def check_draft_round_equals_inject_then_step(cfg, w, dtype, n_prefill, exact_ring=True):
   params = dfj.prepare_weights(cfg, w, dtype)
   ring = dfj.init_ring(cfg, ring_dtype=dtype)
   feats = jnp.asarray(dfj.synthetic_features(cfg, n_prefill, seed=3))
@@ -109,8 +109,14 @@ def check_draft_round_equals_inject_then_step(cfg, w, dtype, n_prefill):
   positions = n_prefill + jnp.arange(cfg.block_size, dtype=jnp.int32)
   ring_b = S.inject_jit(params, ring_copy, dfj.encode(params, new), positions, n_new)
   logits_b = S.block_step_jit(params, ring_b, id_last, n_past)
-  chex.assert_trees_all_equal(jax.tree.map(np.asarray, ring_a), jax.tree.map(np.asarray, ring_b))
   # Two XLA modules (one fused round, two separate calls) may fuse and autotune differently.
+  # The GPU runs the inject kernel in both and stores the same K/V bitwise; XLA's CPU code for
+  # the jnp twin differs by an ulp between the two modules on some CPUs (AVX-512).
+  rings = jax.tree.map(np.asarray, ring_a), jax.tree.map(np.asarray, ring_b)
+  if exact_ring:
+    chex.assert_trees_all_equal(*rings)
+  else:
+    chex.assert_trees_all_close(*rings, atol=1e-6, rtol=1e-6)
   chex.assert_trees_all_close(np.asarray(logits), np.asarray(logits_b), atol=1e-6, rtol=1e-6)
   np.testing.assert_array_equal(np.asarray(drafts), np.asarray(S.greedy_drafts(logits_b)))
   # Injecting only the n_new rows runs the projections as GEMMs of another row count, whose
@@ -131,7 +137,7 @@ def check_draft_round_equals_inject_then_step(cfg, w, dtype, n_prefill):
 
 
 def test_draft_round_equals_inject_then_step():
-  check_draft_round_equals_inject_then_step(CFG, _weights(), "fp32", 20)
+  check_draft_round_equals_inject_then_step(CFG, _weights(), "fp32", 20, exact_ring=False)
 
 
 def check_replay_bitwise(m, id_last, n_past, replays=100):
