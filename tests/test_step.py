@@ -117,7 +117,8 @@ def check_draft_round_equals_inject_then_step(cfg, w, dtype, n_prefill, exact_ri
     chex.assert_trees_all_equal(*rings)
   else:
     chex.assert_trees_all_close(*rings, atol=1e-6, rtol=1e-6)
-  chex.assert_trees_all_close(np.asarray(logits), np.asarray(logits_b), atol=1e-6, rtol=1e-6)
+  tol = 1e-6 if exact_ring else 2e-5   # an ulp of stored K/V moves logits of ~8 by ~1e-6
+  chex.assert_trees_all_close(np.asarray(logits), np.asarray(logits_b), atol=tol, rtol=tol)
   np.testing.assert_array_equal(np.asarray(drafts), np.asarray(S.greedy_drafts(logits_b)))
   # Injecting only the n_new rows runs the projections as GEMMs of another row count, whose
   # summation order a GPU may pick differently (H200: one of 10.5M stored bf16 K values one
