@@ -447,7 +447,11 @@ class DFlashRef:
                  base=base, conf=conf)
 
   def drafts(self, logits: np.ndarray) -> np.ndarray:
-    """Greedy drafts int32 [w-1] from rows 1.. (row 0 unused); ties to the lowest id."""
+    """DFlash's greedy drafts int32 [w-1] from rows 1.. (row 0 unused); ties to the lowest id.
+    DFlash2 and DSpark drafts are not per-row argmaxes: `draft` gives them."""
+    if self.cfg.family != "dflash":
+      raise ValueError(f"drafts(logits) is DFlash's rule; a {self.cfg.family!r} drafter's drafts "
+                       f"come from draft(id_last, n_past, ...)")
     logits = np.asarray(logits)
     if logits.ndim != 2 or logits.shape[1] != self.n_vocab:
       raise ValueError(f"logits must be [w, {self.n_vocab}], got shape {logits.shape}")

@@ -497,6 +497,13 @@ def test_trivial_dflash2_is_dflash_bitwise(kinds, dtype):
                                   b.drafts(b.step(ID_LAST, 20, width)))
 
 
+def test_per_row_argmax_drafts_are_dflash_only():
+  cfg = dflash2_cfg()
+  ref = DFlashRef(cfg, synthetic_drafter(cfg, n_vocab=N_VOCAB))
+  with pytest.raises(ValueError, match="'dflash2' drafter's drafts come from draft"):
+    ref.drafts(ref.step(ID_LAST, 0))
+
+
 def test_dflash_draft_is_the_argmax_of_rows_after_the_first():
   w = synthetic_drafter(TINY_CONFIG, seed=10, n_vocab=N_VOCAB)
   ref = prefilled(TINY_CONFIG, w)
