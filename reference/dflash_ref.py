@@ -228,9 +228,7 @@ class DFlashRef:
 
   def _linear(self, x: np.ndarray, name: str) -> np.ndarray:
     """x @ W^T with W in (out, in) layout; a bf16 GEMM sees its input rounded to bf16."""
-    if self.dtype == "bf16":
-      x = round_bf16(x)
-    return np.asarray(x, _F32) @ self.w[name].T
+    return self._gemm_in(x) @ self.w[name].T
 
   def _gemm_in(self, x: np.ndarray) -> np.ndarray:
     """What a GEMM of this precision reads of its input x."""
