@@ -17,7 +17,7 @@ Sections (each printed as it finishes, all written to DIR/batch.json and batch.m
 - memory: ring bytes per slot (from the config), then 64 slots of a 2048 window allocated on
   the device beside the bf16 weights, with one round over all 64 slots.
 - crossover: the skinny GEMM vs XLA's GEMM for each bf16 matrix of a seed round at M = 64 ..
-  512 rows; prints the row count to set `dflash_jax.params.SKINNY_MAX_M` to.
+  512 rows; prints the row count to set `dflash_jax.dispatch.SKINNY_MAX_M` to.
 - batched_ab, fp8_ab, norm_ab, attn_ab, mgpu_attn_ab: rounds under two or more routings,
   interleaved in one process, at 32-128 rows (bf16 weights; `--ab-points` takes fp8 points
   too; `ab_settings` says what each compares): the batched GEMM on vs off (where
@@ -46,9 +46,9 @@ import numpy as np
 
 import dflash_jax as dfj
 from benchmarks import common as C
-from dflash_jax import params as P
-from dflash_jax import step as S
-from dflash_jax.params import SKINNY_MAX_M, gemm_knobs, linear
+from dflash_jax import dispatch as P
+from dflash_jax.drafter import step as S
+from dflash_jax.dispatch import SKINNY_MAX_M, gemm_knobs, linear
 from pallas_kernels import batched_gemm as BG
 from pallas_kernels import ring_attention as A
 from pallas_kernels import ring_attention_mgpu as AM

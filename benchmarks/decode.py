@@ -48,7 +48,7 @@ from jax import lax
 import dflash_jax as dfj
 from benchmarks import common as C
 from dflash_jax import decode as D
-from dflash_jax import step as S
+from dflash_jax.drafter import step as S
 from dflash_jax.models import qwen3 as Q
 
 QWEN3_8B_TARGET = Q.TargetConfig(

@@ -25,7 +25,7 @@ import numpy as np
 
 import dflash_jax as dfj
 from benchmarks import common as C
-from dflash_jax import step as S
+from dflash_jax.drafter import step as S
 
 # The fused (non-GEMM) Pallas kernels; the Pallas skinny GEMM counts as a GEMM (common.GEMM_RE).
 PALLAS = {"inject": "inject", "qk_norm_rope": "norm_rope", "ring_attn": "attention",

@@ -401,7 +401,7 @@ def sweep_batched_gemm(rows: tuple[int, ...], fmts: tuple[str, ...],
   XLA, with the residual; qkv's left to its consumer), next to the path outside the kernel in
   one jit: XLA's dot + the same epilogue for bf16, the skinny GEMM for fp8 (err: max
   |kernel - twin|)."""
-  from dflash_jax.params import gemm_knobs
+  from dflash_jax.dispatch import gemm_knobs
   from pallas_kernels import batched_gemm as BG
   shapes = {"qkv": (6144, 6656, "none"), "o": (6656, 4096, "residual"),
             "gate_up": (19968, 6656, "gate_up"), "down": (6656, 19968, "residual"),
@@ -466,7 +466,7 @@ def sweep_norm(rows: tuple[int, ...]) -> list[dict]:
   """The RMS norm in front of a bf16 GEMM at the seed's n_embd: XLA's fusion (the step's
   `params.rms_norm` + the bf16 rounding) next to pallas_kernels.rms_norm's rows x num_warps
   (err: max |kernel - XLA|)."""
-  from dflash_jax.params import rms_norm as xla_norm
+  from dflash_jax.dispatch import rms_norm as xla_norm
   from pallas_kernels import rms_norm as RN
   k, eps, out = dfj.SEED_CONFIG.n_embd, dfj.SEED_CONFIG.eps, []
   key = iter(jax.random.split(jax.random.key(9), 16))

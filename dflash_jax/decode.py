@@ -39,9 +39,10 @@ import numpy as np
 from jax import lax
 
 from dflash_jax import sampling as SP
-from dflash_jax import sharding, step
+from dflash_jax import sharding
+from dflash_jax.drafter import step
+from dflash_jax.drafter.weights import DrafterParams
 from dflash_jax.models import qwen3
-from dflash_jax.params import DrafterParams
 from dflash_jax.sampling import Sampling
 
 

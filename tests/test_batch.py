@@ -11,7 +11,7 @@ import pytest
 
 import dflash_jax as dfj
 from benchmarks.common import count_compiles, random_params
-from dflash_jax import step as S
+from dflash_jax.drafter import step as S
 from reference import DFlashRef
 from test_step import (BF16_TOL, CFG, FP32_TOL, VOCAB, _assert_drafts_match, _pallas_calls,
                        _weights)
@@ -181,7 +181,7 @@ def test_one_launch_per_kernel_for_all_slots(dtype):
   all S x w rows in one launch and each per-sequence kernel runs once with the slot as a grid
   axis (no loop over slots). Past SKINNY_MAX_M rows the bf16 GEMMs move to XLA's GEMM; fp8
   weights stay on the skinny kernel at any row count where there is no batched GEMM (a CPU)."""
-  from dflash_jax.params import SKINNY_MAX_M
+  from dflash_jax.dispatch import SKINNY_MAX_M
   mixed = dataclasses.replace(CFG, layer_types=(SLIDE, FULL))
   params = dfj.prepare_weights(mixed, _weights(mixed), dtype)
   one = dfj.init_ring(mixed, capacity=64)

@@ -39,7 +39,7 @@ def test_benchmark_smoke_run(tmp_path):
 def test_batch_benchmark_smoke_run(tmp_path):
   """benchmarks.batch at tiny dims: every section runs and records what the GPU run reports."""
   from benchmarks import batch
-  from dflash_jax import params as P
+  from dflash_jax import dispatch as P
   routing = dict(P.BATCHED_ROWS)
   assert batch.main(["--smoke", "--out", str(tmp_path)]) == 0
   assert P.BATCHED_ROWS == routing   # the A/B section puts the default back

@@ -1,6 +1,6 @@
 """pallas_kernels.batched_gemm: the Mosaic GPU batched-row GEMM against a float64 numpy oracle
 (GPU), its twin against the same oracle, its validation and tile rules (CPU), and the routing
-in dflash_jax.params.linear.
+in dflash_jax.dispatch.linear.
 
 The kernel has no interpreter, so its numerics are GPU tests. Outputs are fresh buffers that
 the kernel must write in full: every element is compared with the oracle, and an unwritten
@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from dflash_jax import params as P
+from dflash_jax import dispatch as P
 from dflash_jax.quant import quantize_fp8, quantize_q8_0
 from pallas_kernels._common import hopper_available
 from pallas_kernels import batched_gemm as BG

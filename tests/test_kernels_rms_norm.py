@@ -78,7 +78,7 @@ def test_gemm_input_norm_routes_with_the_batched_gemm(monkeypatch):
   """params.gemm_input_norm: the Pallas norm (bf16 out, interpret mode here) exactly where the
   batched GEMM would run the consuming product, XLA's float32 norm elsewhere or with
   NORM_KERNEL off; both round to the same bf16 GEMM input up to one rounding step."""
-  from dflash_jax import params as P
+  from dflash_jax import dispatch as P
   k, n = 256, 128
   rng = np.random.default_rng(3)
   w = jnp.asarray(rng.standard_normal((n, k)), jnp.bfloat16)

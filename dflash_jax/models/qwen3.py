@@ -18,7 +18,7 @@ HF `hidden_states` index: i < n_layers is the residual stream entering layer i (
 embeddings); i = n_layers is HF's last hidden state, after the final norm. A drafter's
 `cfg.target_layers` is passed as is; rows are the concatenation in `capture_layers` order.
 
-Layout: matrices stay HF's (out, in) and every product is `dflash_jax.params.linear`
+Layout: matrices stay HF's (out, in) and every product is `dflash_jax.dispatch.linear`
 (y = x @ W^T; bf16 weights take bf16-rounded activations with float32 accumulation; fp32 is
 full precision). q/k/v are one `[(Hq + 2 Hkv) D, E]` matrix and gate/up one `[2 F, E]`, so a
 layer is four GEMMs. All other arithmetic is float32. The layers are a tuple (one pytree per
@@ -42,7 +42,7 @@ from jax import lax
 from dflash_jax import atomic, safetensors_io
 from dflash_jax.config import rope_inv_freq
 from dflash_jax.models import base
-from dflash_jax.params import linear, resolve_dtype, rms_norm
+from dflash_jax.dispatch import linear, resolve_dtype, rms_norm
 
 MODEL_TYPES = {"qwen3": True, "llama": False}   # HF model_type -> per-head q/k norm
 _ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
@@ -479,7 +479,7 @@ def verify(params: TargetParams, cfg: TargetConfig, cache: TargetCache, tokens: 
   """Run tokens [B, w] at positions length.. -> (cache, logits [B, w, V] f32, features
   [B, w, F] f32). Nothing is committed: the rows' K/V sit past the length until `commit`
   keeps some of them. impl="pallas" sends bf16 GEMMs of up to `SKINNY_MAX_M` rows through
-  the Pallas skinny GEMM (params.linear); "xla" keeps XLA's GEMMs."""
+  the Pallas skinny GEMM (dispatch.linear); "xla" keeps XLA's GEMMs."""
   return _extend(params, cfg, cache, tokens, 0, capture_layers, True, impl)
 
 

@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax import step as S
 from dflash_jax.config import FULL, DFlashConfig
-from dflash_jax.params import prepare_weights
+from dflash_jax.drafter import step as S
+from dflash_jax.drafter.weights import prepare_weights
 from pallas_kernels import limits
 
 _INT32_MAX = np.iinfo(np.int32).max

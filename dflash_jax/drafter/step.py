@@ -27,7 +27,8 @@ import numpy as np
 from jax import lax
 
 from dflash_jax.config import FULL, SLIDING, DFlashConfig
-from dflash_jax.params import DrafterParams, gemm_input_norm, linear, resolve_dtype, rms_norm
+from dflash_jax.dispatch import gemm_input_norm, linear, resolve_dtype, rms_norm
+from dflash_jax.drafter.weights import DrafterParams
 from pallas_kernels import accept as accept_k
 from pallas_kernels import inject as inject_k
 from pallas_kernels import norm_rope as norm_rope_k
