@@ -40,6 +40,8 @@ class DFlashConfig:
   window: int | None = None
   layer_types: tuple[str, ...] | None = None
   context_length: int | None = None
+  # The drafter family whose block step runs this config (`dflash_jax.drafter.step.FAMILIES`).
+  family: str = "dflash"
 
   def __post_init__(self):
     problems = []

@@ -10,8 +10,8 @@ import numpy as np
 
 from dflash_jax import quant
 from dflash_jax.config import DFlashConfig, drafter_tensor_shapes, rope_inv_freq
-from dflash_jax.dispatch import (QuantWeight, Reduced, matrix_format, resolve_dtype,
-                                 resolve_weight_format)
+from dflash_jax.dispatch import (KernelPolicy, QuantWeight, Reduced, matrix_format,
+                                 resolve_dtype, resolve_weight_format)
 from pallas_kernels import skinny_gemm
 
 
@@ -38,10 +38,12 @@ class InjectParams:
 
 @flax.struct.dataclass
 class DrafterParams:
-  """All device weights of a drafter plus its static config.
+  """All device weights of a drafter plus its static config and kernel policy.
 
   Matrices keep the GGUF (out, in) layout: `y = x @ W^T`. Weights are per layer (a tuple,
   not a stacked array): slicing a layer-stacked array inside the step makes XLA copy it.
+  `policy` routes the step's kernels (`dflash_jax.dispatch.KernelPolicy`); static, so every
+  jitted entry point compiles once per policy.
   """
   fc: jax.Array            # [n_embd, n_target_layers n_embd]
   enc_norm: jax.Array      # [n_embd] f32
@@ -52,6 +54,7 @@ class DrafterParams:
   lm_head: jax.Array       # [n_vocab, n_embd], or [n_draft_vocab, n_embd] (a reduced draft vocab)
   layers: tuple[LayerParams, ...]
   cfg: DFlashConfig = flax.struct.field(pytree_node=False)
+  policy: KernelPolicy = flax.struct.field(pytree_node=False, default=KernelPolicy())
 
   @property
   def n_vocab(self) -> int:
@@ -92,8 +95,8 @@ def validate_weights(cfg: DFlashConfig, w: dict[str, np.ndarray]) -> int:
 
 
 def prepare_weights(cfg: DFlashConfig, w: dict[str, np.ndarray], dtype: Any = "fp32",
-                    q8_0_blocks: dict[str, tuple[np.ndarray, np.ndarray]] | None = None
-                    ) -> DrafterParams:
+                    q8_0_blocks: dict[str, tuple[np.ndarray, np.ndarray]] | None = None,
+                    policy: KernelPolicy = KernelPolicy()) -> DrafterParams:
   """Host float32 weights -> device DrafterParams with matrices in `dtype`.
 
   dtype: 'fp32' or 'bf16' (dense), 'fp8' (quantized at load, per-row power-of-two scales) or
@@ -101,7 +104,10 @@ def prepare_weights(cfg: DFlashConfig, w: dict[str, np.ndarray], dtype: Any = "f
   GGUF, taken as stored; other tensors are quantized here). Norm weights and the rope table
   stay float32; the token embedding (a gather, not a GEMM) is bf16 for the 1-byte formats.
   q/k/v and gate/up are concatenated so each pair of GEMMs sharing an input is one GEMM.
+  policy: the kernel routing the step runs with (default: the shipped one).
   """
+  if not isinstance(policy, KernelPolicy):
+    raise ValueError(f"policy must be a dflash_jax.dispatch.KernelPolicy, got {policy!r}")
   validate_weights(cfg, w)
   fmt = resolve_weight_format(dtype)
   if q8_0_blocks and fmt != "q8_0":
@@ -155,6 +161,6 @@ def prepare_weights(cfg: DFlashConfig, w: dict[str, np.ndarray], dtype: Any = "f
       inv_freq=jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta)),
       tok_embd=jnp.asarray(np.asarray(w["tok_embd"], np.float32) if embd_dtype == jnp.float32
                            else quant.to_bf16(w["tok_embd"])),
-      lm_head=mat("lm_head"), layers=tuple(layers), cfg=cfg)
+      lm_head=mat("lm_head"), layers=tuple(layers), cfg=cfg, policy=policy)
 
 
