@@ -154,13 +154,16 @@ def test_fp8_round_trip_error_bound():
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "q8_0", "bf16"])
-def test_quantizers_in_row_blocks_equal_one_block(fmt, monkeypatch):
-  """Big matrices are converted in blocks of rows on threads: the same bytes as one block
-  (blocks of 3 rows here, uneven at the end; bf16 over two parts written as one matrix), q8_0
-  still gguf's own bytes."""
+def test_quantizers_in_row_blocks_equal_one_block(fmt):
+  """Big matrices are converted in blocks of rows on threads: the same bytes as one block (the
+  row conversion on the whole matrix; rows long enough that a block holds 14 of the 16, so the
+  last block is uneven; bf16 over two parts written as one matrix), q8_0 still gguf's own
+  bytes."""
   from dflash_jax import quant
   rng = np.random.default_rng(4)
-  w = random_weights(rng, 16, 256)
+  k = (quant._BLOCK_VALUES // 15 // 32 + 1) * 32          # 15 rows are over one block
+  assert quant._BLOCK_VALUES // k == 14
+  w = random_weights(rng, 16, k)
   w[5] = 0.0
   if fmt == "bf16":
     def fn(a):
@@ -168,16 +171,15 @@ def test_quantizers_in_row_blocks_equal_one_block(fmt, monkeypatch):
     whole = (w.astype(ml_dtypes.bfloat16),)
   else:
     fn = quant.quantize_fp8 if fmt == "fp8" else quant.quantize_q8_0
-    whole = fn(w)
-  monkeypatch.setattr(quant, "_BLOCK_VALUES", 3 * 256)
+    whole = (quant._fp8_rows if fmt == "fp8" else quant._q8_0_rows)(w)
   blocked = fn(w)
   for a, b in zip(whole, blocked, strict=True):
     assert a.dtype == b.dtype and a.shape == b.shape
     np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
   if fmt == "q8_0":
-    packed = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0).reshape(16, 8, 34)
-    np.testing.assert_array_equal(blocked[0], packed[..., 2:].copy().view(np.int8).reshape(16, 256))
-    w[14, :32] = 70000.0 * 127                             # d overflows float16, in the last block
+    packed = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0).reshape(16, k // 32, 34)
+    np.testing.assert_array_equal(blocked[0], packed[..., 2:].copy().view(np.int8).reshape(16, k))
+    w[15, :32] = 70000.0 * 127                             # d overflows float16, in the last block
     with pytest.raises(ValueError, match="must fit float16"):
       fn(w)
 
