@@ -368,3 +368,65 @@ def test_pieces_compose_as_a_new_family_would(impl):
                                 np.asarray(S.block_step(params, ring, id_last, n_past, impl=impl)))
   drafts = fam.readout(logits, h)
   np.testing.assert_array_equal(np.asarray(drafts), np.asarray(S.greedy_drafts(logits)))
+
+
+# ---------------------------------------------------------------------------- import layers
+# Lower layers never import higher ones (function-level imports included): the kernels, then
+# config / quant / io / dispatch, then the drafter, the targets and the random weights, then
+# decoding and sharding, then training, the CLI and the package's facade.
+LAYERS = (("pallas_kernels", 0),
+          ("dflash_jax.config", 1), ("dflash_jax.quant", 1), ("dflash_jax.dispatch", 1),
+          ("dflash_jax.atomic", 1), ("dflash_jax.io", 1), ("dflash_jax.gguf_guard", 1),
+          ("dflash_jax.gguf_io", 1), ("dflash_jax.hf_io", 1), ("dflash_jax.safetensors_io", 1),
+          ("dflash_jax.synthetic", 2), ("dflash_jax.drafter", 2), ("dflash_jax.models", 2),
+          ("dflash_jax.decode", 3), ("dflash_jax.sharding", 3), ("dflash_jax.sampling", 3),
+          ("dflash_jax.train", 4), ("dflash_jax.cli", 4), ("dflash_jax.__main__", 4),
+          ("dflash_jax", 4))
+
+
+def _layer(module: str) -> int | None:
+  """The layer of a library module (the longest matching prefix), None outside the library;
+  a library module the table does not place is an error (place it when adding it)."""
+  best = None
+  for prefix, layer in LAYERS:
+    if module == prefix or module.startswith(prefix + "."):
+      if best is None or len(prefix) > len(best[0]):
+        best = (prefix, layer)
+  if best is None and module.split(".")[0] in LIBRARY:
+    raise AssertionError(f"{module} is in no layer of tests/test_policy.py's LAYERS")
+  return None if best is None else best[1]
+
+
+def _imported_modules(path: str, module: str) -> list[tuple[int, str]]:
+  import importlib.util
+  out = []
+  for node in ast.walk(ast.parse(open(path).read(), path)):
+    if isinstance(node, ast.Import):
+      out += [(node.lineno, a.name) for a in node.names]
+    elif isinstance(node, ast.ImportFrom):
+      base = node.module or ""
+      if node.level:   # relative: resolved against the importing module's package
+        pkg = module.rsplit(".", node.level)[0]
+        base = f"{pkg}.{base}" if base else pkg
+      for a in node.names:
+        sub = f"{base}.{a.name}"
+        is_module = (sub.split(".")[0] in LIBRARY and os.path.exists(
+            os.path.join(ROOT, *sub.split(".")) + ".py") or os.path.isdir(
+            os.path.join(ROOT, *sub.split("."))))
+        out.append((node.lineno, sub if is_module else base))
+  return out
+
+
+def test_no_library_module_imports_a_higher_layer():
+  bad = []
+  for path in _python_files():
+    rel = os.path.relpath(path, ROOT)
+    if rel.split(os.sep)[0] not in LIBRARY:
+      continue
+    module = rel[:-3].replace(os.sep, ".").removesuffix(".__init__")
+    own = _layer(module)
+    for line, imported in _imported_modules(path, module):
+      layer = _layer(imported)
+      if layer is not None and layer > own:
+        bad.append(f"{rel}:{line}: {module} (layer {own}) imports {imported} (layer {layer})")
+  assert not bad, "\n".join(bad)
