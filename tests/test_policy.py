@@ -398,7 +398,6 @@ def _layer(module: str) -> int | None:
 
 
 def _imported_modules(path: str, module: str) -> list[tuple[int, str]]:
-  import importlib.util
   out = []
   for node in ast.walk(ast.parse(open(path).read(), path)):
     if isinstance(node, ast.Import):
