@@ -49,7 +49,7 @@ import dflash_jax as dfj
 from benchmarks import common as C
 from benchmarks.oracle import Oracle
 from dflash_jax import decode as D
-from dflash_jax import step as S
+from dflash_jax.drafter import step as S
 from dflash_jax.models import qwen3 as Q
 
 QWEN3_8B_TARGET = Q.TargetConfig(

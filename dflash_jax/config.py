@@ -172,6 +172,7 @@ class DFlashConfig:
   window: int | None = None
   layer_types: tuple[str, ...] | None = None
   context_length: int | None = None
+  # The drafter family whose block step runs this config (`dflash_jax.drafter.step.FAMILIES`).
   family: str = "dflash"
   family_fields: DFlash2Fields | DSparkFields | None = None
 

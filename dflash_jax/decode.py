@@ -44,9 +44,9 @@ import numpy as np
 from jax import lax
 
 from dflash_jax import sampling as SP
-from dflash_jax import step
+from dflash_jax.drafter import step
+from dflash_jax.drafter.weights import DrafterParams
 from dflash_jax.models.base import Target, prefill_bucket
-from dflash_jax.params import DrafterParams
 from dflash_jax.sampling import Sampling
 
 

@@ -41,10 +41,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from dflash_jax import step
 from dflash_jax.config import DFlashConfig
+from dflash_jax.dispatch import QuantWeight, Reduced
+from dflash_jax.drafter import step
+from dflash_jax.drafter.weights import DrafterParams, InjectParams, LayerParams
 from dflash_jax.models import qwen3
-from dflash_jax.params import DrafterParams, InjectParams, LayerParams, QuantWeight, Reduced
 
 DP, TP = "dp", "tp"
 

@@ -18,7 +18,7 @@ import dflash_jax as dfj
 import tiny_models as TM
 from dflash_jax import decode as D
 from dflash_jax import sharding as SH
-from dflash_jax import step as S
+from dflash_jax.drafter import step as S
 from dflash_jax.config import FULL, SLIDING
 from dflash_jax.models import qwen3 as Q
 from test_step import BF16_TOL, FP32_TOL, _assert_drafts_match

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from dflash_jax import decode as D
-from dflash_jax import step as S
+from dflash_jax.drafter import step as S
 from dflash_jax.models import qwen3 as Q
 import tiny_models as TM
 from benchmarks.oracle import Oracle

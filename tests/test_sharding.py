@@ -21,7 +21,7 @@ import pytest
 
 import dflash_jax as dfj
 from dflash_jax import sharding as SH
-from dflash_jax import step as S
+from dflash_jax.drafter import step as S
 from dflash_jax.config import FULL, SLIDING
 from dflash_jax.models import qwen3 as Q
 

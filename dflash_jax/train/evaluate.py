@@ -18,7 +18,7 @@ import numpy as np
 
 from dflash_jax import decode
 from dflash_jax.models import qwen3
-from dflash_jax.params import DrafterParams
+from dflash_jax.drafter.weights import DrafterParams
 
 
 @dataclasses.dataclass
