@@ -261,7 +261,7 @@ class TargetParams:
     return self.embed if self.lm_head is None else self.lm_head
 
 
-def _normals(key: jax.Array, shapes: dict[str, tuple[int, ...]], dtype) -> dict[str, jax.Array]:
+def normals(key: jax.Array, shapes: dict[str, tuple[int, ...]], dtype) -> dict[str, jax.Array]:
   """N(0, 1) arrays of the given shapes from ONE random draw (one threefry in the program:
   each separate draw would add its own, and their compile time dominates on CPU)."""
   sizes = [math.prod(s) for s in shapes.values()]
@@ -275,7 +275,7 @@ def _normals(key: jax.Array, shapes: dict[str, tuple[int, ...]], dtype) -> dict[
 def _init_layer(cfg: TargetConfig, key: jax.Array, dtype) -> TargetLayer:
   e, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
   branch = 1.0 / math.sqrt(2.0 * cfg.num_hidden_layers)
-  mats = _normals(key, {"wqkv": (cfg.q_dim + 2 * cfg.kv_dim, e), "wo": (e, cfg.q_dim),
+  mats = normals(key, {"wqkv": (cfg.q_dim + 2 * cfg.kv_dim, e), "wo": (e, cfg.q_dim),
                         "wgu": (2 * f, e), "wd": (e, f), "norms": (2 * e + 2 * d,)}, dtype)
   scale = {"wqkv": 1.0, "wo": branch, "wgu": 1.0, "wd": branch}
   m = {k: (mats[k] * (scale[k] / math.sqrt(mats[k].shape[1]))).astype(dtype) for k in scale}
@@ -293,7 +293,7 @@ def _init_outer(cfg: TargetConfig, key: jax.Array, dtype):
   shapes = {"embed": (v, e), "norm": (e,)}
   if not cfg.tie_word_embeddings:
     shapes["head"] = (v, e)
-  r = _normals(key, shapes, dtype)
+  r = normals(key, shapes, dtype)
   head = None if cfg.tie_word_embeddings else (r["head"] * (1 / math.sqrt(e))).astype(dtype)
   return r["embed"], 1.0 + 0.1 * r["norm"].astype(jnp.float32), head
 
@@ -314,7 +314,7 @@ def init_params(cfg: TargetConfig, key: jax.Array, dtype: Any = jnp.float32) -> 
 
 # --- the layer (shared by every path) --------------------------------------------------------
 
-def _rope(x: jax.Array, positions: jax.Array, freqs: jax.Array) -> jax.Array:
+def rope(x: jax.Array, positions: jax.Array, freqs: jax.Array) -> jax.Array:
   """NEOX rope of x [B, T, H, D] at positions [B, T]: angle = float32(pos) * inv_freq."""
   angle = positions.astype(jnp.float32)[:, :, None, None] * freqs
   cos, sin = jnp.cos(angle), jnp.sin(angle)
@@ -356,7 +356,7 @@ def attention_block(cfg, lp, x: jax.Array, positions: jax.Array, freqs: jax.Arra
   v = qkv[:, cfg.q_dim + cfg.kv_dim:].reshape(b, t, cfg.num_key_value_heads, d)
   if cfg.qk_norm:
     q, k = rms_norm(q, lp.q_norm, eps), rms_norm(k, lp.k_norm, eps)
-  q, k = _rope(q, positions, freqs), _rope(k, positions, freqs)
+  q, k = rope(q, positions, freqs), rope(k, positions, freqs)
   o, kept = attend(q, k, v)
   return x + linear(o.reshape(b * t, cfg.q_dim), lp.wo, impl=impl), kept
 
