@@ -141,7 +141,11 @@ def check_models(models: Models, dcfg: DecodeConfig) -> None:
   if d.n_vocab != tc.vocab_size:
     raise ValueError(f"drafter tok_embd has {d.n_vocab} rows; the target vocab is "
                      f"{tc.vocab_size} (the drafter embeds target ids)")
-  qwen3.check_capture_layers(tc, c.target_layers)
+  try:
+    tc.check_capture_layers(c.target_layers)
+  except ValueError as e:
+    raise ValueError(f"drafter target_layers {c.target_layers} (HF target_layer_ids + 1) do "
+                     f"not fit the target: {e}") from None
   n_head = int(d.lm_head.shape[0])
   if models.d2t is None:
     if n_head != tc.vocab_size:
