@@ -59,3 +59,34 @@ def load(family, folder, dtype=None):
   t = safetensors_io.read_tensors(folder, names=list(shapes))
   t = {n: jax.device_put(a) for n, a in t.items()}   # device arrays, stored dtype
   return cfg, family.params_from_hf(cfg, t, dtype or "fp32")
+
+
+def bf16_cached_vs_reference(family, ref_hidden_states, cfg, centered, *, seed: int,
+                             n_tokens: int, n_prefill: int, width: int, impl: str):
+  """A random checkpoint stored bf16 and loaded as bf16 device params; one sequence of
+  n_tokens prefilled (n_prefill rows) then verified `width` rows at a time (each committed
+  whole, with impl's kernels) against the float64 reference on the same bf16 tensors.
+  Returns (max |logit error| / std of the reference logits, the reference logits, the
+  device logits)."""
+  import ml_dtypes
+  import jax.numpy as jnp
+  t = random_tensors(family.hf_tensor_shapes(cfg), seed, centered)
+  t16 = {n: a.astype(ml_dtypes.bfloat16) for n, a in t.items()}
+  params = family.params_from_hf(cfg, {n: jax.device_put(a) for n, a in t16.items()}, "bf16")
+  del t
+  tokens = np.random.default_rng(seed + 1).integers(0, cfg.vocab_size, n_tokens).astype(np.int32)
+  _, ref = ref_hidden_states(cfg.to_hf(), {n: a.astype(np.float32) for n, a in t16.items()},
+                             tokens)
+  cache = cfg.init_cache(1, n_tokens + width, "bf16")
+  cache, _ = cfg.prefill(params, cache, jnp.asarray(tokens[None, :n_prefill]),
+                         jnp.int32(n_prefill), impl=impl)
+  out = []
+  verify = jax.jit(lambda p, c, x: cfg.verify(p, c, x, impl=impl))
+  commit = jax.jit(cfg.commit)
+  for at in range(n_prefill, n_tokens - width + 1, width):
+    cache, logits, _ = verify(params, cache, jnp.asarray(tokens[None, at:at + width]))
+    cache = commit(cache, jnp.full((1,), width, jnp.int32))
+    out.append(np.asarray(logits[0]))
+  got = np.concatenate(out)
+  want = ref[n_prefill:n_prefill + len(got)]
+  return float(np.abs(got - want).max() / want.std()), want, got
