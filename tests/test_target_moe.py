@@ -3,7 +3,6 @@ semantics note (reference/targets/qwen3_moe.py), read from random checkpoints wi
 published tensor names (experts one by one); its cached path against one pass; decode and
 verify read only the experts their rows route to."""
 import dataclasses
-import json
 
 import jax
 import jax.numpy as jnp
