@@ -278,14 +278,15 @@ def round_section(su, res, models, reduced, prompt, oracle, w16, kw, impl, skinn
 
 
 def oracle_run(su, models, prompt, oracle, g0, base_tps, k, impl, kw,
-               max_refine: int = 12) -> dict:
+               max_refine: int = 12, target_impl: str = "xla", keep_tokens: bool = False) -> dict:
   """Section 4 for one k: a warm-up run compiles (same shapes), then timed runs. The first
   oracle is target-only greedy output; a bf16 verify of k + 1 rows can break a near tie
   differently from a 1-row decode, after which that oracle is wrong for the rest of the run.
   So the oracle is refined to a fixed point: each run's committed tokens become the next
   run's oracle (the agreeing prefix grows by at least one round per run) until a run commits
-  exactly its oracle, i.e. every draft of every round was accepted. The last run is reported."""
-  dcfg = D.DecodeConfig(width=k + 1, impl=impl, proposer=Oracle())
+  exactly its oracle, i.e. every draft of every round was accepted. The last run is reported
+  (with keep_tokens, its tokens too, as "_tokens")."""
+  dcfg = D.DecodeConfig(width=k + 1, impl=impl, target_impl=target_impl, proposer=Oracle())
   length = len(oracle[0]) + k + 1
   t0 = time.perf_counter()
   D.generate(models, dcfg, [prompt], 4, proposer_state=Oracle.state(oracle, length),
@@ -301,7 +302,8 @@ def oracle_run(su, models, prompt, oracle, g0, base_tps, k, impl, kw,
     oracle = [prompt + list(g.tokens[0]) + list(oracle[0][len(prompt) + g.n_tokens:])]
   tps = g.n_tokens / g.seconds
   agree = sum(a == b for a, b in zip(g.tokens[0], g0.tokens[0]))
-  return dict(k=k, width=k + 1, tokens=g.n_tokens, rounds=int(g.rounds.sum()), tau=g.tau,
+  extra = {"_tokens": list(g.tokens[0])} if keep_tokens else {}
+  return dict(**extra, k=k, width=k + 1, tokens=g.n_tokens, rounds=int(g.rounds.sum()), tau=g.tau,
               hist=g.hist.sum(0).tolist(), tokens_per_s=tps,
               ms_per_round=g.seconds / g.rounds.sum() * 1e3,
               ratio_vs_k_plus_1=tps / ((k + 1) * base_tps), ratio_vs_tau=tps / (g.tau * base_tps),

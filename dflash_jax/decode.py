@@ -250,8 +250,8 @@ def check_models(models: Models, dcfg: DecodeConfig) -> None:
   try:
     tc.check_capture_layers(c.target_layers)
   except ValueError as e:
-    raise ValueError(f"the drafter's target_layers {list(c.target_layers)} (HF "
-                     f"target_layer_ids + 1) do not fit the target: {e}") from None
+    raise ValueError(f"drafter target_layers {c.target_layers} (HF target_layer_ids + 1) do "
+                     f"not fit the target: {e}") from None
   n_head = int(d.lm_head.shape[0])
   if models.d2t is None:
     if n_head != tc.vocab_size:

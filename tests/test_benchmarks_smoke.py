@@ -56,3 +56,28 @@ def test_batch_benchmark_smoke_run(tmp_path):
   x = res["crossover"]
   assert set(x["totals"]) == {"128"} and set(x["per_rows"]["128"]) == {"qkv", "gate_up"}
   assert (tmp_path / "batch.md").read_text().startswith("- device:")
+
+
+def test_targets_benchmark_smoke_run(tmp_path):
+  """benchmarks.targets at tiny dims: both models through every section (needs decode.py on
+  the Target protocol)."""
+  from benchmarks import targets
+  assert targets.main(["--smoke", "--out", str(tmp_path)]) == 0
+  res = json.loads((tmp_path / "targets.json").read_text())
+  assert res["smoke"] and res["copy_bw_TBps"] > 0
+  assert abs(sum(res["replay_a"] ** i for i in range(1, 16)) - 2.8) < 1e-6
+  for name in ("glimmer", "moe"):
+    r = res["models"][name]
+    assert r["bytes"]["decode1_floor_ms"] > 0 and r["bytes"]["target_GB"] > 0
+    t = r["target"]
+    for impl in ("xla", "pallas"):
+      assert t[f"decode1_{impl}_ms"] > 0 and t[f"verify16_{impl}_floor_fraction"] > 0
+    assert r["draft"]["draft_ms"] > 0 and r["draft"]["round_ms"] > r["draft"]["draft_ms"]
+    assert r["target_only"]["tokens_per_s"] > 0
+    (o,) = r["oracle"]
+    assert o["k"] == 3 and o["tokens"] == 24 and "_tokens" not in o
+    (p,) = r["replay"]
+    assert p["k"] == 4 and sum(p["hist"]) > 0 and p["speedup"] > 0
+  e = res["models"]["moe"]["target"]["verify16_experts_touched"]
+  assert len(e["per_layer"]) == 2 and 2 <= e["min"] <= e["max"] <= 8
+  assert (tmp_path / "targets.md").read_text().startswith("- device:")

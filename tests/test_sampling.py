@@ -6,7 +6,7 @@ per case on fixed rows. End to end (target + drafter + loop, sampled proposals o
 draft vocab, top-k and top-p), 10^5 sequences of 2 tokens (4 calls of 25000 slots, every slot
 starting from the same prefilled state with its own PRNG key) are compared with the exact
 target-only distribution of the 8^2 outcomes, computed independently in float64 numpy
-(tests/target_ref.py plus numpy filters). Cells with an expected count below 5 are pooled.
+(reference/targets/qwen3.py plus numpy filters). Cells with an expected count below 5 are pooled.
 Each chi-square comparison fails when p < ALPHA = 1e-3, its false alarm rate (6 comparisons
 that must pass: at most 0.6% for the file, over random seeds; the seeds here are fixed, so a
 run is reproducible). Power checks: the end-to-end counts must REJECT the distribution at a
@@ -25,7 +25,7 @@ import dflash_jax as dfj
 from dflash_jax import decode as D
 from dflash_jax import sampling as SP
 from dflash_jax.models import qwen3 as Q
-from target_ref import hidden_states
+from reference.targets.qwen3 import hidden_states
 import tiny_models as TM
 
 ALPHA = 1e-3

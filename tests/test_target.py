@@ -1,5 +1,5 @@
 """The target model (dflash_jax.models.qwen3) against an independent float64 numpy forward
-(tests/target_ref.py), and its cached path against its uncached one."""
+(reference/targets/qwen3.py), and its cached path against its uncached one."""
 import dataclasses
 import json
 
@@ -10,7 +10,7 @@ import pytest
 
 from dflash_jax.models import qwen3 as Q
 from dflash_jax.models.base import prefill_bucket
-from target_ref import hidden_states
+from reference.targets.qwen3 import hidden_states
 
 TINY = Q.TargetConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope_theta=1e4,

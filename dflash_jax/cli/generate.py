@@ -176,9 +176,12 @@ def _generate(args) -> int:
     sampling = D.Sampling(args.temperature, args.top_k, args.top_p, args.proposals)
     dcfg = D.DecodeConfig(width=block, sampling=sampling, impl=args.impl)
     models = D.Models(target=tparams, drafter=dparams, d2t=None, target_cfg=tcfg)
-    D.check_models(models, dcfg)
   except ValueError as e:
     raise CLIError(str(e)) from None
+  try:   # the drafter's shape, vocab and target_layers against the target
+    D.check_models(models, dcfg)
+  except ValueError as e:
+    raise CLIError(f"argument --drafter: {e}") from None
   cache_dtype = args.cache_dtype or wdtype
   print(f"target:  {args.target} ({tcfg.num_hidden_layers} layers, hidden {tcfg.hidden_size}, "
         f"vocab {tcfg.vocab_size}, {wdtype}); drafter: {args.drafter} "

@@ -87,3 +87,15 @@ def check_capture_layers(n_layers: int, capture_layers: Sequence[int]) -> tuple[
     raise ValueError(f"capture_layers {bad} outside [0, {n_layers}] (HF hidden_states indices "
                      f"of a {n_layers}-layer target)")
   return out
+
+
+def check_hf_tensors(shapes: dict[str, tuple[int, ...]], tensors, where: str = "tensors") -> None:
+  """A family's `params_from_hf` input check: every tensor `shapes` names is in tensors with
+  that shape (a ValueError naming the first missing or misshapen tensor)."""
+  missing = [n for n in shapes if n not in tensors]
+  if missing:
+    raise ValueError(f"{where}: missing tensors {missing[:8]}{' ...' * (len(missing) > 8)}")
+  for name, want in shapes.items():
+    got = tuple(tensors[name].shape)
+    if got != tuple(want):
+      raise ValueError(f"{where}: tensor {name} has shape {got}, expected {tuple(want)}")

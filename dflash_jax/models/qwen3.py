@@ -263,7 +263,7 @@ class TargetParams:
     return self.embed if self.lm_head is None else self.lm_head
 
 
-def _normals(key: jax.Array, shapes: dict[str, tuple[int, ...]], dtype) -> dict[str, jax.Array]:
+def normals(key: jax.Array, shapes: dict[str, tuple[int, ...]], dtype) -> dict[str, jax.Array]:
   """N(0, 1) arrays of the given shapes from ONE random draw (one threefry in the program:
   each separate draw would add its own, and their compile time dominates on CPU)."""
   sizes = [math.prod(s) for s in shapes.values()]
@@ -277,7 +277,7 @@ def _normals(key: jax.Array, shapes: dict[str, tuple[int, ...]], dtype) -> dict[
 def _init_layer(cfg: TargetConfig, key: jax.Array, dtype) -> TargetLayer:
   e, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
   branch = 1.0 / math.sqrt(2.0 * cfg.num_hidden_layers)
-  mats = _normals(key, {"wqkv": (cfg.q_dim + 2 * cfg.kv_dim, e), "wo": (e, cfg.q_dim),
+  mats = normals(key, {"wqkv": (cfg.q_dim + 2 * cfg.kv_dim, e), "wo": (e, cfg.q_dim),
                         "wgu": (2 * f, e), "wd": (e, f), "norms": (2 * e + 2 * d,)}, dtype)
   scale = {"wqkv": 1.0, "wo": branch, "wgu": 1.0, "wd": branch}
   m = {k: (mats[k] * (scale[k] / math.sqrt(mats[k].shape[1]))).astype(dtype) for k in scale}
@@ -295,7 +295,7 @@ def _init_outer(cfg: TargetConfig, key: jax.Array, dtype):
   shapes = {"embed": (v, e), "norm": (e,)}
   if not cfg.tie_word_embeddings:
     shapes["head"] = (v, e)
-  r = _normals(key, shapes, dtype)
+  r = normals(key, shapes, dtype)
   head = None if cfg.tie_word_embeddings else (r["head"] * (1 / math.sqrt(e))).astype(dtype)
   return r["embed"], 1.0 + 0.1 * r["norm"].astype(jnp.float32), head
 
@@ -316,7 +316,7 @@ def init_params(cfg: TargetConfig, key: jax.Array, dtype: Any = jnp.float32) -> 
 
 # --- the layer (shared by every path) --------------------------------------------------------
 
-def _rope(x: jax.Array, positions: jax.Array, freqs: jax.Array) -> jax.Array:
+def rope(x: jax.Array, positions: jax.Array, freqs: jax.Array) -> jax.Array:
   """NEOX rope of x [B, T, H, D] at positions [B, T]: angle = float32(pos) * inv_freq."""
   angle = positions.astype(jnp.float32)[:, :, None, None] * freqs
   cos, sin = jnp.cos(angle), jnp.sin(angle)
@@ -344,10 +344,12 @@ def _attention(q: jax.Array, keys: jax.Array, values: jax.Array, visible: jax.Ar
   return o.reshape(b, t, hq * d)
 
 
-def _layer(cfg: TargetConfig, lp: TargetLayer, x: jax.Array, positions: jax.Array,
-           freqs: jax.Array, attend, impl: str, policy: KernelPolicy):
-  """One decoder layer on rows x [B T, E] f32 at positions [B, T]. attend(q, k, v) with
-  q [B, T, Hq, D], k/v [B, T, Hkv, D] returns (o [B, T, Hq D], whatever the path keeps)."""
+def attention_block(cfg, lp, x: jax.Array, positions: jax.Array, freqs: jax.Array, attend,
+                    impl: str, policy: KernelPolicy):
+  """The attention half of a decoder layer on rows x [B T, E] f32 at positions [B, T]:
+  x + o_proj(attention(...)). attend(q, k, v) with q [B, T, Hq, D], k/v [B, T, Hkv, D]
+  returns (o [B, T, Hq D], whatever the path keeps). lp needs attn_norm, wqkv, q_norm,
+  k_norm and wo (qwen3_moe's layers share it)."""
   b, t = positions.shape
   eps, d = cfg.rms_norm_eps, cfg.head_dim
   qkv = linear(rms_norm(x, lp.attn_norm, eps), lp.wqkv, policy=policy, impl=impl)
@@ -356,17 +358,30 @@ def _layer(cfg: TargetConfig, lp: TargetLayer, x: jax.Array, positions: jax.Arra
   v = qkv[:, cfg.q_dim + cfg.kv_dim:].reshape(b, t, cfg.num_key_value_heads, d)
   if cfg.qk_norm:
     q, k = rms_norm(q, lp.q_norm, eps), rms_norm(k, lp.k_norm, eps)
-  q, k = _rope(q, positions, freqs), _rope(k, positions, freqs)
+  q, k = rope(q, positions, freqs), rope(k, positions, freqs)
   o, kept = attend(q, k, v)
-  x = x + linear(o.reshape(b * t, cfg.q_dim), lp.wo, policy=policy, impl=impl)
-  hidden = linear(rms_norm(x, lp.ffn_norm, eps), lp.wgu, policy=policy, impl=impl, gate_up=True)
-  return x + linear(hidden, lp.wd, policy=policy, impl=impl), kept
+  return x + linear(o.reshape(b * t, cfg.q_dim), lp.wo, policy=policy, impl=impl), kept
+
+
+def dense_mlp(cfg, lp, x: jax.Array, impl: str, policy: KernelPolicy) -> jax.Array:
+  """x + down(silu(gate) * up) of the post-attention-normed x (lp: ffn_norm, wgu, wd)."""
+  hidden = linear(rms_norm(x, lp.ffn_norm, cfg.rms_norm_eps), lp.wgu, policy=policy, impl=impl,
+                  gate_up=True)
+  return x + linear(hidden, lp.wd, policy=policy, impl=impl)
+
+
+def _layer(cfg: TargetConfig, l: int, lp: TargetLayer, x: jax.Array, positions: jax.Array,
+           freqs: jax.Array, attend, impl: str, policy: KernelPolicy):
+  """One decoder layer (layer l) on rows x [B T, E] f32 -> (x, what attend kept)."""
+  x, kept = attention_block(cfg, lp, x, positions, freqs, attend, impl, policy)
+  return dense_mlp(cfg, lp, x, impl, policy), kept
 
 
 def _trunk(params: TargetParams, cfg: TargetConfig, tokens: jax.Array, positions: jax.Array,
-           attend_layer, capture_layers, impl: str):
+           attend_layer, capture_layers, impl: str, layer=_layer):
   """Embeddings -> layers -> final norm. Returns (h [B T, E], features [B, T, F], kept per
-  layer). attend_layer(l) gives layer l's attend function."""
+  layer). attend_layer(l) gives layer l's attend function; layer(cfg, l, lp, x, positions,
+  freqs, attend, impl) is one decoder layer (qwen3_moe passes its own)."""
   capture = cfg.check_capture_layers(capture_layers)
   b, t = tokens.shape
   freqs = jnp.asarray(inv_freq(cfg))
@@ -375,7 +390,7 @@ def _trunk(params: TargetParams, cfg: TargetConfig, tokens: jax.Array, positions
   for l, lp in enumerate(params.layers):
     if l in capture:
       seen[l] = x
-    x, k = _layer(cfg, lp, x, positions, freqs, attend_layer(l), impl, params.policy)
+    x, k = layer(cfg, l, lp, x, positions, freqs, attend_layer(l), impl, params.policy)
     kept.append(k)
   h = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
   seen[cfg.num_hidden_layers] = h
@@ -395,6 +410,11 @@ def forward(params: TargetParams, cfg: TargetConfig, tokens: jax.Array, *,
   Returns (logits [B, T, V] f32, or None when with_logits=False; features [B, T,
   len(capture_layers) E] f32). Differentiable; every GEMM is XLA's.
   """
+  return uncached(params, cfg, tokens, capture_layers, with_logits, _layer)
+
+
+def uncached(params, cfg, tokens: jax.Array, capture_layers, with_logits: bool, layer):
+  """`forward` with the decoder layer as an argument (qwen3_moe passes its own)."""
   tokens = jnp.asarray(tokens, jnp.int32)
   b, t = tokens.shape
   positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -405,7 +425,8 @@ def forward(params: TargetParams, cfg: TargetConfig, tokens: jax.Array, *,
       return _attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), causal), None
     return attend
 
-  h, feats, _ = _trunk(params, cfg, tokens, positions, attend_layer, capture_layers, "xla")
+  h, feats, _ = _trunk(params, cfg, tokens, positions, attend_layer, capture_layers, "xla",
+                       layer)
   return (_logits(params, h, (b, t), "xla") if with_logits else None), feats
 
 
@@ -446,8 +467,10 @@ def _write(buf: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Array:
   return jax.vmap(lambda c, r, s: lax.dynamic_update_slice(c, r, (0, s, 0)))(buf, rows, start)
 
 
-def _extend(params: TargetParams, cfg: TargetConfig, cache: TargetCache, tokens: jax.Array,
-            n_valid: jax.Array, capture_layers, with_logits: bool, impl: str):
+def extend(params: TargetParams, cfg: TargetConfig, cache: TargetCache, tokens: jax.Array,
+           n_valid: jax.Array, capture_layers, with_logits: bool, impl: str, layer=_layer):
+  """The cached pass of prefill and verify: tokens [B, T] at positions length.., their K/V
+  written at those slots, length += n_valid. layer: the decoder layer (see `_trunk`)."""
   tokens = jnp.asarray(tokens, jnp.int32)
   b, t = tokens.shape
   start = cache.length
@@ -460,7 +483,8 @@ def _extend(params: TargetParams, cfg: TargetConfig, cache: TargetCache, tokens:
       return _attention(q, ck, cv, visible), (ck, cv)
     return attend
 
-  h, feats, kept = _trunk(params, cfg, tokens, positions, attend_layer, capture_layers, impl)
+  h, feats, kept = _trunk(params, cfg, tokens, positions, attend_layer, capture_layers, impl,
+                          layer)
   new = TargetCache(k=tuple(k for k, _ in kept), v=tuple(v for _, v in kept),
                     length=start + jnp.broadcast_to(jnp.asarray(n_valid, jnp.int32), (b,)))
   return new, (_logits(params, h, (b, t), impl) if with_logits else None), feats
@@ -472,7 +496,7 @@ def prefill(params: TargetParams, cfg: TargetConfig, cache: TargetCache, tokens:
   with any valid id) at positions length.. -> (cache with length += n_valid, features
   [B, T, F]). Padding rows write K/V only past the new length (never visible); their
   features are garbage. No LM head. n_valid: int32 scalar or [B]."""
-  cache, _, feats = _extend(params, cfg, cache, tokens, n_valid, capture_layers, False, impl)
+  cache, _, feats = extend(params, cfg, cache, tokens, n_valid, capture_layers, False, impl)
   return cache, feats
 
 
@@ -483,7 +507,7 @@ def verify(params: TargetParams, cfg: TargetConfig, cache: TargetCache, tokens: 
   keeps some of them. impl="pallas" routes the GEMMs by params.policy (dispatch.linear: bf16
   GEMMs of up to `policy.skinny_max_m` rows on the Pallas skinny GEMM); "xla" keeps XLA's
   GEMMs."""
-  return _extend(params, cfg, cache, tokens, 0, capture_layers, True, impl)
+  return extend(params, cfg, cache, tokens, 0, capture_layers, True, impl)
 
 
 def commit(cache: TargetCache, n_keep: jax.Array) -> TargetCache:

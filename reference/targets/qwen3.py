@@ -1,5 +1,6 @@
 """An independent float64 numpy Qwen3 / Llama-3 forward, written from HF's modeling code
-semantics (a plain per-layer loop), for testing dflash_jax.models.qwen3."""
+semantics (a plain per-layer loop), for testing dflash_jax.models.qwen3 (it reads the device
+params' fused matrices by their row blocks)."""
 from __future__ import annotations
 
 import numpy as np

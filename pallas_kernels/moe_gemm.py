@@ -1,0 +1,150 @@
+"""Grouped skinny GEMM over the experts a few rows route to: MoE decode and verify.
+
+A mixture-of-experts layer stores its experts as one stacked array w [E, N, K] (the (out, in)
+layout of each expert, K contiguous). A decode or verify call has few rows (M = sequences x
+verify width), which route to a few experts each; together they touch a small set of
+experts, listed in `expert_ids` [S] (each touched expert once, then -1 for unused slots).
+Program (j, n) reads expert expert_ids[j]'s n-th tile of N rows, and only when the slot is
+used, so a call streams the touched experts' bytes and nothing else. Every slot multiplies
+all M rows (each row's own experts are picked out afterwards by its routing weights): at
+these row counts the weight stream is the cost and the extra rows ride along for free.
+
+Triton Pallas (jax 0.11.2) has no scalar prefetch: the expert list is a plain int32 operand
+that each program reads first (one scalar load), then it offsets its weight loads by it.
+
+  moe_matmul(x, w, ids)                 x [M, K] (every slot's rows) or [S, M, K] (per slot)
+  moe_matmul(x, w_gu, ids, gate_up=True)  w_gu [E, 2 N, K], gate rows then up rows per expert:
+                                        silu(x gate^T) * (x up^T) in the epilogue
+-> [S, M, N], zeros in unused slots. Weights bf16; x is rounded to bf16 for the dot, the
+accumulation is float32 (the rounding `dflash_jax.dispatch.linear` applies to bf16 weights).
+`moe_matmul_reference` is the jnp twin (impl="xla"): it gathers the listed experts.
+
+Tiles: N and K must be multiples of block_n and block_k (every published MoE's expert dims
+are multiples of 128); M is padded to a power of two >= 16 (one M tile: the weights stream
+once).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from pallas_kernels._common import check, is_pow2, resolve_interpret
+
+_DOT_NT = (((1,), (1,)), ((), ()))   # x [m, k] . w [n, k] -> [m, n]
+MAX_ROWS = 64   # one M tile: the accumulators of more rows would cost too many registers
+
+
+def default_knobs(n: int, k: int, gate_up: bool = False) -> dict:
+  """Tiles for one expert's [N, K] weight (n: the rows of one stream, n_ff for gate+up): the
+  skinny GEMM's choices for one block of rows (128-wide K tiles; 32-row N tiles for the two
+  accumulators of gate+up, 64 otherwise), shrunk to the largest power of two dividing a
+  small dimension."""
+  def fit(dim: int, tile: int) -> int:
+    while tile > 16 and dim % tile:
+      tile //= 2
+    return tile
+  return dict(block_n=fit(n, 32 if gate_up else 64), block_k=fit(k, 128), num_warps=4,
+              num_stages=3)
+
+
+def _kernel(ids_ref, x_ref, w_ref, o_ref, *, gate_up: bool, n_out: int, k: int, block_n: int,
+            block_k: int):
+  """Slot j = program_id(0), N tile program_id(1): o [M, block_n] of expert ids[j]."""
+  e = ids_ref[pl.program_id(0)]
+  n0 = pl.multiple_of(pl.program_id(1) * block_n, block_n)
+  m = x_ref.shape[0]
+  n_w = 2 if gate_up else 1
+
+  @pl.when(e >= 0)
+  def _():
+    def step(kb, accs):
+      k0 = pl.multiple_of(kb * block_k, block_k)
+      x = x_ref[:, pl.ds(k0, block_k)].astype(jnp.bfloat16)
+      new = []
+      for i, acc in enumerate(accs):
+        w = w_ref[e, pl.ds(n0 + i * n_out, block_n), pl.ds(k0, block_k)]
+        new.append(acc + lax.dot_general(x, w.astype(jnp.bfloat16), _DOT_NT,
+                                         preferred_element_type=jnp.float32))
+      return tuple(new)
+    zeros = tuple(jnp.zeros((m, block_n), jnp.float32) for _ in range(n_w))
+    accs = lax.fori_loop(0, k // block_k, step, zeros)
+    if gate_up:
+      g, u = accs
+      out = g * jax.nn.sigmoid(g) * u
+    else:
+      out = accs[0]
+    o_ref[...] = out.astype(o_ref.dtype)
+
+  @pl.when(e < 0)
+  def _():
+    o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("gate_up", "block_n", "block_k", "num_warps",
+                                             "num_stages", "out_dtype", "interpret"))
+def moe_matmul(x: jax.Array, w: jax.Array, expert_ids: jax.Array, *, gate_up: bool = False,
+               block_n: int = 64, block_k: int = 128, num_warps: int = 4, num_stages: int = 3,
+               out_dtype=jnp.float32, interpret: bool | None = None) -> jax.Array:
+  """[S, M, N]: slot j holds x(j) @ w[expert_ids[j]]^T (silu(gate) * up with gate_up), zeros
+  where expert_ids[j] < 0. x [M, K] (the same rows for every slot) or [S, M, K]."""
+  kernel = "moe_matmul"
+  check(w.ndim == 3 and w.dtype == jnp.bfloat16, kernel, "w bfloat16 [E, N, K]",
+        (w.dtype, w.shape))
+  check(expert_ids.ndim == 1 and expert_ids.dtype == jnp.int32, kernel,
+        "expert_ids int32 [S]", (expert_ids.dtype, expert_ids.shape))
+  s = expert_ids.shape[0]
+  per_slot = x.ndim == 3
+  check(x.ndim in (2, 3) and (not per_slot or x.shape[0] == s), kernel,
+        "x [M, K] or [S, M, K] with S = len(expert_ids)", (x.shape, s))
+  m, k = x.shape[-2:]
+  e, n_rows, kw = w.shape
+  check(kw == k, kernel, "w.shape[2] == x.shape[-1] (K)", (w.shape, x.shape))
+  check(not gate_up or n_rows % 2 == 0, kernel, "gate_up w [E, 2 N, K]", w.shape)
+  n_out = n_rows // 2 if gate_up else n_rows
+  check(1 <= m <= MAX_ROWS, kernel, f"1 <= M <= {MAX_ROWS}", m)
+  for name, b, dim in (("block_n", block_n, n_out), ("block_k", block_k, k)):
+    check(is_pow2(b) and b >= 16 and dim % b == 0, kernel,
+          f"{name} a power of 2 >= 16 dividing {dim}", b)
+  mp = max(16, pl.next_power_of_2(m))
+  pad = [(0, 0)] * (x.ndim - 2) + [(0, mp - m), (0, 0)]
+  xp = jnp.pad(x, pad) if mp != m else x
+  if per_slot:
+    x_spec = pl.BlockSpec((None, mp, k), lambda j, n: (j, 0, 0))
+  else:
+    x_spec = pl.BlockSpec((mp, k), lambda j, n: (0, 0))
+  out = pl.pallas_call(
+      functools.partial(_kernel, gate_up=gate_up, n_out=n_out, k=k, block_n=block_n,
+                        block_k=block_k),
+      grid=(s, n_out // block_n),
+      in_specs=[pl.BlockSpec((s,), lambda j, n: (0,)), x_spec,
+                pl.BlockSpec((e, n_rows, k), lambda j, n: (0, 0, 0))],
+      out_specs=pl.BlockSpec((None, mp, block_n), lambda j, n: (j, 0, n)),
+      out_shape=jax.ShapeDtypeStruct((s, mp, n_out), out_dtype),
+      compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      interpret=resolve_interpret(interpret), name="moe_matmul_gate_up" if gate_up else
+      "moe_matmul")(expert_ids, xp, w)
+  return out[:, :m] if mp != m else out
+
+
+def moe_matmul_reference(x: jax.Array, w: jax.Array, expert_ids: jax.Array, *,
+                         gate_up: bool = False, out_dtype=jnp.float32) -> jax.Array:
+  """Twin of `moe_matmul` in jnp (any float weights: bf16 rounds x to bf16 and accumulates
+  in float32, float32 is full precision). Gathers the listed experts (unused slots repeat
+  slot 0's expert, so no other expert is read) and zeroes the unused slots."""
+  used = expert_ids >= 0
+  wg = w[jnp.where(used, expert_ids, expert_ids[0])]
+  if w.dtype == jnp.bfloat16:
+    xs, prec = x.astype(jnp.bfloat16), lax.Precision.DEFAULT
+  else:
+    xs, prec = x.astype(jnp.float32), lax.Precision.HIGHEST
+  spec = "smk,snk->smn" if x.ndim == 3 else "mk,snk->smn"
+  y = jnp.einsum(spec, xs, wg, precision=prec, preferred_element_type=jnp.float32)
+  if gate_up:
+    n = y.shape[-1] // 2
+    y = y[..., :n] * jax.nn.sigmoid(y[..., :n]) * y[..., n:]
+  return jnp.where(used[:, None, None], y, 0.0).astype(out_dtype)
