@@ -44,7 +44,7 @@ import numpy as np
 
 import dflash_jax as dfj
 from benchmarks import common as C
-from dflash_jax import atomic
+from dflash_jax.io import atomic
 from dflash_jax import decode as D
 from dflash_jax import step as S
 

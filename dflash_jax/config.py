@@ -9,6 +9,7 @@ import numpy as np
 SLIDING, FULL = "sliding_attention", "full_attention"
 LAYER_TYPES = (SLIDING, FULL)   # HF `layer_types` spellings
 DEFAULT_WINDOW = 2048
+DEFAULT_BLOCK_SIZE = 16   # a checkpoint that states no block size (docs/SPEC.md section 2)
 DEFAULT_CAPACITY = 8192
 
 
@@ -36,7 +37,7 @@ class DFlashConfig:
   eps: float
   target_layers: tuple[int, ...]
   mask_token_id: int
-  block_size: int = 16
+  block_size: int = DEFAULT_BLOCK_SIZE
   window: int | None = None
   layer_types: tuple[str, ...] | None = None
   context_length: int | None = None

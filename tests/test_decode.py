@@ -10,6 +10,7 @@ import pytest
 
 from dflash_jax import decode as D
 from dflash_jax import step as S
+from dflash_jax.models import load_target, save_target
 from dflash_jax.models import qwen3 as Q
 import tiny_models as TM
 
@@ -290,7 +291,7 @@ def folders(pair, tmp_path_factory):
   from tokenizers import Tokenizer, models, pre_tokenizers
   tcfg, tp, _ = pair
   root = tmp_path_factory.mktemp("generate")
-  Q.save_target(root / "target", tcfg, tp, dtype="f32")
+  save_target(root / "target", tcfg, tp, dtype="f32")
   tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(tcfg.vocab_size)}, unk_token="w0"))
   tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
   tok.save(str(root / "target" / "tokenizer.json"))
@@ -307,8 +308,8 @@ def test_generate_cli(folders, capsys):
                "--max-new", "12", "--impl", "xla", "--block", "4", "--sync-every", "2",
                "--compare"]) == 0
   out = capsys.readouterr().out
-  want = D.generate_target_only(Q.load_target(target)[1], Q.TargetConfig.from_hf(target),
-                                [[5, 9, 3]], 12).tokens[0]
+  tcfg, tparams = load_target(target)
+  want = D.generate_target_only(tparams, tcfg, [[5, 9, 3]], 12).tokens[0]
   assert out.splitlines()[0] == tok.decode(want)   # the streamed text, detokenized
   import re
   rounds, tau = re.search(r"tokens:  12 in (\d+) rounds; tau ([\d.]+) \(mean tokens", out).groups()

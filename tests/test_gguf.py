@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 
 from dflash_jax.config import FULL, SLIDING, TINY_CONFIG, DFlashConfig, drafter_tensor_shapes
-from dflash_jax.gguf_io import (DrafterFormatError, load_drafter, read_q8_0,
-                                save_drafter)
+from dflash_jax.io import DrafterFormatError, load_drafter, read_q8_0, save_drafter
 from dflash_jax.synthetic import synthetic_drafter
 
 VT = gguf.GGUFValueType
@@ -35,7 +34,7 @@ class _Writer(gguf.GGUFWriter):
 
 
 def _kv(cfg: DFlashConfig, mask_key: str = "tokenizer.ggml.mask_token_id") -> dict:
-  """The metadata of SPEC.md section 2, spelled out independently of gguf_io."""
+  """The metadata of SPEC.md section 2, spelled out independently of io.gguf."""
   kv = {
       "dflash.block_count": (cfg.n_layer, VT.UINT32),
       "dflash.embedding_length": (cfg.n_embd, VT.UINT32),

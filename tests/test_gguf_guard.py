@@ -1,4 +1,4 @@
-"""The bounds-checked GGUF reader (dflash_jax.gguf_guard): the same fields and tensors as gguf's
+"""The bounds-checked GGUF reader (dflash_jax.io.gguf_guard): the same fields and tensors as gguf's
 reader on valid files; every header breach rejected by name, in bounded time and memory; the two
 hostile fixtures of the project's shared folder rejected at once.
 
@@ -17,8 +17,9 @@ import gguf
 import numpy as np
 import pytest
 
-from dflash_jax.gguf_guard import GGUFFormatError, open_gguf
-from dflash_jax.gguf_io import DrafterFormatError, load_drafter, save_drafter
+from dflash_jax.io import DrafterFormatError, load_drafter, save_drafter
+from dflash_jax.io.errors import GGUFFormatError
+from dflash_jax.io.gguf_guard import open_gguf
 from dflash_jax.config import TINY_CONFIG
 from dflash_jax.synthetic import synthetic_drafter
 

@@ -36,7 +36,7 @@ def _error(argument: str, message) -> CLIError:
 
 
 def convert(args) -> int:
-  from dflash_jax.gguf_io import DrafterFormatError, load_drafter, save_drafter
+  from dflash_jax.io import DrafterFormatError, load_drafter, save_drafter
   fmt = args.format or ("gguf" if args.dst.lower().endswith(".gguf") else "hf")
   types = GGUF_TYPES if fmt == "gguf" else HF_TYPES
   requested = args.type or types[0]

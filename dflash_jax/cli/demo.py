@@ -157,7 +157,7 @@ def _weights(cfg, w, args, tmp: str):
   synthetic = dfj.synthetic_drafter(cfg, seed=args.seed, n_vocab=args.vocab)
   path = os.path.join(tmp, "synthetic-drafter.gguf")
   dfj.save_drafter(path, cfg, synthetic, tensor_type="Q8_0" if args.dtype == "q8_0" else "F32")
-  target = {k: synthetic[k] for k in dfj.gguf_io.TARGET_TENSORS}
+  target = {k: synthetic[k] for k in dfj.io.errors.TARGET_TENSORS}
   del synthetic   # one float32 copy of the drafter at a time
   cfg_file, loaded = dfj.load_drafter(path)
   assert cfg_file == cfg, (cfg_file, cfg)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from dflash_jax import atomic
+from dflash_jax.io import atomic
 from dflash_jax.cli import int_in
 from dflash_jax.cli import train_common as C
 
@@ -44,8 +44,8 @@ def evaluate(args) -> int:
   import numpy as np
 
   import dflash_jax as dfj
-  from dflash_jax.gguf_io import DrafterFormatError
-  from dflash_jax.models import qwen3
+  from dflash_jax.io import DrafterFormatError
+  from dflash_jax.models import load_target
   from dflash_jax.train import data as D
   from dflash_jax.train import evaluate as E
   from dflash_jax.train import recipes
@@ -53,7 +53,7 @@ def evaluate(args) -> int:
   if any(w < 2 for w in args.widths):
     raise C.arg_error("--widths", f"block widths must be >= 2, got {args.widths}")
   try:
-    tcfg, target = qwen3.load_target(args.target, dtype=args.dtype)
+    tcfg, target = load_target(args.target, dtype=args.dtype)
   except (ValueError, OSError) as e:
     raise C.arg_error("--target", e)
   drafters = []

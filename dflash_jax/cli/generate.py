@@ -74,11 +74,11 @@ def _load(args):
   import jax.numpy as jnp
 
   import dflash_jax as dfj
-  from dflash_jax.models import qwen3
+  from dflash_jax.models import load_target
   from dflash_jax.params import prepare_weights
 
   try:
-    tcfg, tparams = qwen3.load_target(args.target, dtype=args.dtype)
+    tcfg, tparams = load_target(args.target, dtype=args.dtype)
   except (ValueError, OSError) as e:
     raise CLIError(f"argument --target: {e}") from None
   try:
