@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.io import atomic
 from dflash_jax.config import FULL, SLIDING, DFlashConfig, rope_inv_freq
+from dflash_jax.io import atomic
 from dflash_jax.params import (DrafterParams, InjectParams, LayerParams, QuantWeight,
                                resolve_dtype, resolve_weight_format)
 from dflash_jax.step import KVCache, RingState

@@ -44,9 +44,9 @@ import numpy as np
 
 import dflash_jax as dfj
 from benchmarks import common as C
-from dflash_jax.io import atomic
 from dflash_jax import decode as D
 from dflash_jax import step as S
+from dflash_jax.io import atomic
 
 # The scope names of dflash_jax.step and dflash_jax.decode that name a phase; a scope path
 # reduces to the ones it holds, in order (layer<i>, jit(...), vmap(...), while/body dropped):

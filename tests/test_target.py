@@ -268,3 +268,74 @@ def test_hf_load_errors(tmp_path):
       load_target(folder)
   with pytest.raises(ValueError, match="params have an lm_head but tie_word_embeddings is True"):
     save_target(tmp_path / "x", dataclasses.replace(cfg, tie_word_embeddings=True), p)
+
+
+def test_load_target_picks_the_family_and_ignores_buffers(tmp_path):
+  cfg, p = _model(14, **VARIANTS[1])   # llama, tied
+  save_target(tmp_path / "t", cfg, p, dtype="f32")
+  _rewrite(tmp_path / "t", lambda t: t.update(
+      {"model.layers.0.self_attn.rotary_emb.inv_freq": np.ones(4, np.float32)}))
+  cfg2, p2 = load_target(tmp_path / "t")
+  assert cfg2 == cfg and read_target_config(tmp_path / "t") == cfg
+  _params_equal(p2, p)
+  c = json.loads((tmp_path / "t" / "config.json").read_text())
+  (tmp_path / "t" / "config.json").write_text(json.dumps({**c, "model_type": "qwen2"}))
+  with pytest.raises(TargetFormatError, match=r"config.json: model_type 'qwen2' is not supported "
+                     r"\(supported: \['llama', 'qwen3'\]\)"):
+    load_target(tmp_path / "t")
+
+
+def test_load_target_streams_each_tensor_in_its_stored_dtype(tmp_path, monkeypatch):
+  """A bf16 folder of 4 shards: every tensor is read once, as bf16 (the bytes read per shard are
+  exactly its data), the params come out bf16 (norms float32), and the host never holds a
+  float32 copy: the traced host peak stays under two of the largest tensor (the one being
+  handed to the device and the one read ahead), far below the folder's size."""
+  import tracemalloc
+
+  from dflash_jax.io import safetensors as st
+  cfg = dataclasses.replace(TINY, vocab_size=2048, hidden_size=64, intermediate_size=128,
+                            num_hidden_layers=4, head_dim=16)
+  p = Q.init_params(cfg, jax.random.key(15))
+  folder = tmp_path / "bf16"
+  save_target(folder, cfg, p, dtype="bf16", max_shard_bytes=200_000)
+  load_target(folder)   # compiles the device-side checks and casts once
+  real, seen = st.iter_tensors, []
+
+  def spy(specs, names, where):
+    for name, a in real(specs, names, where):
+      seen.append((specs[name].file, name, a.dtype, a.nbytes))
+      yield name, a
+
+  monkeypatch.setattr(st, "iter_tensors", spy)
+  tracemalloc.start()
+  try:
+    cfg2, p2 = load_target(folder)
+    peak = tracemalloc.get_traced_memory()[1]
+  finally:
+    tracemalloc.stop()
+  assert cfg2 == cfg
+  assert {d for _, _, d, _ in seen} == {np.dtype(jnp.bfloat16)}
+  assert sorted(n for _, n, _, _ in seen) == sorted(Q.hf_tensor_shapes(cfg))   # each once
+  shards = sorted(f for f in folder.iterdir() if f.suffix == ".safetensors")
+  assert len(shards) == 4
+  for shard in shards:
+    header = int.from_bytes(shard.read_bytes()[:8], "little")
+    assert sum(n for f, _, _, n in seen if f == str(shard)) == shard.stat().st_size - 8 - header
+  assert p2.embed.dtype == jnp.bfloat16 and p2.layers[0].wqkv.dtype == jnp.bfloat16
+  assert p2.final_norm.dtype == jnp.float32 and p2.layers[0].attn_norm.dtype == jnp.float32
+  r = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16), np.float32)
+  _params_equal(jax.tree.map(lambda a: a.astype(jnp.float32), p2),
+                jax.tree.map(lambda a: jnp.asarray(r(a)), p))
+  largest = max(n for _, _, _, n in seen)
+  total = sum(n for _, _, _, n in seen)
+  assert total > 3 * largest
+  assert peak < 2 * largest + 32_000, (peak, largest, total)
+  # fp32 from the same bf16 folder: the cast runs on the device, the host peak is unchanged.
+  tracemalloc.start()
+  try:
+    _, p3 = load_target(folder, dtype="fp32")
+    peak = tracemalloc.get_traced_memory()[1]
+  finally:
+    tracemalloc.stop()
+  assert p3.embed.dtype == jnp.float32 and peak < 2 * largest + 32_000, peak
+  _params_equal(p3, jax.tree.map(lambda a: a.astype(jnp.float32), p2))

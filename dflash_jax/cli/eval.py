@@ -12,9 +12,9 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from dflash_jax.io import atomic
 from dflash_jax.cli import int_in
 from dflash_jax.cli import train_common as C
+from dflash_jax.io import atomic
 
 
 def register(sub) -> None:

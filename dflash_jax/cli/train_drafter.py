@@ -13,9 +13,9 @@ from __future__ import annotations
 import os
 import time
 
-from dflash_jax.io import atomic
 from dflash_jax.cli import int_in
 from dflash_jax.cli import train_common as C
+from dflash_jax.io import atomic
 
 GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0")
 
