@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from dflash_jax.cli import int_in
+from dflash_jax.cli import drafter_for_target, int_in
 from dflash_jax.cli import train_common as C
 from dflash_jax.io import atomic
 
@@ -41,7 +41,6 @@ def register(sub) -> None:
 
 def evaluate(args) -> int:
   import jax
-  import numpy as np
 
   import dflash_jax as dfj
   from dflash_jax.io import DrafterFormatError
@@ -62,11 +61,9 @@ def evaluate(args) -> int:
       cfg, w = dfj.load_drafter(path)
     except (DrafterFormatError, OSError) as e:
       raise C.arg_error("--drafter", e)
-    w["tok_embd"], w["lm_head"] = (np.asarray(target.embed, np.float32),
-                                   np.asarray(target.head, np.float32))
     try:
       drafters.append((os.path.basename(os.path.normpath(path)),
-                       dfj.prepare_weights(cfg, w, args.dtype)))
+                       drafter_for_target(cfg, w, target.embed, target.head, args.dtype)))
     except ValueError as e:
       raise C.arg_error("--drafter", f"{path} does not fit the target: {e}")
   try:

@@ -14,9 +14,7 @@ import os
 import sys
 import time
 
-import numpy as np
-
-from dflash_jax.cli import CLIError, float_in, int_in
+from dflash_jax.cli import CLIError, drafter_for_target, float_in, int_in
 
 def _ids(text: str) -> list[int]:
   try:
@@ -75,7 +73,6 @@ def _load(args):
 
   import dflash_jax as dfj
   from dflash_jax.models import load_target
-  from dflash_jax.params import prepare_weights
 
   try:
     tcfg, tparams = load_target(args.target, dtype=args.dtype)
@@ -88,19 +85,12 @@ def _load(args):
   if dcfg.n_embd != tcfg.hidden_size:
     raise CLIError(f"argument --drafter: its n_embd {dcfg.n_embd} != the target's "
                         f"hidden_size {tcfg.hidden_size}")
-  # The drafter borrows the target's embedding and LM head (SPEC.md section 1).
-  w["tok_embd"] = np.asarray(tparams.embed, np.float32)
-  w["lm_head"] = np.asarray(tparams.head, np.float32)
   wdtype = "bf16" if tparams.embed.dtype == jnp.bfloat16 else "fp32"
-  try:
-    dparams = prepare_weights(dcfg, w, args.drafter_dtype or wdtype)
+  try:   # the target's embedding and LM head stay on the device (shared when dtypes agree)
+    dparams = drafter_for_target(dcfg, w, tparams.embed, tparams.head,
+                                 args.drafter_dtype or wdtype)
   except ValueError as e:
     raise CLIError(f"argument --drafter: {e}") from None
-  del w
-  if dparams.tok_embd.dtype == tparams.embed.dtype:   # one copy on the device, not two
-    dparams = dparams.replace(tok_embd=tparams.embed)
-  if getattr(dparams.lm_head, "dtype", None) == tparams.head.dtype:
-    dparams = dparams.replace(lm_head=tparams.head)
   return tcfg, tparams, dparams, wdtype
 
 
