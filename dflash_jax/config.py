@@ -19,9 +19,10 @@ class DFlashConfig:
 
   Frozen and hashable, so it can be a static argument of `jax.jit`.
   `target_layers` follows llama.cpp: HF `target_layer_ids` + 1.
-  `window` is the sliding window W from the file (None when the file has none; callers
-  then choose, default 2048). `layer_types` gives each layer's attention kind (SPEC.md
-  section 7): "sliding_attention" (a ring of W slots, visibility `0 <= q - p < W`) or
+  `window` is the sliding window W (a checkpoint without one has no sliding layer, docs/SPEC.md
+  section 2; a config made in code with sliding layers and no window runs them at the
+  caller's `window`, default 2048, and cannot be saved). `layer_types` gives each layer's
+  attention kind (docs/SPEC.md section 7): "sliding_attention" (a ring of W slots, visibility `0 <= q - p < W`) or
   "full_attention" (every injected position < n_past visible; a cache of a caller-chosen
   capacity, `resolve_capacity`). None means every layer slides (an all-sliding tuple is
   stored as None, so configs read from different formats compare equal). `context_length`
@@ -97,6 +98,16 @@ class DFlashConfig:
     if w <= 0:
       raise ValueError(f"window must be positive, got {w}")
     return int(w)
+
+  def with_draft_window(self, window: int) -> "DFlashConfig":
+    """This drafter with every layer sliding in a ring of `window` slots: the engines'
+    draft-window option for long contexts. A full-attention layer then sees only the last
+    `window` positions, an approximation of the checkpoint's drafter, so only a caller's
+    explicit choice applies it (docs/SPEC.md section 2; CLI `--draft-window`), never a
+    default or a loader."""
+    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window <= 0:
+      raise ValueError(f"window must be a positive int, got {window!r}")
+    return dataclasses.replace(self, window=int(window), layer_types=None)
 
   def resolve_capacity(self, capacity: int | None = None) -> int:
     """Positions a full-attention layer's cache holds: explicit, else context_length, else

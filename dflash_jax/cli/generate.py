@@ -50,8 +50,14 @@ def register(sub) -> None:
                  help="drafter weights (default: the target's dtype)")
   g.add_argument("--cache-dtype", choices=("fp32", "bf16"), default=None,
                  help="target K/V cache and drafter ring (default: the target's dtype)")
-  g.add_argument("--window", type=int_in(1), default=None,
-                 help="drafter ring size (default: the file's, else 2048)")
+  ring = g.add_mutually_exclusive_group()
+  ring.add_argument("--window", type=int_in(1), default=None,
+                    help="ring size of the drafter's sliding layers (default: the checkpoint's "
+                         "window); full-attention layers keep every position")
+  ring.add_argument("--draft-window", type=int_in(1), default=None,
+                    help="run every drafter layer, full-attention ones included, in a ring of "
+                         "this many slots (the engines' draft-window option for long contexts: "
+                         "full layers then see only the last N positions; default: off)")
   g.add_argument("--capacity", type=int_in(1), default=None,
                  help="target cache slots (default: prompt + max-new + block)")
   g.add_argument("--impl", choices=("pallas", "xla"), default="pallas", help="drafter kernels")
@@ -82,6 +88,8 @@ def _load(args):
     dcfg, w = dfj.load_drafter(args.drafter)
   except (ValueError, OSError) as e:
     raise CLIError(f"argument --drafter: {e}") from None
+  if args.draft_window is not None:
+    dcfg = dcfg.with_draft_window(args.draft_window)
   if dcfg.n_embd != tcfg.hidden_size:
     raise CLIError(f"argument --drafter: its n_embd {dcfg.n_embd} != the target's "
                         f"hidden_size {tcfg.hidden_size}")

@@ -64,7 +64,9 @@ def load_gguf_drafter(path: str | os.PathLike) -> tuple[DFlashConfig, dict[str, 
 
   Returns the config and a dict of writable, C-contiguous float32 arrays in (out, in) layout,
   keyed by GGUF tensor name without `.weight`, dequantized from any type gguf can dequantize.
-  Raises DrafterFormatError (naming the file and the culprit) on any deviation.
+  Attention kinds as llama.cpp reads them: the sliding-window pattern when present, else every
+  layer sliding when the file has a window and full attention when it has none. Raises
+  DrafterFormatError (naming the file and the culprit) on any deviation.
   """
   path = os.fspath(path)
   reader = _open(path)
@@ -155,6 +157,9 @@ def _read_mask_token(reader: gguf.GGUFReader, path: str) -> int:
 
 def _read_config(reader: gguf.GGUFReader, path: str) -> DFlashConfig:
   fields: dict[str, Any] = {f: _get_int(reader, path, k) for f, k in INT_KEYS.items()}
+  if fields["n_layer"] > len(reader.tensors):   # before anything of n_layer entries is built
+    raise _fail(path, f"{INT_KEYS['n_layer']!r} = {fields['n_layer']}, but the file holds only "
+                f"{len(reader.tensors)} tensors (every layer has its own)")
   fields.update({f: _get_float(reader, path, k) for f, k in FLOAT_KEYS.items()})
   layers = _get(reader, path, KEY_TARGET_LAYERS, _INT_TYPES, "a non-empty int32 array",
                 array=True)
@@ -165,15 +170,22 @@ def _read_config(reader: gguf.GGUFReader, path: str) -> DFlashConfig:
   fields["mask_token_id"] = _read_mask_token(reader, path)
   block_size = _get_int(reader, path, KEY_BLOCK_SIZE, required=False)
   fields["block_size"] = DEFAULT_BLOCK_SIZE if block_size is None else block_size
-  fields["window"] = _get_int(reader, path, KEY_WINDOW, required=False)
+  window = fields["window"] = _get_int(reader, path, KEY_WINDOW, required=False)
   fields["context_length"] = _get_int(reader, path, KEY_CONTEXT, required=False)
   pattern = _get(reader, path, KEY_SWA_PATTERN, {_VT.BOOL}, "a bool array (one per layer)",
                  required=False, array=True)
-  if pattern is not None:
-    if len(pattern) != fields["n_layer"]:
-      raise _fail(path, f"metadata key {KEY_SWA_PATTERN!r} has {len(pattern)} entries, but "
-                  f"{INT_KEYS['n_layer']!r} is {fields['n_layer']}")
-    fields["layer_types"] = tuple(SLIDING if p else FULL for p in pattern)
+  if pattern is None:
+    # docs/SPEC.md sections 2 and 7, as llama.cpp reads a file: a window and no pattern means
+    # every layer slides; no window means every layer is full attention.
+    pattern = [window is not None] * fields["n_layer"]
+  elif len(pattern) != fields["n_layer"]:
+    raise _fail(path, f"metadata key {KEY_SWA_PATTERN!r} has {len(pattern)} entries, but "
+                f"{INT_KEYS['n_layer']!r} is {fields['n_layer']}")
+  elif window is None and any(pattern):
+    raise _fail(path, f"metadata key {KEY_SWA_PATTERN!r} marks layers "
+                f"{[i for i, p in enumerate(pattern) if p]} sliding, but the file has no "
+                f"{KEY_WINDOW!r} (their window)")
+  fields["layer_types"] = tuple(SLIDING if p else FULL for p in pattern)
   try:
     cfg = DFlashConfig(**fields)
   except ValueError as e:
@@ -192,9 +204,6 @@ def _numpy_shape(t: Any) -> tuple[int, ...]:
 
 def _drafter_tensors(reader: gguf.GGUFReader, cfg: DFlashConfig, path: str) -> dict[str, Any]:
   """name -> ReaderTensor for exactly the drafter's tensors, with names and shapes checked."""
-  if cfg.n_layer > len(reader.tensors):   # before a table of n_layer entries is built
-    raise _fail(path, f"{INT_KEYS['n_layer']!r} = {cfg.n_layer}, but the file holds only "
-                f"{len(reader.tensors)} tensors (every layer has its own)")
   expected = drafter_tensor_shapes(cfg)
   by_name, extra, limit = {}, [], 8
   for t in reader.tensors:   # built one at a time: a flood of unknown tensors stops early
@@ -279,6 +288,11 @@ def save_gguf_drafter(path: str | os.PathLike, cfg: DFlashConfig, w: Mapping[str
     raise TypeError(f"cfg must be a DFlashConfig, got {type(cfg).__name__}")
   qtype = SAVE_TYPES[tensor_type]
   where = f"save_drafter({path})"
+  if SLIDING in cfg.kinds and cfg.window is None:
+    raise _fail(where, f"the config has sliding layers but no window; the file needs "
+                f"{KEY_WINDOW!r} (a file without it is full attention on every layer, "
+                "docs/SPEC.md section 2): give the config one (dataclasses.replace(cfg, "
+                "window=2048))")
   arrays = checked_drafter_weights(cfg, w, where)
   encoded = {name: _encode(name, a, qtype, where) for name, a in arrays.items()}
   _write_atomically(path, lambda writer: _fill_writer(writer, cfg, encoded, qtype))
@@ -310,7 +324,7 @@ def _fill_writer(writer: gguf.GGUFWriter, cfg: DFlashConfig,
   writer.add_uint32(KEY_BLOCK_SIZE, cfg.block_size)
   if cfg.window is not None:
     writer.add_uint32(KEY_WINDOW, cfg.window)
-  if cfg.layer_types is not None:  # None: every layer slides, which is also a file's default
+  if cfg.layer_types is not None:  # None: every layer slides, as a file with a window says
     writer.add_array(KEY_SWA_PATTERN, [cfg.is_sliding(i) for i in range(cfg.n_layer)])
   if cfg.context_length is not None:
     writer.add_uint32(KEY_CONTEXT, cfg.context_length)
