@@ -329,6 +329,30 @@ def test_generate_cli(folders, capsys):
     (root / "tokenizer.json").rename(root / "target" / "tokenizer.json")
 
 
+def test_generate_cli_full_attention_drafter_and_draft_window(folders, capsys, tmp_path):
+  """A drafter GGUF without a window runs full attention (its cache holds every position);
+  --draft-window 8 runs its layers in an 8-slot ring instead. Both stay lossless."""
+  import dflash_jax as dfj
+  from dflash_jax.__main__ import main
+  root, _ = folders
+  target = str(root / "target")
+  tcfg, tparams = load_target(target)
+  dcfg, w = TM.drafter_weights(tcfg, seed=2)
+  full = dataclasses.replace(dcfg, window=None, layer_types=("full_attention",) * dcfg.n_layer)
+  drafter = dfj.save_drafter(str(tmp_path / "full.gguf"), full, w)
+  assert dfj.load_drafter(drafter)[0].kinds == full.kinds
+  want = " ".join(map(str, D.generate_target_only(tparams, tcfg, [[5, 9, 3]], 20).tokens[0]))
+  base = ["generate", "--target", target, "--drafter", drafter, "--prompt-ids", "5,9,3",
+          "--max-new", "20", "--impl", "xla", "--block", "4"]
+  (root / "target" / "tokenizer.json").rename(root / "tokenizer.json")
+  try:
+    for extra in ([], ["--draft-window", "8"]):
+      assert main(base + extra) == 0
+      assert capsys.readouterr().out.splitlines()[0] == want, extra
+  finally:
+    (root / "tokenizer.json").rename(root / "target" / "tokenizer.json")
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--prompt-ids", "1,200"], "--prompt-ids: id 200 is outside the target vocab [0, 97)"),
     (["--prompt-ids", "1", "--block", "9"], "--block: must lie in [2, 8]"),
