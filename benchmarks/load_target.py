@@ -7,8 +7,8 @@ Writes (when DIR holds no checkpoint yet) a Qwen3-8B-shaped HF folder of random 
 (vocab 151936, hidden 4096, ffn 12288, 32 / 8 heads x 128; 36 layers: 16.4 GB) in shards of at
 most --shard-gb, then loads it --repeat times, each in a fresh process, and reports per load:
 seconds (until every parameter is on the device), GB/s of checkpoint, the peak RSS of that
-process (VmHWM, and before the load), and the largest shard for comparison. The writer's page cache stays
-warm, so loads after a fresh write read from memory, not the disk. The values are random
+process (VmHWM, and before the load), and the largest shard for comparison. The writer's page
+cache stays warm, so loads after a fresh write read from memory, not the disk. The values are random
 (drawn once from a pool of normals and reused at different offsets: timing and memory do not
 depend on them). The folder is kept unless it was a temporary one.
 """

@@ -22,11 +22,11 @@ class DFlashConfig:
   `window` is the sliding window W (a checkpoint without one has no sliding layer, docs/SPEC.md
   section 2; a config made in code with sliding layers and no window runs them at the
   caller's `window`, default 2048, and cannot be saved). `layer_types` gives each layer's
-  attention kind (docs/SPEC.md section 7): "sliding_attention" (a ring of W slots, visibility `0 <= q - p < W`) or
-  "full_attention" (every injected position < n_past visible; a cache of a caller-chosen
-  capacity, `resolve_capacity`). None means every layer slides (an all-sliding tuple is
-  stored as None, so configs read from different formats compare equal). `context_length`
-  is the target's context length when the file states it.
+  attention kind (docs/SPEC.md section 7): "sliding_attention" (a ring of W slots, visibility
+  `0 <= q - p < W`) or "full_attention" (every injected position < n_past visible; a cache of
+  a caller-chosen capacity, `resolve_capacity`). None means every layer slides (an
+  all-sliding tuple is stored as None, so configs read from different formats compare equal).
+  `context_length` is the target's context length when the file states it.
   """
   n_layer: int
   n_embd: int
