@@ -283,6 +283,8 @@ def test_load_target_picks_the_family_and_ignores_buffers(tmp_path):
   with pytest.raises(TargetFormatError, match=r"config.json: model_type 'qwen2' is not supported "
                      r"\(supported: \['llama', 'qwen3'\]\)"):
     load_target(tmp_path / "t")
+  with pytest.raises(ValueError, match="dtype must be 'fp32' or 'bf16', got 'int8'"):
+    load_target(tmp_path / "nothing", dtype="int8")   # before looking at the folder
 
 
 def test_load_target_streams_each_tensor_in_its_stored_dtype(tmp_path, monkeypatch):

@@ -23,6 +23,7 @@ from dflash_jax.io import atomic
 from dflash_jax.io import safetensors as st
 from dflash_jax.io.errors import SafetensorsFormatError, TargetFormatError
 from dflash_jax.models import qwen3
+from dflash_jax.params import resolve_dtype
 
 __all__ = ["FAMILIES", "TargetFormatError", "family", "load_target", "read_target_config",
            "save_target"]
@@ -78,6 +79,8 @@ def load_target(folder: str | os.PathLike, dtype: Any = None) -> tuple[Any, Any]
   tensor or config key.
   """
   folder = os.fspath(folder)
+  if dtype is not None:
+    resolve_dtype(dtype)   # a bad argument fails before any file is read
   fam, cfg, model_type = _read_config(folder)
   config_path = os.path.join(folder, CONFIG_FILE)
   try:
