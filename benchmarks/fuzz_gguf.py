@@ -25,7 +25,8 @@ import gguf
 import numpy as np
 
 import dflash_jax as dfj
-from dflash_jax.gguf_io import DrafterFormatError
+from dflash_jax.io import DrafterFormatError
+from dflash_jax.io import gguf as gguf_io
 
 # Small, but with every axis > 1 and Q8_0-compatible widths (multiples of 32).
 FUZZ_CONFIG = dfj.DFlashConfig(n_layer=1, n_embd=32, n_ff=64, n_head=2, n_head_kv=1,
@@ -72,9 +73,9 @@ def _with_tokens(src: str, dst: str) -> None:
   """A copy of the drafter file `src` plus a tokenizer string array (as llama.cpp's converter
   copies the target's vocab into drafter files)."""
   reader = gguf.GGUFReader(src)
-  writer = gguf.GGUFWriter(dst, dfj.gguf_io.ARCH)
+  writer = gguf.GGUFWriter(dst, gguf_io.ARCH)
   for field in reader.fields.values():
-    if field.name.startswith("GGUF.") or field.name == dfj.gguf_io.KEY_ARCH:
+    if field.name.startswith("GGUF.") or field.name == gguf_io.KEY_ARCH:
       continue
     vtype = field.types[0]
     sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None

@@ -21,7 +21,7 @@ Every phase of the step and of the round runs under a `jax.named_scope` (ARCHITE
 --command-buffer off (the default) compiles with XLA's command buffers off, so that XLA
 launches every kernel itself and each kernel event in the trace names its HLO op (and so its
 scope); each kernel transition then costs ~2 us more than inside the product's one CUDA
-graph (research/launch_overhead.md), which inflates small phases. `--command-buffer on`
+graph, which inflates small phases. `--command-buffer on`
 traces the program exactly as it runs in production: the kernels then appear under the
 command buffer's name, not their phases.
 """
@@ -44,9 +44,9 @@ import numpy as np
 
 import dflash_jax as dfj
 from benchmarks import common as C
-from dflash_jax import atomic
 from dflash_jax import decode as D
 from dflash_jax.drafter import step as S
+from dflash_jax.io import atomic
 
 # The scope names of dflash_jax.drafter.step and dflash_jax.decode that name a phase; a scope path
 # reduces to the ones it holds, in order (layer<i>, jit(...), vmap(...), while/body dropped):

@@ -10,6 +10,7 @@ import numpy as np
 SLIDING, FULL = "sliding_attention", "full_attention"
 LAYER_TYPES = (SLIDING, FULL)   # HF `layer_types` spellings
 DEFAULT_WINDOW = 2048
+DEFAULT_BLOCK_SIZE = 16   # a checkpoint that states no block size (docs/SPEC.md section 2)
 DEFAULT_CAPACITY = 8192
 FAMILIES = ("dflash", "dflash2", "dspark")
 MARKOV_HEADS = ("vanilla", "gated", "rnn")
@@ -146,13 +147,14 @@ class DFlashConfig:
 
   Frozen and hashable, so it can be a static argument of `jax.jit`.
   `target_layers` follows llama.cpp: HF `target_layer_ids` + 1.
-  `window` is the sliding window W from the file (None when the file has none; callers
-  then choose, default 2048). `layer_types` gives each layer's attention kind (SPEC.md
-  section 7): "sliding_attention" (a ring of W slots, visibility `0 <= q - p < W`) or
-  "full_attention" (every injected position < n_past visible; a cache of a caller-chosen
-  capacity, `resolve_capacity`). None means every layer slides (an all-sliding tuple is
-  stored as None, so configs read from different formats compare equal). `context_length`
-  is the target's context length when the file states it.
+  `window` is the sliding window W (a checkpoint without one has no sliding layer, docs/SPEC.md
+  section 2; a config made in code with sliding layers and no window runs them at the
+  caller's `window`, default 2048, and cannot be saved). `layer_types` gives each layer's
+  attention kind (docs/SPEC.md section 7): "sliding_attention" (a ring of W slots, visibility
+  `0 <= q - p < W`) or "full_attention" (every injected position < n_past visible; a cache of
+  a caller-chosen capacity, `resolve_capacity`). None means every layer slides (an
+  all-sliding tuple is stored as None, so configs read from different formats compare equal).
+  `context_length` is the target's context length when the file states it.
 
   `family` is "dflash" (SPEC.md), "dflash2" or "dspark" (SPEC_dflash2_dspark);
   `family_fields` holds the family's own fields: None for "dflash", a DFlash2Fields or a
@@ -168,7 +170,7 @@ class DFlashConfig:
   eps: float
   target_layers: tuple[int, ...]
   mask_token_id: int
-  block_size: int = 16
+  block_size: int = DEFAULT_BLOCK_SIZE
   window: int | None = None
   layer_types: tuple[str, ...] | None = None
   context_length: int | None = None
@@ -294,6 +296,16 @@ class DFlashConfig:
     if w <= 0:
       raise ValueError(f"window must be positive, got {w}")
     return int(w)
+
+  def with_draft_window(self, window: int) -> "DFlashConfig":
+    """This drafter with every layer sliding in a ring of `window` slots: the engines'
+    draft-window option for long contexts. A full-attention layer then sees only the last
+    `window` positions, an approximation of the checkpoint's drafter, so only a caller's
+    explicit choice applies it (docs/SPEC.md section 2; CLI `--draft-window`), never a
+    default or a loader."""
+    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window <= 0:
+      raise ValueError(f"window must be a positive int, got {window!r}")
+    return dataclasses.replace(self, window=int(window), layer_types=None)
 
   def resolve_capacity(self, capacity: int | None = None) -> int:
     """Positions a full-attention layer's cache holds: explicit, else context_length, else

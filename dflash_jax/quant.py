@@ -22,22 +22,24 @@ _BLOCK_VALUES = 1 << 22
 
 
 def _by_rows(fn, *ws: np.ndarray) -> tuple[np.ndarray, ...]:
-  """fn (a row-wise conversion returning a tuple of [rows, ...] arrays) over blocks of rows of
-  the row-wise concatenation of ws (same columns), which is never made in memory."""
+  """fn (a row-wise conversion of float32 rows returning a tuple of [rows, ...] arrays) over
+  blocks of rows of the row-wise concatenation of ws (same columns, any float dtype), which is
+  never made in memory; each block is widened to float32 on its own, so a bf16 input never
+  has a whole float32 copy."""
   rows = max(1, _BLOCK_VALUES // max(1, ws[0].shape[1]))
   if len(ws) == 1 and ws[0].shape[0] <= rows:
-    return fn(ws[0])
+    return fn(np.asarray(ws[0], np.float32))
   # (part, first row in the part, first row in the result) of every block.
   blocks, offset = [], 0
   for w in ws:
     blocks += [(w, start, offset + start) for start in range(0, w.shape[0], rows)]
     offset += w.shape[0]
-  first = fn(ws[0][:0])                   # dtypes and trailing shapes of the outputs
+  first = fn(np.asarray(ws[0][:0], np.float32))   # dtypes and trailing shapes of the outputs
   outs = tuple(np.empty((offset, *f.shape[1:]), f.dtype) for f in first)
 
   def fill(block):
     w, start, at = block
-    part = w[start:start + rows]
+    part = np.asarray(w[start:start + rows], np.float32)
     for out, result in zip(outs, fn(part), strict=True):
       out[at:at + part.shape[0]] = result
 
@@ -54,8 +56,7 @@ def host_pool() -> ThreadPoolExecutor:
 def to_bf16(*ws: np.ndarray) -> np.ndarray:
   """The row-wise concatenation of ws ([N_i, K] each) rounded to bfloat16 (nearest even,
   ml_dtypes' cast)."""
-  return _by_rows(lambda b: (b.astype(ml_dtypes.bfloat16),),
-                  *[np.asarray(w, np.float32) for w in ws])[0]
+  return _by_rows(lambda b: (b.astype(ml_dtypes.bfloat16),), *[np.asarray(w) for w in ws])[0]
 
 
 def _check_matrix(w: np.ndarray, name: str) -> np.ndarray:
@@ -65,7 +66,7 @@ def _check_matrix(w: np.ndarray, name: str) -> np.ndarray:
   if not np.all(np.isfinite(w)):
     raise ValueError(f"{name}: w must be finite (got {np.count_nonzero(~np.isfinite(w))} "
                      "non-finite values)")
-  return w.astype(np.float32, copy=False)
+  return w
 
 
 def quantize_fp8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

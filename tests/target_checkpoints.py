@@ -1,7 +1,5 @@
-"""Random HF checkpoints of the target families for the tests, and a stand-in for the folder
-loader (`models.load_target` detects the family; these tests call the family module itself):
-the header checks first, errors naming the file and the tensor, then the tensors handed to the
-family's `params_from_hf` as device arrays in their stored dtype."""
+"""Random HF checkpoints of the target families for the tests, and their loading through
+`models.load_target` (which picks the family by the folder's model_type)."""
 from __future__ import annotations
 
 import json
@@ -10,7 +8,9 @@ import os
 import jax
 import numpy as np
 
-from dflash_jax import atomic, safetensors_io
+from dflash_jax import models
+from dflash_jax.io import atomic
+from dflash_jax.io import safetensors as safetensors_io
 
 
 def random_tensors(shapes: dict, seed: int, centered=lambda name: False) -> dict:
@@ -39,26 +39,10 @@ def write(folder, config: dict, tensors: dict, dtype: str | None = None,
 
 
 def load(family, folder, dtype=None):
-  """(cfg, params) from a folder through the family's HF interface; ValueError naming the
-  file and the tensor or key on any header problem, before any tensor data is read."""
-  folder = os.fspath(folder)
-  where = os.path.join(folder, "config.json")
-  with open(where) as f:
-    cfg = family.config_from_hf(json.load(f), where)
-  specs = safetensors_io.tensor_specs(folder)
-  shapes, optional = family.hf_tensor_shapes(cfg), family.hf_optional(cfg)
-  for name, spec in specs.items():
-    if name not in shapes and name not in optional and not family.hf_ignored(name):
-      raise ValueError(f"{spec.file}: unknown tensor {name}")
-  for name, want in shapes.items():
-    if name not in specs:
-      raise ValueError(f"{folder}: missing tensor {name} (expected by {where})")
-    if specs[name].shape != want:
-      raise ValueError(f"{specs[name].file}: tensor {name} has shape {specs[name].shape}, "
-                       f"expected {want}")
-  t = safetensors_io.read_tensors(folder, names=list(shapes))
-  t = {n: jax.device_put(a) for n, a in t.items()}   # device arrays, stored dtype
-  return cfg, family.params_from_hf(cfg, t, dtype or "fp32")
+  """(cfg, params) of a folder through `models.load_target`, checked to be of `family`."""
+  cfg, params = models.load_target(folder, dtype or "fp32")
+  assert type(cfg).__module__ == family.__name__, (type(cfg), family)
+  return cfg, params
 
 
 def bf16_cached_vs_reference(family, ref_hidden_states, cfg, centered, *, seed: int,

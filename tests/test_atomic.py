@@ -1,10 +1,10 @@
-"""dflash_jax.atomic: a destination is replaced whole or not at all."""
+"""dflash_jax.io.atomic: a destination is replaced whole or not at all."""
 import json
 import os
 
 import pytest
 
-from dflash_jax import atomic
+from dflash_jax.io import atomic
 
 
 def test_replacing_commits_on_success_and_leaves_nothing_on_error(tmp_path):

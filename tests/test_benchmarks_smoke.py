@@ -81,3 +81,17 @@ def test_targets_benchmark_smoke_run(tmp_path):
   e = res["models"]["moe"]["target"]["verify16_experts_touched"]
   assert len(e["per_layer"]) == 2 and 2 <= e["min"] <= e["max"] <= 8
   assert (tmp_path / "targets.md").read_text().startswith("- device:")
+
+
+def test_load_target_benchmark_smoke_run(tmp_path):
+  """benchmarks.load_target at tiny dims: writes a sharded bf16 folder, loads it in a fresh
+  process, reports time and peak RSS (numbers are not results)."""
+  from benchmarks import load_target
+  out = tmp_path / "load.json"
+  assert load_target.main(["--smoke", "--folder", str(tmp_path / "t"), "--repeat", "1",
+                           "--out", str(out)]) == 0
+  res = json.loads(out.read_text())
+  assert res["smoke"] and res["shards"] > 1 and res["largest_shard"] < res["bytes"]
+  (run,) = res["runs"]
+  assert run["seconds"] > 0 and run["peak_rss"] >= run["rss_before"] > 0
+  assert run["dtypes"] == ["bfloat16", "float32"] and run["param_bytes"] > 0

@@ -10,6 +10,7 @@ import pytest
 
 from dflash_jax import decode as D
 from dflash_jax.drafter import step as S
+from dflash_jax.models import load_target, save_target
 from dflash_jax.models import qwen3 as Q
 import tiny_models as TM
 from benchmarks.oracle import Oracle
@@ -293,7 +294,7 @@ def folders(pair, tmp_path_factory):
   from tokenizers import Tokenizer, models, pre_tokenizers
   tcfg, tp, _ = pair
   root = tmp_path_factory.mktemp("generate")
-  Q.save_target(root / "target", tcfg, tp, dtype="f32")
+  save_target(root / "target", tcfg, tp, dtype="f32")
   tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(tcfg.vocab_size)}, unk_token="w0"))
   tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
   tok.save(str(root / "target" / "tokenizer.json"))
@@ -310,8 +311,8 @@ def test_generate_cli(folders, capsys):
                "--max-new", "12", "--impl", "xla", "--block", "4", "--sync-every", "2",
                "--compare"]) == 0
   out = capsys.readouterr().out
-  want = D.generate_target_only(Q.load_target(target)[1], Q.TargetConfig.from_hf(target),
-                                [[5, 9, 3]], 12).tokens[0]
+  tcfg, tparams = load_target(target)
+  want = D.generate_target_only(tparams, tcfg, [[5, 9, 3]], 12).tokens[0]
   assert out.splitlines()[0] == tok.decode(want)   # the streamed text, detokenized
   import re
   rounds, tau = re.search(r"tokens:  12 in (\d+) rounds; tau ([\d.]+) \(mean tokens", out).groups()
@@ -327,6 +328,30 @@ def test_generate_cli(folders, capsys):
     assert capsys.readouterr().out.splitlines()[0] == " ".join(map(str, want))
     assert main(["generate", "--target", target, "--drafter", drafter, "--prompt", "w1"]) == 2
     assert "--prompt: text needs" in capsys.readouterr().err
+  finally:
+    (root / "tokenizer.json").rename(root / "target" / "tokenizer.json")
+
+
+def test_generate_cli_full_attention_drafter_and_draft_window(folders, capsys, tmp_path):
+  """A drafter GGUF without a window runs full attention (its cache holds every position);
+  --draft-window 8 runs its layers in an 8-slot ring instead. Both stay lossless."""
+  import dflash_jax as dfj
+  from dflash_jax.__main__ import main
+  root, _ = folders
+  target = str(root / "target")
+  tcfg, tparams = load_target(target)
+  dcfg, w = TM.drafter_weights(tcfg, seed=2)
+  full = dataclasses.replace(dcfg, window=None, layer_types=("full_attention",) * dcfg.n_layer)
+  drafter = dfj.save_drafter(str(tmp_path / "full.gguf"), full, w)
+  assert dfj.load_drafter(drafter)[0].kinds == full.kinds
+  want = " ".join(map(str, D.generate_target_only(tparams, tcfg, [[5, 9, 3]], 20).tokens[0]))
+  base = ["generate", "--target", target, "--drafter", drafter, "--prompt-ids", "5,9,3",
+          "--max-new", "20", "--impl", "xla", "--block", "4"]
+  (root / "target" / "tokenizer.json").rename(root / "tokenizer.json")
+  try:
+    for extra in ([], ["--draft-window", "8"]):
+      assert main(base + extra) == 0
+      assert capsys.readouterr().out.splitlines()[0] == want, extra
   finally:
     (root / "tokenizer.json").rename(root / "target" / "tokenizer.json")
 

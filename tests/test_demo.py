@@ -53,6 +53,27 @@ def test_prefill_of_one_token_injects_nothing(capsys, tmpdir_only):
   assert "prefill: 0 rows injected" in out and "rounds:  2," in out
 
 
+def test_a_gguf_without_a_window_runs_full_attention_unless_asked(tmp_path, capsys,
+                                                                  tmpdir_only):
+  """A drafter GGUF with no sliding window is full attention on every layer (docs/SPEC.md
+  section 2): its cache holds every position; --draft-window puts every layer in a ring."""
+  cfg = dataclasses.replace(dfj.TINY_CONFIG, window=None, context_length=256,
+                            layer_types=("full_attention",) * dfj.TINY_CONFIG.n_layer)
+  path = dfj.save_drafter(tmp_path / "full.gguf", cfg,
+                          dfj.synthetic_drafter(cfg, seed=1, with_target=False))
+  base = ["demo", "--gguf", path, "--vocab", "512", "--impl", "xla", "--prefill", "20"]
+  assert main(base + ["--rounds", "2"]) == 0
+  out = capsys.readouterr().out
+  assert "prefill: 19 rows injected into a 256-position full-attention cache" in out, out
+  assert main(base + ["--rounds", "2", "--draft-window", "64"]) == 0
+  out = capsys.readouterr().out
+  assert "prefill: 19 rows injected into a 64-slot ring" in out, out
+  line = _fail(base + ["--rounds", "40"], capsys)   # 19 + 40 x 8 positions > 256
+  assert "--prefill/--rounds" in line and "256 positions" in line and "--draft-window" in line
+  line = _fail(base + ["--window", "64", "--draft-window", "64"], capsys)
+  assert "--draft-window" in line and "not allowed with argument --window" in line, line
+
+
 def test_round_line_does_not_land_inside_the_progress_bar(capsys, monkeypatch, tmpdir_only):
   """On a terminal the bar redraws with carriage returns; the round-0 line must start a line of
   its own (tqdm.write clears the bar first), not be appended to the bar's text."""
@@ -160,7 +181,7 @@ def test_help_shows_every_default(capsys):
   text = " ".join(capsys.readouterr().out.split())
   demo_parser = _parser()._subparsers._group_actions[0].choices["demo"]
   options = [a for a in demo_parser._actions if a.option_strings and a.dest != "help"]
-  assert len(options) == 10
+  assert len(options) == 11
   for a in options:
     assert a.help, a.dest
     if a.default is None:

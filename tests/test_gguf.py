@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 
 from dflash_jax.config import FULL, SLIDING, TINY_CONFIG, DFlashConfig, drafter_tensor_shapes
-from dflash_jax.gguf_io import (DrafterFormatError, load_drafter, read_q8_0,
-                                save_drafter)
+from dflash_jax.io import DrafterFormatError, load_drafter, read_q8_0, save_drafter
 from dflash_jax.synthetic import synthetic_drafter
 
 VT = gguf.GGUFValueType
@@ -19,7 +18,8 @@ QT = gguf.GGMLQuantizationType
 SAVE_TYPES = ("F32", "F16", "BF16", "Q8_0")
 # Every matrix input width is a multiple of 256, so K-quants (256-blocks) fit every matrix.
 K_CONFIG = DFlashConfig(n_layer=1, n_embd=256, n_ff=256, n_head=4, n_head_kv=2, head_dim=64,
-                        rope_theta=1e6, eps=1e-5, target_layers=(2, 5), mask_token_id=3)
+                        rope_theta=1e6, eps=1e-5, target_layers=(2, 5), mask_token_id=3,
+                        window=256)
 # Byte range of the f16 scales in one block of each K-quant: random bytes there could be NaN/Inf.
 K_SCALE_BYTES = {QT.Q2_K: (80, 84), QT.Q3_K: (108, 110), QT.Q4_K: (0, 4), QT.Q5_K: (0, 4),
                  QT.Q6_K: (208, 210)}
@@ -35,7 +35,7 @@ class _Writer(gguf.GGUFWriter):
 
 
 def _kv(cfg: DFlashConfig, mask_key: str = "tokenizer.ggml.mask_token_id") -> dict:
-  """The metadata of SPEC.md section 2, spelled out independently of gguf_io."""
+  """The metadata of SPEC.md section 2, spelled out independently of io.gguf."""
   kv = {
       "dflash.block_count": (cfg.n_layer, VT.UINT32),
       "dflash.embedding_length": (cfg.n_embd, VT.UINT32),
@@ -146,15 +146,16 @@ def test_target_tensors_are_not_written(tmp_path):
 
 
 def test_window_absent_and_block_size_default(tmp_path):
-  cfg = dataclasses.replace(TINY_CONFIG, window=None, block_size=16)
+  """No sliding_window key: every layer is full attention (docs/SPEC.md section 2)."""
+  cfg = dataclasses.replace(TINY_CONFIG, window=None, layer_types=(FULL, FULL), block_size=16)
   w = _drafter(seed=4)
   path = save_drafter(tmp_path / "nowin.gguf", cfg, w)
   assert gguf.GGUFReader(path).get_field("dflash.attention.sliding_window") is None
   assert load_drafter(path)[0] == cfg
-  kv = _kv(dataclasses.replace(TINY_CONFIG, window=None))
+  kv = _kv(dataclasses.replace(TINY_CONFIG, window=None))   # no window, no pattern
   del kv["dflash.block_size"]
   loaded, _ = load_drafter(_write(tmp_path / "nobs.gguf", kv, _tensors(w)))
-  assert loaded.block_size == 16 and loaded.window is None
+  assert loaded.block_size == 16 and loaded.window is None and loaded.kinds == (FULL, FULL)
 
 
 def test_old_mask_key_spelling(tmp_path):
@@ -433,7 +434,8 @@ def test_layer_kinds_and_context_length_round_trip(tmp_path):
 @pytest.mark.parametrize("pattern,window,kinds", [
     ([True, True], 32, None),
     ([False, False], None, (FULL, FULL)),
-    ([True, False], None, (SLIDING, FULL)),
+    ([True, False], 32, (SLIDING, FULL)),
+    ([False, False], 32, (FULL, FULL)),
 ])
 def test_pattern_key_read(tmp_path, parts, pattern, window, kinds):
   kv, tensors = parts
@@ -444,6 +446,54 @@ def test_pattern_key_read(tmp_path, parts, pattern, window, kinds):
   kv["dflash.context_length"] = (512, VT.UINT32)
   cfg, _ = load_drafter(_write(tmp_path / "p.gguf", kv, tensors))
   assert cfg.layer_types == kinds and cfg.window == window and cfg.context_length == 512
+
+
+def test_window_and_no_pattern_is_all_sliding(tmp_path, parts):
+  kv, tensors = parts
+  assert "dflash.attention.sliding_window_pattern" not in kv
+  cfg, _ = load_drafter(_write(tmp_path / "swa.gguf", kv, tensors))
+  assert cfg.window == 32 and cfg.kinds == (SLIDING, SLIDING)
+
+
+def test_hf_and_gguf_forms_without_a_window_load_alike(tmp_path):
+  """One full-attention drafter (as z-lab's Qwen3-8B-DFlash: no window) saved as an HF folder
+  and as a GGUF loads with the same config from both, so the same attention kinds."""
+  cfg = dataclasses.replace(TINY_CONFIG, window=None, layer_types=(FULL, FULL),
+                            context_length=4096)
+  w = _drafter(seed=25)
+  hf = save_drafter(tmp_path / "hf", cfg, w, "f32")
+  gg = save_drafter(tmp_path / "d.gguf", cfg, w)
+  assert gguf.GGUFReader(gg).get_field("dflash.attention.sliding_window") is None
+  from_hf, from_gguf = load_drafter(hf)[0], load_drafter(gg)[0]
+  assert from_hf == from_gguf == cfg and from_gguf.kinds == (FULL, FULL)
+  # The GGUF written from the HF folder says the same.
+  again = save_drafter(tmp_path / "again.gguf", from_hf, load_drafter(hf)[1])
+  assert load_drafter(again)[0] == cfg
+
+
+def test_sliding_layers_need_a_window(tmp_path, parts):
+  kv, tensors = parts
+  del kv["dflash.attention.sliding_window"]
+  kv["dflash.attention.sliding_window_pattern"] = ([True, False], VT.ARRAY, VT.BOOL)
+  _expect_error(_write(tmp_path / "nowin.gguf", kv, tensors),
+                "dflash.attention.sliding_window_pattern", "layers [0] sliding",
+                "no 'dflash.attention.sliding_window'")
+  with pytest.raises(DrafterFormatError, match=r"save_drafter\(.*nowin2.gguf\): the config has "
+                     r"sliding layers but no window"):
+    save_drafter(tmp_path / "nowin2.gguf", dataclasses.replace(TINY_CONFIG, window=None),
+                 _drafter(seed=26))
+  assert not (tmp_path / "nowin2.gguf").exists()
+
+
+def test_draft_window_is_an_explicit_choice():
+  """with_draft_window runs every layer, full ones included, in a ring of W slots."""
+  cfg = dataclasses.replace(TINY_CONFIG, layer_types=(FULL, SLIDING))
+  ring = cfg.with_draft_window(64)
+  assert ring.kinds == (SLIDING, SLIDING) and ring.window == 64 and ring.resolve_window() == 64
+  assert cfg.kinds == (FULL, SLIDING) and cfg.window == 32   # the original is unchanged
+  for bad in (0, -1, 2.5, True):
+    with pytest.raises(ValueError, match="window must be a positive int"):
+      cfg.with_draft_window(bad)
 
 
 @pytest.mark.parametrize("value,culprit", [

@@ -1,10 +1,10 @@
-"""The bounds-checked GGUF reader (dflash_jax.gguf_guard): the same fields and tensors as gguf's
-reader on valid files; every header breach rejected by name, in bounded time and memory; the two
-hostile fixtures of the project's shared folder rejected at once.
+"""The bounds-checked GGUF reader (dflash_jax.io.gguf_guard): the same fields and tensors as
+gguf's reader on valid files; every header breach rejected by name, in bounded time and memory;
+the two hostile files a fuzz of the loader found (regenerated here) rejected at once.
 
-Time and memory bounds here are correctness bounds against unbounded work (the fixtures made
-the old loader run for minutes and allocate 24 GB), set far above what the guard needs; they
-are not benchmarks.
+Time and memory bounds here are correctness bounds against unbounded work (the hostile files
+made the old loader run for minutes and allocate 24 GB), set far above what the guard needs;
+they are not benchmarks.
 """
 from __future__ import annotations
 
@@ -17,24 +17,14 @@ import gguf
 import numpy as np
 import pytest
 
-from dflash_jax.gguf_guard import GGUFFormatError, open_gguf
-from dflash_jax.gguf_io import DrafterFormatError, load_drafter, save_drafter
-from dflash_jax.config import TINY_CONFIG
+from dflash_jax.io import DrafterFormatError, load_drafter, save_drafter
+from dflash_jax.io.errors import GGUFFormatError
+from dflash_jax.io.gguf_guard import open_gguf
+from dflash_jax.config import TINY_CONFIG, DFlashConfig
 from dflash_jax.synthetic import synthetic_drafter
 
 VT = gguf.GGUFValueType
 QT = gguf.GGMLQuantizationType
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def _fixtures() -> pathlib.Path:
-  """The project's shared folder (`shared/`, holding SPEC.md) in the checkout or a folder above
-  it: /work/shared for /work/main, `shared/` beside the checkout in CI."""
-  for d in (ROOT, *ROOT.parents):
-    if (d / "shared" / "SPEC.md").is_file():
-      return d / "shared" / "fixtures"
-  raise AssertionError(f"no shared/ folder (with SPEC.md) in {ROOT} or any folder above it: the "
-                       "hostile GGUF fixtures live in shared/fixtures")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -255,11 +245,44 @@ def _cost(path: str, error=DrafterFormatError) -> tuple[float, int, str]:
   return seconds, peak, str(info.value)
 
 
-@pytest.mark.parametrize("name,field", [("hostile_unbounded_alloc_1.gguf", "dflash.target_layers"),
-                                        ("hostile_unbounded_alloc_2.gguf", "general.architecture")])
-def test_hostile_fixtures_rejected_at_once(name, field):
-  path = _fixtures() / name
-  assert path.is_file(), f"fixture {path} is missing"
+# The drafter the fuzz mutated: about 1.1 MB as F32 (its two hostile files were that size).
+HOSTILE_BASE = DFlashConfig(n_layer=2, n_embd=128, n_ff=128, n_head=6, n_head_kv=2, head_dim=32,
+                            rope_theta=1e4, eps=1e-6, target_layers=(17, 24, 26),
+                            mask_token_id=997, block_size=16, window=64)
+
+
+def _hostile(tmp_path, field: str) -> pathlib.Path:
+  """The valid drafter file with one header field mutated as the fuzz found it, so that an
+  array claims a planted element count of 4-byte elements:
+  - "dflash.target_layers": the INT32 array's u64 count overwritten with 0x70655f736d000003
+    (the fuzz spliced text bytes over it);
+  - "general.architecture": the string's value type turned into ARRAY (9), so its length's low
+    half reads as the element type (6, FLOAT32) and the next 8 bytes ("\0\0\0\0dfla") as
+    the count.
+  Zero bytes are appended so the elements tile the rest of the file: gguf's reader then walks
+  the count, one numpy view per element, past the end, where every further element is empty
+  and the walk never advances (the fuzz's files: 102 s under a 10 GB limit, or a MemoryError;
+  unbounded, 24 GB)."""
+  w = synthetic_drafter(HOSTILE_BASE, seed=11, with_target=False)
+  path = save_drafter(tmp_path / "base.gguf", HOSTILE_BASE, w)
+  reader = gguf.GGUFReader(path)   # the valid file: its parts give the byte positions
+  parts = reader.get_field(field).parts
+  part, value, after = {   # the mutated part, its new bytes, where the elements start after it
+      "dflash.target_layers": (parts[4], struct.pack("<Q", 0x70655f736d000003), 8),
+      "general.architecture": (parts[2], struct.pack("<I", VT.ARRAY), 4 + 4 + 8)}[field]
+  pos = part.__array_interface__["data"][0] - reader.data.__array_interface__["data"][0]
+  data = bytearray(open(path, "rb").read())
+  assert len(value) == part.nbytes
+  data[pos:pos + len(value)] = value
+  data += bytes((pos + after - len(data)) % 4)
+  out = tmp_path / f"hostile_{field}.gguf"
+  out.write_bytes(bytes(data))
+  return out
+
+
+@pytest.mark.parametrize("field", ["dflash.target_layers", "general.architecture"])
+def test_hostile_files_rejected_at_once(tmp_path, field):
+  path = _hostile(tmp_path, field)
   seconds, peak, msg = _cost(str(path))
   assert str(path) in msg and f"'{field}'" in msg and "array count" in msg, msg
   assert seconds < 2.0, seconds

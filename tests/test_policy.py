@@ -372,8 +372,7 @@ def test_pieces_compose_as_a_new_family_would(impl):
 # decoding and sharding, then training, the CLI and the package's facade.
 LAYERS = (("pallas_kernels", 0),
           ("dflash_jax.config", 1), ("dflash_jax.quant", 1), ("dflash_jax.dispatch", 1),
-          ("dflash_jax.atomic", 1), ("dflash_jax.io", 1), ("dflash_jax.gguf_guard", 1),
-          ("dflash_jax.gguf_io", 1), ("dflash_jax.hf_io", 1), ("dflash_jax.safetensors_io", 1),
+          ("dflash_jax.io", 1),
           ("dflash_jax.synthetic", 2), ("dflash_jax.drafter", 2), ("dflash_jax.models", 2),
           ("dflash_jax.decode", 3), ("dflash_jax.sharding", 3), ("dflash_jax.sampling", 3),
           ("dflash_jax.train", 4), ("dflash_jax.cli", 4), ("dflash_jax.__main__", 4),

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dflash_jax.models import TargetFormatError, load_target, read_target_config, save_target
 from dflash_jax.models import qwen3 as Q
 from dflash_jax.models.base import prefill_bucket
 from reference.targets.qwen3 import hidden_states
@@ -138,21 +139,21 @@ LLAMA3_HF = {
 
 
 def test_config_from_hf_qwen3_and_llama(tmp_path):
-  c = Q.TargetConfig.from_hf(QWEN3_8B_HF)
+  c = Q.config_from_hf(QWEN3_8B_HF, "config.json")
   assert (c.num_hidden_layers, c.head_dim, c.qk_norm, c.tie_word_embeddings) == (36, 128, True, False)
   assert c.eos_token_ids == (151645,)
-  assert Q.TargetConfig.from_hf(c.to_hf()) == c
-  l = Q.TargetConfig.from_hf(LLAMA3_HF)
+  assert Q.config_from_hf(c.to_hf(), "config.json") == c
+  l = Q.config_from_hf(LLAMA3_HF, "config.json")
   assert (l.head_dim, l.qk_norm, l.tie_word_embeddings) == (64, False, True)
   assert l.eos_token_ids == (128001, 128008, 128009)
-  assert Q.TargetConfig.from_hf(l.to_hf()) == l
+  assert Q.config_from_hf(l.to_hf(), "config.json") == l
   hash(l)   # static jit argument
   (tmp_path / "config.json").write_text(json.dumps(QWEN3_8B_HF))
-  assert Q.TargetConfig.from_hf(tmp_path) == c
+  assert read_target_config(tmp_path) == c
   # transformers v5 spelling: rope_parameters
   v5 = {k: v for k, v in QWEN3_8B_HF.items() if k != "rope_theta"}
   v5["rope_parameters"] = {"rope_theta": 1000000, "rope_type": "default"}
-  assert Q.TargetConfig.from_hf(v5) == c
+  assert Q.config_from_hf(v5, "config.json") == c
 
 
 @pytest.mark.parametrize("change, message", [
@@ -169,12 +170,12 @@ def test_config_from_hf_errors(change, message):
   c = {**QWEN3_8B_HF, **change}
   c = {k: v for k, v in c.items() if v is not None}
   with pytest.raises(ValueError, match=message):
-    Q.TargetConfig.from_hf(c)
+    Q.config_from_hf(c, "config.json")
 
 
 def test_llama3_rope_scaling():
   """High frequencies kept, low ones divided by the factor, the band between interpolated."""
-  l = Q.TargetConfig.from_hf(LLAMA3_HF)
+  l = Q.config_from_hf(LLAMA3_HF, "config.json")
   base = 500000.0 ** (-np.arange(0, 64, 2) / 64)
   got = Q.inv_freq(l).astype(np.float64)
   wavelen = 2 * np.pi / base
@@ -184,7 +185,7 @@ def test_llama3_rope_scaling():
   np.testing.assert_allclose(got[lo], base[lo] / 32, rtol=1e-6)
   mid = ~hi & ~lo
   assert np.all((got[mid] < base[mid]) & (got[mid] > base[mid] / 32))
-  np.testing.assert_allclose(Q.inv_freq(Q.TargetConfig.from_hf(QWEN3_8B_HF)),
+  np.testing.assert_allclose(Q.inv_freq(Q.config_from_hf(QWEN3_8B_HF, "config.json")),
                              1e6 ** (-np.arange(0, 128, 2) / 128), rtol=1e-6)
 
 
@@ -202,14 +203,14 @@ def _params_equal(a, b):
 def test_hf_round_trip(tmp_path, kw):
   cfg, p = _model(12, **kw)
   cfg = dataclasses.replace(cfg, eos_token_ids=(5, 6))
-  Q.save_target(tmp_path / "f32", cfg, p, dtype="f32")
-  cfg2, p2 = Q.load_target(tmp_path / "f32")
+  save_target(tmp_path / "f32", cfg, p, dtype="f32")
+  cfg2, p2 = load_target(tmp_path / "f32")
   assert cfg2 == cfg
   _params_equal(p2, p)
   # bf16, sharded: every tensor rounded to bf16 (norms too, as HF stores them).
-  Q.save_target(tmp_path / "bf16", cfg, p, dtype="bf16", max_shard_bytes=4096)
+  save_target(tmp_path / "bf16", cfg, p, dtype="bf16", max_shard_bytes=4096)
   assert (tmp_path / "bf16" / "model.safetensors.index.json").exists()
-  cfg3, p3 = Q.load_target(tmp_path / "bf16")
+  cfg3, p3 = load_target(tmp_path / "bf16")
   assert p3.embed.dtype == jnp.bfloat16 and p3.final_norm.dtype == jnp.float32
   r = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16), np.float32)
   _params_equal(jax.tree.map(lambda a: a.astype(jnp.float32), p3),
@@ -219,21 +220,21 @@ def test_hf_round_trip(tmp_path, kw):
 
 
 def _rewrite(folder, change):
-  from dflash_jax import safetensors_io
-  t = safetensors_io.read_tensors(folder)
+  from dflash_jax.io import safetensors
+  t = safetensors.read_tensors(folder)
   change(t)
-  safetensors_io.write_tensors(folder, t, dtype=None)
+  safetensors.write_tensors(folder, t, dtype=None)
 
 
 def test_hf_load_errors(tmp_path):
   cfg, p = _model(13, **VARIANTS[0])
   good = tmp_path / "good"
-  Q.save_target(good, cfg, p, dtype="f32")
+  save_target(good, cfg, p, dtype="f32")
   with pytest.raises(FileNotFoundError, match="no such model folder"):
-    Q.load_target(tmp_path / "nothing")
+    load_target(tmp_path / "nothing")
   (tmp_path / "empty").mkdir()
-  with pytest.raises(Q.TargetFormatError, match="no config.json"):
-    Q.load_target(tmp_path / "empty")
+  with pytest.raises(TargetFormatError, match="no config.json"):
+    load_target(tmp_path / "empty")
 
   def broken(name, change=None, config=None):
     import shutil
@@ -263,7 +264,80 @@ def test_hf_load_errors(tmp_path):
        r"lm_head.weight differs from model.embed_tokens.weight"),
   ]
   for folder, message in cases:
-    with pytest.raises(Q.TargetFormatError, match=message):
-      Q.load_target(folder)
+    with pytest.raises(TargetFormatError, match=message):
+      load_target(folder)
   with pytest.raises(ValueError, match="params have an lm_head but tie_word_embeddings is True"):
-    Q.save_target(tmp_path / "x", dataclasses.replace(cfg, tie_word_embeddings=True), p)
+    save_target(tmp_path / "x", dataclasses.replace(cfg, tie_word_embeddings=True), p)
+
+
+def test_load_target_picks_the_family_and_ignores_buffers(tmp_path):
+  cfg, p = _model(14, **VARIANTS[1])   # llama, tied
+  save_target(tmp_path / "t", cfg, p, dtype="f32")
+  _rewrite(tmp_path / "t", lambda t: t.update(
+      {"model.layers.0.self_attn.rotary_emb.inv_freq": np.ones(4, np.float32)}))
+  cfg2, p2 = load_target(tmp_path / "t")
+  assert cfg2 == cfg and read_target_config(tmp_path / "t") == cfg
+  _params_equal(p2, p)
+  c = json.loads((tmp_path / "t" / "config.json").read_text())
+  (tmp_path / "t" / "config.json").write_text(json.dumps({**c, "model_type": "qwen2"}))
+  with pytest.raises(TargetFormatError, match=r"config.json: model_type 'qwen2' is not supported "
+                     r"\(supported: \['llama', 'qwen3'\]\)"):
+    load_target(tmp_path / "t")
+  with pytest.raises(ValueError, match="dtype must be 'fp32' or 'bf16', got 'int8'"):
+    load_target(tmp_path / "nothing", dtype="int8")   # before looking at the folder
+
+
+def test_load_target_streams_each_tensor_in_its_stored_dtype(tmp_path, monkeypatch):
+  """A bf16 folder of 4 shards: every tensor is read once, as bf16 (the bytes read per shard are
+  exactly its data), the params come out bf16 (norms float32), and the host never holds a
+  float32 copy: the traced host peak stays under two of the largest tensor (the one being
+  handed to the device and the one read ahead), far below the folder's size."""
+  import tracemalloc
+
+  from dflash_jax.io import safetensors as st
+  cfg = dataclasses.replace(TINY, vocab_size=2048, hidden_size=64, intermediate_size=128,
+                            num_hidden_layers=4, head_dim=16)
+  p = Q.init_params(cfg, jax.random.key(15))
+  folder = tmp_path / "bf16"
+  save_target(folder, cfg, p, dtype="bf16", max_shard_bytes=200_000)
+  load_target(folder)   # compiles the device-side checks and casts once
+  real, seen = st.iter_tensors, []
+
+  def spy(specs, names, where):
+    for name, a in real(specs, names, where):
+      seen.append((specs[name].file, name, a.dtype, a.nbytes))
+      yield name, a
+
+  monkeypatch.setattr(st, "iter_tensors", spy)
+  tracemalloc.start()
+  try:
+    cfg2, p2 = load_target(folder)
+    peak = tracemalloc.get_traced_memory()[1]
+  finally:
+    tracemalloc.stop()
+  assert cfg2 == cfg
+  assert {d for _, _, d, _ in seen} == {np.dtype(jnp.bfloat16)}
+  assert sorted(n for _, n, _, _ in seen) == sorted(Q.hf_tensor_shapes(cfg))   # each once
+  shards = sorted(f for f in folder.iterdir() if f.suffix == ".safetensors")
+  assert len(shards) == 4
+  for shard in shards:
+    header = int.from_bytes(shard.read_bytes()[:8], "little")
+    assert sum(n for f, _, _, n in seen if f == str(shard)) == shard.stat().st_size - 8 - header
+  assert p2.embed.dtype == jnp.bfloat16 and p2.layers[0].wqkv.dtype == jnp.bfloat16
+  assert p2.final_norm.dtype == jnp.float32 and p2.layers[0].attn_norm.dtype == jnp.float32
+  r = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16), np.float32)
+  _params_equal(jax.tree.map(lambda a: a.astype(jnp.float32), p2),
+                jax.tree.map(lambda a: jnp.asarray(r(a)), p))
+  largest = max(n for _, _, _, n in seen)
+  total = sum(n for _, _, _, n in seen)
+  assert total > 3 * largest
+  assert peak < 2 * largest + 32_000, (peak, largest, total)
+  # fp32 from the same bf16 folder: the cast runs on the device, the host peak is unchanged.
+  tracemalloc.start()
+  try:
+    _, p3 = load_target(folder, dtype="fp32")
+    peak = tracemalloc.get_traced_memory()[1]
+  finally:
+    tracemalloc.stop()
+  assert p3.embed.dtype == jnp.float32 and peak < 2 * largest + 32_000, peak
+  _params_equal(p3, jax.tree.map(lambda a: a.astype(jnp.float32), p2))

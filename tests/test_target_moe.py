@@ -303,11 +303,12 @@ def test_checkpoint_folder(tmp_path, stored, shard):
 def test_checkpoint_errors_name_file_and_tensor(tmp_path):
   t = TC.random_tensors(Q.hf_tensor_shapes(TINY), 16)
   gone = {n: a for n, a in t.items() if n != "model.layers.3.mlp.experts.7.down_proj.weight"}
-  with pytest.raises(ValueError, match=r"missing tensor model.layers.3.mlp.experts.7.down_proj"):
+  with pytest.raises(ValueError, match=r"missing: missing tensors \['model.layers.3.mlp.experts.7"
+                     r".down_proj.weight'\]"):
     TC.load(Q, TC.write(tmp_path / "missing", TINY.to_hf(), gone))
   extra = {**t, "model.layers.0.mlp.experts.8.up_proj.weight": np.zeros((16, 32), np.float32)}
-  with pytest.raises(ValueError, match=r"model.safetensors: unknown tensor "
-                     r"model.layers.0.mlp.experts.8.up_proj.weight"):
+  with pytest.raises(ValueError, match=r"extra: unknown tensors "
+                     r"\['model.layers.0.mlp.experts.8.up_proj.weight'\]"):
     TC.load(Q, TC.write(tmp_path / "extra", TINY.to_hf(), extra))
   bad = {**t, "model.layers.1.mlp.gate.weight": np.zeros((7, 32), np.float32)}
   with pytest.raises(ValueError, match=r"model.safetensors: tensor model.layers.1.mlp.gate.weight "

@@ -4,7 +4,7 @@ import pytest
 
 from dflash_jax.__main__ import main
 from dflash_jax.cli.train_drafter import default_target_layers
-from dflash_jax.models import qwen3
+from dflash_jax.models import qwen3, save_target
 
 
 def _one_line_error(capsys, argument):
@@ -45,7 +45,7 @@ def test_a_drafter_the_kernels_cannot_run_is_refused_before_training(tmp_path, c
   tcfg = qwen3.TargetConfig(vocab_size=272, hidden_size=32, intermediate_size=64,
                             num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                             head_dim=16)
-  folder = qwen3.save_target(str(tmp_path / "t"), tcfg, qwen3.init_params(tcfg, jax.random.key(0)))
+  folder = save_target(str(tmp_path / "t"), tcfg, qwen3.init_params(tcfg, jax.random.key(0)))
   argv = ["train-drafter", "--target", folder, "--out", str(tmp_path / "d"), "--head-dim", "24"]
   assert main(argv) == 2
   assert "--any-shape" in _one_line_error(capsys, "--head-dim")

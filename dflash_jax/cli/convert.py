@@ -8,9 +8,7 @@ are exact. Errors are one line naming the argument, with exit status 2.
 """
 from __future__ import annotations
 
-import dataclasses
-
-from dflash_jax.cli import CLIError, int_in
+from dflash_jax.cli import CLIError
 
 GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0")
 HF_TYPES = ("f32", "f16", "bf16")
@@ -25,9 +23,6 @@ def register(sub) -> None:
                  help="matrix type: F32|F16|BF16|Q8_0 for GGUF, f32|f16|bf16 for HF (default F32)")
   c.add_argument("--format", choices=("gguf", "hf"), default=None,
                  help="output format (default: gguf for a .gguf name, else hf)")
-  c.add_argument("--window", type=int_in(1), default=None,
-                 help="sliding window to record when SRC has none (an HF config with sliding "
-                      "layers needs one)")
   c.set_defaults(run=convert)
 
 
@@ -36,7 +31,7 @@ def _error(argument: str, message) -> CLIError:
 
 
 def convert(args) -> int:
-  from dflash_jax.gguf_io import DrafterFormatError, load_drafter, save_drafter
+  from dflash_jax.io import DrafterFormatError, load_drafter, save_drafter
   fmt = args.format or ("gguf" if args.dst.lower().endswith(".gguf") else "hf")
   types = GGUF_TYPES if fmt == "gguf" else HF_TYPES
   requested = args.type or types[0]
@@ -48,10 +43,6 @@ def convert(args) -> int:
     cfg, w = load_drafter(args.src)
   except (DrafterFormatError, OSError) as e:
     raise _error("SRC", e)
-  if args.window is not None:
-    if cfg.window is not None and cfg.window != args.window:
-      raise _error("--window", f"SRC already records window {cfg.window}, not {args.window}")
-    cfg = dataclasses.replace(cfg, window=args.window)
   try:
     save_drafter(args.dst, cfg, w, tensor_type=tensor_type, format=fmt)
   except (DrafterFormatError, ValueError, OSError) as e:

@@ -53,9 +53,14 @@ def register(sub) -> None:
                       "stored (the synthetic drafter is then written as Q8_0)")
   d.add_argument("--ring-dtype", default="fp32", choices=("fp32", "bf16"),
                  help="K/V ring storage")
-  d.add_argument("--window", type=int_in(1), default=None,
-                 help="ring size (default: the file's, else 2048); the Pallas kernels need a "
-                      "power of 2 >= 16")
+  ring = d.add_mutually_exclusive_group()
+  ring.add_argument("--window", type=int_in(1), default=None,
+                    help="ring size of the sliding layers (default: the file's window, else "
+                         "2048); full-attention layers keep every position")
+  ring.add_argument("--draft-window", type=int_in(1), default=None,
+                    help="run every layer, full-attention ones included, in a ring of this many "
+                         "slots (the engines' draft-window option: an approximation of full "
+                         "layers past N positions; default: off)")
   d.add_argument("--impl", default="pallas", choices=("pallas", "xla"),
                  help="the Pallas kernels, or their pure-jnp twins (no kernel limits)")
   d.add_argument("--seed", type=int_in(0), default=0,
@@ -69,11 +74,15 @@ def _config(args):
     if args.size is not None:
       raise CLIError("argument --size: applies to the synthetic drafter, not with --gguf")
     try:
-      return dfj.load_drafter(args.gguf)
+      cfg, w = dfj.load_drafter(args.gguf)
     except dfj.DrafterFormatError as e:
       raise CLIError(f"argument --gguf: {e}") from None
-  return {"tiny": dfj.TINY_CONFIG, "small": dfj.DFlashConfig(**SMALL),
-          "seed": dfj.SEED_CONFIG}[args.size or "small"], None
+  else:
+    cfg, w = {"tiny": dfj.TINY_CONFIG, "small": dfj.DFlashConfig(**SMALL),
+              "seed": dfj.SEED_CONFIG}[args.size or "small"], None
+  if args.draft_window is not None:
+    cfg = cfg.with_draft_window(args.draft_window)
+  return cfg, w
 
 
 def _gb(n: float) -> str:
@@ -88,9 +97,7 @@ def _estimate(cfg, args) -> dict[str, float]:
   n_drafter = sum(math.prod(s) for s in dfj.drafter_tensor_shapes(cfg).values())
   n_target = 2 * args.vocab * cfg.n_embd
   features = 4 * args.prefill * cfg.n_embd_fc
-  window = cfg.resolve_window(args.window)
-  ring = 2 * cfg.n_layer * cfg.n_head_kv * window * cfg.head_dim * (4 if args.ring_dtype == "fp32"
-                                                                     else 2)
+  ring = dfj.ring_nbytes(cfg, args.window, args.ring_dtype)
   file_bytes = WEIGHT_BYTES["q8_0" if args.dtype == "q8_0" else "fp32"]
   return {"host": 4 * (n_drafter + n_target) + features,
           "device": WEIGHT_BYTES[args.dtype] * n_drafter + 4 * n_target + ring + 2 * features,
@@ -124,6 +131,7 @@ def _check_fits(cfg, args, tmp: str) -> None:
 
 def _check_args(cfg, args) -> int:
   """The limits that depend on the drafter (filling in --vocab's default); returns the window."""
+  from dflash_jax.config import FULL, SLIDING
   from pallas_kernels import limits
   if args.vocab is None:
     args.vocab = max(VOCAB, (cfg.mask_token_id // 256 + 1) * 256)
@@ -132,16 +140,21 @@ def _check_args(cfg, args) -> int:
                    f"{cfg.mask_token_id} (its embedding is a row of the target's tok_embd), "
                    f"got {args.vocab}")
   window = cfg.resolve_window(args.window)
+  slots = [window if kind == SLIDING else cfg.resolve_capacity() for kind, _ in cfg.kind_groups]
   if args.impl == "pallas":
     try:
       limits.check_drafter(n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, head_dim=cfg.head_dim,
-                           width=cfg.block_size, ring_slots=[window])
+                           width=cfg.block_size, ring_slots=slots)
     except ValueError as e:
       raise CLIError(f"the drafter's shape: {e} (or use --impl xla)") from None
   last = args.prefill - 1 + args.rounds * cfg.block_size   # every draft accepted
   if last > _INT32_MAX - cfg.block_size:
     raise CLIError(f"arguments --prefill/--rounds: positions would reach {last}, past the int32 "
                    f"limit {_INT32_MAX - cfg.block_size}")
+  if FULL in cfg.kinds and last + cfg.block_size > cfg.resolve_capacity():
+    raise CLIError(f"arguments --prefill/--rounds: positions would reach {last}, past the "
+                   f"{cfg.resolve_capacity()} positions of the drafter's full-attention cache "
+                   "(its context length; --draft-window N runs those layers in a ring instead)")
   return window
 
 
@@ -157,7 +170,7 @@ def _weights(cfg, w, args, tmp: str):
   synthetic = dfj.synthetic_drafter(cfg, seed=args.seed, n_vocab=args.vocab)
   path = os.path.join(tmp, "synthetic-drafter.gguf")
   dfj.save_drafter(path, cfg, synthetic, tensor_type="Q8_0" if args.dtype == "q8_0" else "F32")
-  target = {k: synthetic[k] for k in dfj.gguf_io.TARGET_TENSORS}
+  target = {k: synthetic[k] for k in dfj.io.errors.TARGET_TENSORS}
   del synthetic   # one float32 copy of the drafter at a time
   cfg_file, loaded = dfj.load_drafter(path)
   assert cfg_file == cfg, (cfg_file, cfg)
@@ -209,7 +222,9 @@ def _run(cfg, w, args, window: int, tmp: str) -> int:
   if n > 1:
     m.inject(m.encode(dfj.synthetic_features(cfg, n - 1, seed=args.seed + 2)), np.arange(n - 1))
     jax.block_until_ready(m.ring)
-  print(f"prefill: {n - 1} rows injected into a {m.window}-slot ring in "
+  caches = ([f"a {m.window}-slot ring"] if m.window else []) + (
+      [f"a {m.capacity}-position full-attention cache"] if m.capacity else [])
+  print(f"prefill: {n - 1} rows injected into {' and '.join(caches)} in "
         f"{(time.perf_counter() - t0) * 1e3:.1f} ms (includes compile)")
 
   id_last, n_past = int(rng.integers(args.vocab)), n - 1

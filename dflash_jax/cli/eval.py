@@ -12,9 +12,9 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from dflash_jax import atomic
-from dflash_jax.cli import int_in
+from dflash_jax.cli import drafter_for_target, int_in
 from dflash_jax.cli import train_common as C
+from dflash_jax.io import atomic
 
 
 def register(sub) -> None:
@@ -41,11 +41,10 @@ def register(sub) -> None:
 
 def evaluate(args) -> int:
   import jax
-  import numpy as np
 
   import dflash_jax as dfj
-  from dflash_jax.gguf_io import DrafterFormatError
-  from dflash_jax.models import qwen3
+  from dflash_jax.io import DrafterFormatError
+  from dflash_jax.models import load_target
   from dflash_jax.train import data as D
   from dflash_jax.train import evaluate as E
   from dflash_jax.train import recipes
@@ -53,7 +52,7 @@ def evaluate(args) -> int:
   if any(w < 2 for w in args.widths):
     raise C.arg_error("--widths", f"block widths must be >= 2, got {args.widths}")
   try:
-    tcfg, target = qwen3.load_target(args.target, dtype=args.dtype)
+    tcfg, target = load_target(args.target, dtype=args.dtype)
   except (ValueError, OSError) as e:
     raise C.arg_error("--target", e)
   drafters = []
@@ -62,11 +61,9 @@ def evaluate(args) -> int:
       cfg, w = dfj.load_drafter(path)
     except (DrafterFormatError, OSError) as e:
       raise C.arg_error("--drafter", e)
-    w["tok_embd"], w["lm_head"] = (np.asarray(target.embed, np.float32),
-                                   np.asarray(target.head, np.float32))
     try:
       drafters.append((os.path.basename(os.path.normpath(path)),
-                       dfj.prepare_weights(cfg, w, args.dtype)))
+                       drafter_for_target(cfg, w, target.embed, target.head, args.dtype)))
     except ValueError as e:
       raise C.arg_error("--drafter", f"{path} does not fit the target: {e}")
   try:

@@ -14,9 +14,7 @@ import os
 import sys
 import time
 
-import numpy as np
-
-from dflash_jax.cli import CLIError, float_in, int_in
+from dflash_jax.cli import CLIError, drafter_for_target, float_in, int_in
 
 def _ids(text: str) -> list[int]:
   try:
@@ -52,8 +50,14 @@ def register(sub) -> None:
                  help="drafter weights (default: the target's dtype)")
   g.add_argument("--cache-dtype", choices=("fp32", "bf16"), default=None,
                  help="target K/V cache and drafter ring (default: the target's dtype)")
-  g.add_argument("--window", type=int_in(1), default=None,
-                 help="drafter ring size (default: the file's, else 2048)")
+  ring = g.add_mutually_exclusive_group()
+  ring.add_argument("--window", type=int_in(1), default=None,
+                    help="ring size of the drafter's sliding layers (default: the checkpoint's "
+                         "window); full-attention layers keep every position")
+  ring.add_argument("--draft-window", type=int_in(1), default=None,
+                    help="run every drafter layer, full-attention ones included, in a ring of "
+                         "this many slots (the engines' draft-window option for long contexts: "
+                         "full layers then see only the last N positions; default: off)")
   g.add_argument("--capacity", type=int_in(1), default=None,
                  help="target cache slots (default: prompt + max-new + block)")
   g.add_argument("--impl", choices=("pallas", "xla"), default="pallas", help="drafter kernels")
@@ -74,33 +78,27 @@ def _load(args):
   import jax.numpy as jnp
 
   import dflash_jax as dfj
-  from dflash_jax.models import qwen3
-  from dflash_jax.drafter.weights import prepare_weights
+  from dflash_jax.models import load_target
 
   try:
-    tcfg, tparams = qwen3.load_target(args.target, dtype=args.dtype)
+    tcfg, tparams = load_target(args.target, dtype=args.dtype)
   except (ValueError, OSError) as e:
     raise CLIError(f"argument --target: {e}") from None
   try:
     dcfg, w = dfj.load_drafter(args.drafter)
   except (ValueError, OSError) as e:
     raise CLIError(f"argument --drafter: {e}") from None
+  if args.draft_window is not None:
+    dcfg = dcfg.with_draft_window(args.draft_window)
   if dcfg.n_embd != tcfg.hidden_size:
     raise CLIError(f"argument --drafter: its n_embd {dcfg.n_embd} != the target's "
                         f"hidden_size {tcfg.hidden_size}")
-  # The drafter borrows the target's embedding and LM head (SPEC.md section 1).
-  w["tok_embd"] = np.asarray(tparams.embed, np.float32)
-  w["lm_head"] = np.asarray(tparams.head, np.float32)
   wdtype = "bf16" if tparams.embed.dtype == jnp.bfloat16 else "fp32"
-  try:
-    dparams = prepare_weights(dcfg, w, args.drafter_dtype or wdtype)
+  try:   # the target's embedding and LM head stay on the device (shared when dtypes agree)
+    dparams = drafter_for_target(dcfg, w, tparams.embed, tparams.head,
+                                 args.drafter_dtype or wdtype)
   except ValueError as e:
     raise CLIError(f"argument --drafter: {e}") from None
-  del w
-  if dparams.tok_embd.dtype == tparams.embed.dtype:   # one copy on the device, not two
-    dparams = dparams.replace(tok_embd=tparams.embed)
-  if getattr(dparams.lm_head, "dtype", None) == tparams.head.dtype:
-    dparams = dparams.replace(lm_head=tparams.head)
   return tcfg, tparams, dparams, wdtype
 
 

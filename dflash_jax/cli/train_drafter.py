@@ -13,9 +13,9 @@ from __future__ import annotations
 import os
 import time
 
-from dflash_jax import atomic
 from dflash_jax.cli import int_in
 from dflash_jax.cli import train_common as C
+from dflash_jax.io import atomic
 
 GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0")
 
@@ -77,7 +77,7 @@ def train_drafter(args) -> int:
 
   import dflash_jax as dfj
   from dflash_jax.config import FULL, SLIDING
-  from dflash_jax.models import qwen3
+  from dflash_jax.models import load_target
   from dflash_jax.train import data as D
   from dflash_jax.train import recipes
   from dflash_jax.train import trainer as TR
@@ -89,7 +89,7 @@ def train_drafter(args) -> int:
   # The frozen target computes (features, distilled continuations) in the compute dtype, as
   # `eval --dtype` decodes with it.
   try:
-    tcfg, target = qwen3.load_target(args.target, dtype=args.compute_dtype)
+    tcfg, target = load_target(args.target, dtype=args.compute_dtype)
   except (ValueError, OSError) as e:
     raise C.arg_error("--target", e)
   layers = args.target_layers or default_target_layers(tcfg.num_hidden_layers)

@@ -11,9 +11,9 @@ from __future__ import annotations
 import os
 import time
 
-from dflash_jax import atomic
 from dflash_jax.cli import int_in
 from dflash_jax.cli import train_common as C
+from dflash_jax.io import atomic
 
 
 def register(sub) -> None:
@@ -45,7 +45,7 @@ def register(sub) -> None:
 def train_target(args) -> int:
   import jax
 
-  from dflash_jax.models import qwen3
+  from dflash_jax.models import qwen3, save_target
   from dflash_jax.train import data as D
   from dflash_jax.train import recipes
 
@@ -84,9 +84,9 @@ def train_target(args) -> int:
       checkpoint_dir=ckpt, checkpoint_every=args.checkpoint_every,
       max_seconds=None if args.max_minutes is None else 60 * args.max_minutes)
   seconds = time.perf_counter() - t0
-  qwen3.save_target(args.out, tcfg, params, dtype=args.save_dtype,
-                    max_shard_bytes=None if args.max_shard_mb is None
-                    else int(args.max_shard_mb * 2**20))
+  save_target(args.out, tcfg, params, dtype=args.save_dtype,
+              max_shard_bytes=None if args.max_shard_mb is None
+              else int(args.max_shard_mb * 2**20))
   final = log[-1]
   atomic.write_json(os.path.join(args.out, "train_log.json"), dict(
       kind="target", args=vars(args) | {"run": None}, tokenizer="bytes", corpus=dict(

@@ -28,9 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
-import os
 from typing import Any, Mapping
 
 import flax.struct
@@ -39,12 +37,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from dflash_jax import atomic, safetensors_io
 from dflash_jax.config import rope_inv_freq
 from dflash_jax.models import base
 from dflash_jax.dispatch import KernelPolicy, linear, resolve_dtype, rms_norm
 
-MODEL_TYPES = {"qwen3": True, "llama": False}   # HF model_type -> per-head q/k norm
+MODEL_TYPES = ("qwen3", "llama")   # the HF model_type strings this family reads
+_QK_NORM = {"qwen3": True, "llama": False}   # HF model_type -> per-head q/k norm
 _ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
 
 
@@ -146,59 +144,6 @@ class TargetConfig:
   @property
   def kv_dim(self) -> int:
     return self.num_key_value_heads * self.head_dim
-
-  @classmethod
-  def from_hf(cls, config: Mapping[str, Any] | str | os.PathLike) -> "TargetConfig":
-    """From an HF config dict, a config.json path, or a model folder holding config.json."""
-    where = "config"
-    if not isinstance(config, Mapping):
-      path = os.fspath(config)
-      where = os.path.join(path, "config.json") if os.path.isdir(path) else path
-      try:
-        with open(where) as f:
-          config = json.load(f)
-      except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{where}: cannot read an HF config ({e})") from e
-      if not isinstance(config, dict):
-        raise ValueError(f"{where}: not a JSON object")
-    c = dict(config)
-    model_type = c.get("model_type")
-    if model_type not in MODEL_TYPES:
-      raise ValueError(f"{where}: model_type {model_type!r} is not supported "
-                       f"(supported: {sorted(MODEL_TYPES)})")
-    for key, bad in (("attention_bias", True), ("mlp_bias", True), ("use_sliding_window", True)):
-      if c.get(key) == bad:
-        raise ValueError(f"{where}: {key}={bad} is not supported")
-    if c.get("hidden_act", "silu") != "silu":
-      raise ValueError(f"{where}: hidden_act {c['hidden_act']!r} is not supported (only silu)")
-    required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                "num_attention_heads", "rms_norm_eps")
-    missing = [k for k in required if k not in c]
-    rope = c.get("rope_parameters") or {}
-    theta = c.get("rope_theta", rope.get("rope_theta"))
-    if theta is None:
-      missing.append("rope_theta (or rope_parameters.rope_theta)")
-    if missing:
-      raise ValueError(f"{where}: missing config keys {missing}")
-    scaling = c.get("rope_scaling")
-    if scaling is None and rope.get("rope_type", "default") != "default":
-      scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-    if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "default":
-      scaling = None
-    heads = c["num_attention_heads"]
-    try:
-      return cls(
-          vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
-          intermediate_size=c["intermediate_size"], num_hidden_layers=c["num_hidden_layers"],
-          num_attention_heads=heads, num_key_value_heads=c.get("num_key_value_heads", heads),
-          head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-          rms_norm_eps=float(c["rms_norm_eps"]), rope_theta=float(theta),
-          tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-          qk_norm=MODEL_TYPES[model_type],
-          max_position_embeddings=c.get("max_position_embeddings", 40960),
-          rope_scaling=scaling, eos_token_ids=c.get("eos_token_id"))
-    except ValueError as e:
-      raise ValueError(f"{where}: {e}") from None
 
   def to_hf(self) -> dict[str, Any]:
     model_type = "qwen3" if self.qk_norm else "llama"
@@ -523,17 +468,48 @@ verify_jit = jax.jit(verify, static_argnames=_STATIC, donate_argnames=("cache",)
 forward_jit = jax.jit(forward, static_argnames=("cfg", "capture_layers", "with_logits"))
 
 
-# --- HF checkpoint folders ---------------------------------------------------------------------
+# --- HF checkpoints (read and written by dflash_jax.models.load_target / save_target) ----------
 
-class TargetFormatError(ValueError):
-  """An HF target folder that does not hold the model its config.json describes."""
-
-
-CONFIG_FILE = "config.json"
-STORED_DTYPES = ("F32", "F16", "BF16")
-_SAVE_DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
-# Buffers some older checkpoints store; derived from the config, so not read.
-_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+def config_from_hf(config: Mapping[str, Any], where: str) -> TargetConfig:
+  """TargetConfig from an HF config.json dict; errors (ValueError) name `where` and the key."""
+  c = dict(config)
+  model_type = c.get("model_type")
+  if model_type not in MODEL_TYPES:
+    raise ValueError(f"{where}: model_type {model_type!r} is not supported "
+                     f"(supported: {sorted(MODEL_TYPES)})")
+  for key, bad in (("attention_bias", True), ("mlp_bias", True), ("use_sliding_window", True)):
+    if c.get(key) == bad:
+      raise ValueError(f"{where}: {key}={bad} is not supported")
+  if c.get("hidden_act", "silu") != "silu":
+    raise ValueError(f"{where}: hidden_act {c['hidden_act']!r} is not supported (only silu)")
+  required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "rms_norm_eps")
+  missing = [k for k in required if k not in c]
+  rope = c.get("rope_parameters") or {}
+  theta = c.get("rope_theta", rope.get("rope_theta"))
+  if theta is None:
+    missing.append("rope_theta (or rope_parameters.rope_theta)")
+  if missing:
+    raise ValueError(f"{where}: missing config keys {missing}")
+  scaling = c.get("rope_scaling")
+  if scaling is None and rope.get("rope_type", "default") != "default":
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+  if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "default":
+    scaling = None
+  heads = c["num_attention_heads"]
+  try:
+    return TargetConfig(
+        vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
+        intermediate_size=c["intermediate_size"], num_hidden_layers=c["num_hidden_layers"],
+        num_attention_heads=heads, num_key_value_heads=c.get("num_key_value_heads", heads),
+        head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+        rms_norm_eps=float(c["rms_norm_eps"]), rope_theta=float(theta),
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+        qk_norm=_QK_NORM[model_type],
+        max_position_embeddings=c.get("max_position_embeddings", 40960),
+        rope_scaling=scaling, eos_token_ids=c.get("eos_token_id"))
+  except ValueError as e:
+    raise ValueError(f"{where}: {e}") from None
 
 
 def hf_tensor_shapes(cfg: TargetConfig) -> dict[str, tuple[int, ...]]:
@@ -555,18 +531,41 @@ def hf_tensor_shapes(cfg: TargetConfig) -> dict[str, tuple[int, ...]]:
   return shapes
 
 
-def params_from_hf(cfg: TargetConfig, t: Mapping[str, np.ndarray], dtype: Any) -> TargetParams:
-  """HF-named host arrays (hf_tensor_shapes' names) -> device TargetParams (matrices in
-  dtype, norms float32; q/k/v and gate/up concatenated)."""
+def hf_optional(cfg: TargetConfig) -> set[str]:
+  """Stored by some checkpoints, not needed: a tied model's lm_head (which must then equal the
+  embedding; params_from_hf checks it)."""
+  return {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+
+
+def hf_ignored(name: str) -> bool:
+  """Buffers some older checkpoints store; derived from the config, so never read."""
+  return name.endswith(".rotary_emb.inv_freq")
+
+
+def params_from_hf(cfg: TargetConfig, t: dict[str, Any], dtype: Any) -> TargetParams:
+  """HF-named arrays (hf_tensor_shapes' names, plus any of hf_optional's) -> TargetParams:
+  matrices in dtype, norms float32; q/k/v and gate/up concatenated.
+
+  The arrays may be device arrays in their stored dtype: the concatenation and the cast run
+  on the device, so no float32 copy of a matrix is made on the host. Entries are taken out of
+  `t` as they are used (a stored piece is freed once its fused form exists). A tied model's
+  stored lm_head must equal the embedding (ValueError naming both).
+  """
   dt = resolve_dtype(dtype)
 
   def mat(*names):
-    a = np.concatenate([np.asarray(t[n]) for n in names]) if len(names) > 1 else t[names[0]]
-    return jnp.asarray(np.asarray(a, np.float32) if dt == jnp.float32 else a, dt)
+    parts = [jnp.asarray(t.pop(n)) for n in names]
+    return (jnp.concatenate(parts) if len(parts) > 1 else parts[0]).astype(dt)
 
   def vec(name):
-    return jnp.asarray(np.asarray(t[name], np.float32))
+    return jnp.asarray(t.pop(name)).astype(jnp.float32)
 
+  if "lm_head.weight" in hf_optional(cfg) and "lm_head.weight" in t:
+    head = jnp.asarray(t.pop("lm_head.weight"))
+    embed = jnp.asarray(t["model.embed_tokens.weight"])
+    if head.shape != embed.shape or not bool(jnp.array_equal(head, embed)):
+      raise ValueError("tie_word_embeddings is true but lm_head.weight differs from "
+                       "model.embed_tokens.weight")
   layers = []
   for i in range(cfg.num_hidden_layers):
     p = f"model.layers.{i}."
@@ -624,83 +623,3 @@ def _check_params(cfg: TargetConfig, params: TargetParams) -> None:
                           ("wgu", lp.wgu.shape, (2 * cfg.intermediate_size, e))):
     if tuple(got) != want:
       raise ValueError(f"params {what} has shape {tuple(got)}, the config implies {want}")
-
-
-def load_target(folder: str | os.PathLike, dtype: Any = None
-                ) -> tuple[TargetConfig, TargetParams]:
-  """An HF Qwen3 / Llama folder (config.json + safetensors, single or sharded) -> device params.
-
-  dtype: the device weight dtype ("fp32" / "bf16"); None = bf16 when the checkpoint's
-  matrices are stored BF16, else fp32. Every check runs on the headers before tensor data
-  is read: missing or unknown tensors, shapes, stored dtypes (F32, F16, BF16); then values
-  (NaN/Inf) and a tied checkpoint that also stores a different lm_head. Errors
-  (TargetFormatError) name the file and the tensor or config key.
-  """
-  folder = os.fspath(folder)
-  if not os.path.isdir(folder):
-    raise FileNotFoundError(f"{folder}: no such model folder")
-  config_path = os.path.join(folder, CONFIG_FILE)
-  if not os.path.isfile(config_path):
-    raise TargetFormatError(f"{folder}: no {CONFIG_FILE}: not an HF model folder")
-  try:
-    cfg = TargetConfig.from_hf(config_path)
-    specs = safetensors_io.tensor_specs(folder)
-  except FileNotFoundError as e:
-    raise TargetFormatError(f"{folder}: no {safetensors_io.SINGLE_FILE} or "
-                            f"{safetensors_io.INDEX_FILE}") from e
-  except ValueError as e:
-    raise TargetFormatError(str(e)) from e
-  shapes = hf_tensor_shapes(cfg)
-  optional = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
-  extra = sorted(n for n in set(specs) - set(shapes) - optional
-                 if not n.endswith(_IGNORED_SUFFIXES))
-  if extra:
-    raise TargetFormatError(f"{folder}: unknown tensors {extra[:8]}{' ...' * (len(extra) > 8)} "
-                            f"for a {cfg.num_hidden_layers}-layer "
-                            f"{'qwen3' if cfg.qk_norm else 'llama'} model ({config_path})")
-  missing = [n for n in shapes if n not in specs]
-  if missing:
-    raise TargetFormatError(f"{folder}: missing tensors {missing[:8]}"
-                            f"{' ...' * (len(missing) > 8)} (expected by {config_path})")
-  wanted = list(shapes) + sorted(optional & set(specs))
-  for name in wanted:
-    spec, want = specs[name], shapes.get(name, (cfg.vocab_size, cfg.hidden_size))
-    if spec.dtype not in STORED_DTYPES:
-      raise TargetFormatError(f"{spec.file}: tensor {name} is {spec.dtype}, not one of "
-                              f"{STORED_DTYPES}")
-    if spec.shape != want:
-      raise TargetFormatError(f"{spec.file}: tensor {name} has shape {spec.shape}, expected "
-                              f"{want} from {config_path}")
-  if dtype is None:
-    dtype = "bf16" if specs["model.embed_tokens.weight"].dtype == "BF16" else "fp32"
-  try:
-    t = safetensors_io.read_tensors(folder, names=wanted)
-  except safetensors_io.SafetensorsFormatError as e:
-    raise TargetFormatError(str(e)) from e
-  for name, a in t.items():
-    if not np.isfinite(a).all():
-      raise TargetFormatError(f"{specs[name].file}: tensor {name} holds NaN or Inf")
-  if "lm_head.weight" in optional and "lm_head.weight" in t:
-    if not np.array_equal(t.pop("lm_head.weight"), t["model.embed_tokens.weight"]):
-      raise TargetFormatError(f"{folder}: tie_word_embeddings is true but lm_head.weight "
-                              "differs from model.embed_tokens.weight")
-  return cfg, params_from_hf(cfg, t, dtype)
-
-
-def save_target(folder: str | os.PathLike, cfg: TargetConfig, params: TargetParams,
-                dtype: str = "bf16", max_shard_bytes: int | None = None) -> str:
-  """Write an HF folder (config.json + safetensors) that `load_target` and transformers read.
-
-  Every tensor is stored as dtype ("f32", "f16", "bf16"; rounded to nearest even), as HF
-  checkpoints store them. Each file appears only complete; config.json is written last.
-  """
-  folder = os.fspath(folder)
-  if dtype not in _SAVE_DTYPES:
-    raise ValueError(f"dtype must be one of {sorted(_SAVE_DTYPES)}, got {dtype!r}")
-  if os.path.exists(folder) and not os.path.isdir(folder):
-    raise ValueError(f"{folder}: exists and is not a folder")
-  tensors = params_to_hf(cfg, params)
-  safetensors_io.write_tensors(folder, tensors, dtype=dtype, max_shard_bytes=max_shard_bytes)
-  config = {**cfg.to_hf(), "torch_dtype": _SAVE_DTYPES[dtype]}
-  atomic.write_json(os.path.join(folder, CONFIG_FILE), config)
-  return folder

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax import atomic
+from dflash_jax.io import atomic
 from dflash_jax.models import qwen3
 from dflash_jax.train.data import map_batches
 from dflash_jax.train.trainer import target_features

@@ -1,4 +1,5 @@
-"""Drafter GGUF files (SPEC.md section 2): a loader that fails loudly, an atomic saver, raw Q8_0.
+"""Drafter GGUF files (docs/SPEC.md section 2): a loader that fails loudly, an atomic saver, raw
+Q8_0.
 
 Parsing, writing and (de)quantization are the `gguf` package's; this module adds the DFlash
 conventions (keys, tensor names, shapes) and the checks that make a bad file fail at load time
@@ -12,9 +13,12 @@ from typing import Any, Mapping
 import gguf
 import numpy as np
 
-from dflash_jax import atomic
-from dflash_jax.config import FULL, SLIDING, DFlashConfig, drafter_tensor_shapes
-from dflash_jax.gguf_guard import GGUFFormatError, open_gguf
+from dflash_jax.config import (DEFAULT_BLOCK_SIZE, FULL, SLIDING, DFlashConfig,
+                               drafter_tensor_shapes)
+from dflash_jax.io import atomic
+from dflash_jax.io.errors import DrafterFormatError, GGUFFormatError, checked_drafter_weights
+from dflash_jax.io.errors import drafter_error as _fail
+from dflash_jax.io.gguf_guard import open_gguf
 
 ARCH = "dflash"
 KEY_ARCH = "general.architecture"
@@ -39,8 +43,6 @@ FLOAT_KEYS = {
     "rope_theta": "dflash.rope.freq_base",
     "eps": "dflash.attention.layer_norm_rms_epsilon",
 }
-TARGET_TENSORS = ("tok_embd", "lm_head")
-DEFAULT_BLOCK_SIZE = 16
 
 _VT = gguf.GGUFValueType
 _QT = gguf.GGMLQuantizationType
@@ -53,26 +55,20 @@ _FILE_TYPES = {_QT.F32: gguf.LlamaFileType.ALL_F32, _QT.F16: gguf.LlamaFileType.
 _Q8_0_BLOCK, _Q8_0_BYTES = gguf.GGML_QUANT_SIZES[_QT.Q8_0]
 
 
-class DrafterFormatError(ValueError):
-  """A drafter GGUF, or weights given to `save_drafter`, that break SPEC.md section 2."""
-
-
 # ---------------------------------------------------------------------------------------------
 # Loading
 
 
-def load_drafter(path: str | os.PathLike) -> tuple[DFlashConfig, dict[str, np.ndarray]]:
-  """Reads and validates a drafter: a GGUF file, or an HF checkpoint folder (or its
-  config.json / safetensors file; see `hf_io.load_hf_drafter`).
+def load_gguf_drafter(path: str | os.PathLike) -> tuple[DFlashConfig, dict[str, np.ndarray]]:
+  """Reads and validates a drafter GGUF file.
 
   Returns the config and a dict of writable, C-contiguous float32 arrays in (out, in) layout,
   keyed by GGUF tensor name without `.weight`, dequantized from any type gguf can dequantize.
-  Raises DrafterFormatError (naming the file and the culprit) on any deviation.
+  Attention kinds as llama.cpp reads them: the sliding-window pattern when present, else every
+  layer sliding when the file has a window and full attention when it has none. Raises
+  DrafterFormatError (naming the file and the culprit) on any deviation.
   """
   path = os.fspath(path)
-  from dflash_jax import hf_io  # hf_io builds on this module, so it is imported on use
-  if hf_io.checkpoint_folder(path) is not None:
-    return hf_io.load_hf_drafter(path)
   reader = _open(path)
   cfg = _read_config(reader, path)
   tensors = _drafter_tensors(reader, cfg, path)
@@ -83,8 +79,9 @@ def read_q8_0(path: str | os.PathLike) -> dict[str, tuple[np.ndarray, np.ndarray
   """The raw blocks of every matrix stored as Q8_0, without dequantizing.
 
   Returns name -> (qs int8 [out, in], d float32 [out, in // 32]); the weight is
-  `d[:, j, None] * qs[:, 32 j : 32 (j + 1)]`. Checks the file like `load_drafter` except for
-  NaN/Inf (that needs dequantizing); load the file with `load_drafter` for the full check.
+  `d[:, j, None] * qs[:, 32 j : 32 (j + 1)]`. Checks the file like `load_gguf_drafter` except for
+  NaN/Inf (that needs dequantizing); load the file with `load_gguf_drafter` for the full
+  check.
   """
   path = os.fspath(path)
   reader = _open(path)
@@ -97,10 +94,6 @@ def read_q8_0(path: str | os.PathLike) -> dict[str, tuple[np.ndarray, np.ndarray
       qs = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(blocks.shape[0], -1)
       out[name] = (qs, d)
   return out
-
-
-def _fail(path: str, message: str) -> DrafterFormatError:
-  return DrafterFormatError(f"{path}: {message}")
 
 
 def _open(path: str) -> gguf.GGUFReader:
@@ -164,6 +157,9 @@ def _read_mask_token(reader: gguf.GGUFReader, path: str) -> int:
 
 def _read_config(reader: gguf.GGUFReader, path: str) -> DFlashConfig:
   fields: dict[str, Any] = {f: _get_int(reader, path, k) for f, k in INT_KEYS.items()}
+  if fields["n_layer"] > len(reader.tensors):   # before anything of n_layer entries is built
+    raise _fail(path, f"{INT_KEYS['n_layer']!r} = {fields['n_layer']}, but the file holds only "
+                f"{len(reader.tensors)} tensors (every layer has its own)")
   fields.update({f: _get_float(reader, path, k) for f, k in FLOAT_KEYS.items()})
   layers = _get(reader, path, KEY_TARGET_LAYERS, _INT_TYPES, "a non-empty int32 array",
                 array=True)
@@ -174,15 +170,22 @@ def _read_config(reader: gguf.GGUFReader, path: str) -> DFlashConfig:
   fields["mask_token_id"] = _read_mask_token(reader, path)
   block_size = _get_int(reader, path, KEY_BLOCK_SIZE, required=False)
   fields["block_size"] = DEFAULT_BLOCK_SIZE if block_size is None else block_size
-  fields["window"] = _get_int(reader, path, KEY_WINDOW, required=False)
+  window = fields["window"] = _get_int(reader, path, KEY_WINDOW, required=False)
   fields["context_length"] = _get_int(reader, path, KEY_CONTEXT, required=False)
   pattern = _get(reader, path, KEY_SWA_PATTERN, {_VT.BOOL}, "a bool array (one per layer)",
                  required=False, array=True)
-  if pattern is not None:
-    if len(pattern) != fields["n_layer"]:
-      raise _fail(path, f"metadata key {KEY_SWA_PATTERN!r} has {len(pattern)} entries, but "
-                  f"{INT_KEYS['n_layer']!r} is {fields['n_layer']}")
-    fields["layer_types"] = tuple(SLIDING if p else FULL for p in pattern)
+  if pattern is None:
+    # docs/SPEC.md sections 2 and 7, as llama.cpp reads a file: a window and no pattern means
+    # every layer slides; no window means every layer is full attention.
+    pattern = [window is not None] * fields["n_layer"]
+  elif len(pattern) != fields["n_layer"]:
+    raise _fail(path, f"metadata key {KEY_SWA_PATTERN!r} has {len(pattern)} entries, but "
+                f"{INT_KEYS['n_layer']!r} is {fields['n_layer']}")
+  elif window is None and any(pattern):
+    raise _fail(path, f"metadata key {KEY_SWA_PATTERN!r} marks layers "
+                f"{[i for i, p in enumerate(pattern) if p]} sliding, but the file has no "
+                f"{KEY_WINDOW!r} (their window)")
+  fields["layer_types"] = tuple(SLIDING if p else FULL for p in pattern)
   try:
     cfg = DFlashConfig(**fields)
   except ValueError as e:
@@ -201,9 +204,6 @@ def _numpy_shape(t: Any) -> tuple[int, ...]:
 
 def _drafter_tensors(reader: gguf.GGUFReader, cfg: DFlashConfig, path: str) -> dict[str, Any]:
   """name -> ReaderTensor for exactly the drafter's tensors, with names and shapes checked."""
-  if cfg.n_layer > len(reader.tensors):   # before a table of n_layer entries is built
-    raise _fail(path, f"{INT_KEYS['n_layer']!r} = {cfg.n_layer}, but the file holds only "
-                f"{len(reader.tensors)} tensors (every layer has its own)")
   expected = drafter_tensor_shapes(cfg)
   by_name, extra, limit = {}, [], 8
   for t in reader.tensors:   # built one at a time: a flood of unknown tensors stops early
@@ -273,54 +273,30 @@ def _dequantize(t: Any, path: str) -> np.ndarray:
 # Saving
 
 
-def save_drafter(path: str | os.PathLike, cfg: DFlashConfig, w: Mapping[str, np.ndarray],
-                 tensor_type: str = "F32", format: str | None = None) -> str:
-  """Writes a drafter GGUF (llama.cpp conventions) or HF checkpoint folder; returns its path.
+def save_gguf_drafter(path: str | os.PathLike, cfg: DFlashConfig, w: Mapping[str, np.ndarray],
+                      tensor_type: str = "F32") -> str:
+  """Writes a drafter GGUF (llama.cpp conventions); returns its path.
 
-  `format` is "gguf" or "hf"; None picks by the path: a `.gguf` file name means GGUF, anything
-  else (a folder) HF. Matrices are stored as `tensor_type`: F32, F16, BF16 or Q8_0 for GGUF;
-  f32, f16 or bf16 (any case) for HF (`hf_io.save_hf_drafter`). 1-D norms are always F32.
+  Matrices are stored as `tensor_type` (F32, F16, BF16 or Q8_0); 1-D norms are always F32.
   The target's `tok_embd`/`lm_head` in `w` are not written. `w` is fully validated and encoded
-  before anything touches the disk, and each file appears only complete (temp file + rename).
+  before anything touches the disk, and the file appears only complete (temp file + rename).
   """
   path = os.fspath(path)
-  if format is None:
-    format = "gguf" if path.lower().endswith(".gguf") and not os.path.isdir(path) else "hf"
-  if format == "hf":
-    from dflash_jax import hf_io  # hf_io builds on this module, so it is imported on use
-    return hf_io.save_hf_drafter(path, cfg, w, dtype=str(tensor_type).lower())
-  if format != "gguf":
-    raise ValueError(f"format must be 'gguf', 'hf' or None, got {format!r}")
   if tensor_type not in SAVE_TYPES:
     raise ValueError(f"tensor_type must be one of {sorted(SAVE_TYPES)}, got {tensor_type!r}")
   if not isinstance(cfg, DFlashConfig):
     raise TypeError(f"cfg must be a DFlashConfig, got {type(cfg).__name__}")
   qtype = SAVE_TYPES[tensor_type]
   where = f"save_drafter({path})"
-  arrays = _checked_weights(cfg, w, where)
+  if SLIDING in cfg.kinds and cfg.window is None:
+    raise _fail(where, f"the config has sliding layers but no window; the file needs "
+                f"{KEY_WINDOW!r} (a file without it is full attention on every layer, "
+                "docs/SPEC.md section 2): give the config one (dataclasses.replace(cfg, "
+                "window=2048))")
+  arrays = checked_drafter_weights(cfg, w, where)
   encoded = {name: _encode(name, a, qtype, where) for name, a in arrays.items()}
   _write_atomically(path, lambda writer: _fill_writer(writer, cfg, encoded, qtype))
   return path
-
-
-def _checked_weights(cfg: DFlashConfig, w: Mapping[str, np.ndarray],
-                     where: str) -> dict[str, np.ndarray]:
-  expected = drafter_tensor_shapes(cfg)
-  extra = sorted(set(w) - set(expected) - set(TARGET_TENSORS))
-  if extra:
-    raise _fail(where, f"unknown weights {extra} (not a drafter tensor; refusing to drop them)")
-  missing = [n for n in expected if n not in w]
-  if missing:
-    raise _fail(where, f"missing weights {missing}")
-  arrays = {}
-  for name, shape in expected.items():
-    a = np.asarray(w[name], dtype=np.float32)
-    if a.shape != shape:
-      raise _fail(where, f"weight {name} has shape {a.shape}, expected {shape}")
-    if not np.isfinite(a).all():
-      raise _fail(where, f"weight {name} has {int((~np.isfinite(a)).sum())} non-finite values")
-    arrays[name] = np.ascontiguousarray(a)
-  return arrays
 
 
 def _encode(name: str, a: np.ndarray, qtype: Any, where: str) -> tuple[np.ndarray, Any]:
@@ -348,7 +324,7 @@ def _fill_writer(writer: gguf.GGUFWriter, cfg: DFlashConfig,
   writer.add_uint32(KEY_BLOCK_SIZE, cfg.block_size)
   if cfg.window is not None:
     writer.add_uint32(KEY_WINDOW, cfg.window)
-  if cfg.layer_types is not None:  # None: every layer slides, which is also a file's default
+  if cfg.layer_types is not None:  # None: every layer slides, as a file with a window says
     writer.add_array(KEY_SWA_PATTERN, [cfg.is_sliding(i) for i in range(cfg.n_layer)])
   if cfg.context_length is not None:
     writer.add_uint32(KEY_CONTEXT, cfg.context_length)

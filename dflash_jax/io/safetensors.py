@@ -1,11 +1,14 @@
 """Safetensors checkpoints (one `model.safetensors`, or shards with an index) as numpy arrays.
 
-Reading goes through the `safetensors` package's numpy API (no torch), after a bounded check
-of every header: a truncated or hostile file fails before any tensor data is touched, with an
-error naming the file and the tensor. bf16 tensors arrive as `ml_dtypes.bfloat16` arrays (the
-dtype safetensors' numpy API returns; `a.astype(np.float32)` is exact); every other dtype
-arrives as the numpy dtype of the same name. Writing is atomic per file: each file is written
-under a temporary name and renamed into place, a sharded index last.
+Every header is checked first, with bounds: a truncated or hostile file fails before any tensor
+data is touched, with an error naming the file and the tensor. The check pins each tensor's
+bytes (offsets that tile the data section exactly), so reading is positional file reads
+straight into a fresh array per tensor: no memory map, and a caller that hands each tensor on
+(to a device) holds about one tensor on the host at a time (`iter_tensors`). bf16 tensors arrive as
+`ml_dtypes.bfloat16` arrays (`a.astype(np.float32)` is exact); every other dtype as the numpy
+dtype of the same name. Writing goes through the `safetensors` package's numpy API (no torch)
+and is atomic per file: each file is written under a temporary name and renamed into place, a
+sharded index last.
 """
 from __future__ import annotations
 
@@ -13,14 +16,16 @@ import json
 import os
 import re
 import struct
-from typing import Any, Iterable, Mapping, NamedTuple
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Iterable, Iterator, Mapping, NamedTuple
 
 import ml_dtypes
 import numpy as np
-import safetensors
 from safetensors import numpy as st_numpy
 
-from dflash_jax import atomic
+from dflash_jax.io import atomic
+from dflash_jax.io.errors import SafetensorsFormatError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -37,19 +42,24 @@ DTYPES = {
     "U64": np.dtype(np.uint64), "U32": np.dtype(np.uint32), "U16": np.dtype(np.uint16),
     "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_),
 }
+# Tensor data is read in pieces of this many bytes, up to READ_THREADS at a time.
+READ_CHUNK = 64 << 20
+READ_THREADS = 8
 # Names accepted by `write_tensors(dtype=...)` for casting floating tensors.
 CAST_DTYPES = {"f32": DTYPES["F32"], "f16": DTYPES["F16"], "bf16": DTYPES["BF16"]}
 
 
-class SafetensorsFormatError(ValueError):
-  """A safetensors file or index that is truncated, inconsistent or not safetensors at all."""
-
-
 class TensorSpec(NamedTuple):
-  """One tensor as its header states it: safetensors dtype name, shape, and the file holding it."""
+  """One tensor as its header states it: safetensors dtype name, shape, the file holding it,
+  and where its bytes start in that file."""
   dtype: str
   shape: tuple[int, ...]
   file: str
+  offset: int
+
+  @property
+  def nbytes(self) -> int:
+    return int(np.prod(self.shape, dtype=np.int64)) * DTYPES[self.dtype].itemsize
 
 
 def _fail(where: str, message: str) -> SafetensorsFormatError:
@@ -70,19 +80,19 @@ def tensor_specs(path: str | os.PathLike) -> dict[str, TensorSpec]:
   files = _resolve(os.fspath(path))
   specs: dict[str, TensorSpec] = {}
   if files.index is None:
-    for name, (dtype, shape) in _checked_header(files.shards[0]).items():
-      specs[name] = TensorSpec(dtype, shape, files.shards[0])
+    for name, (dtype, shape, offset) in _checked_header(files.shards[0]).items():
+      specs[name] = TensorSpec(dtype, shape, files.shards[0], offset)
     return specs
   by_shard: dict[str, list[str]] = {}
   for name, shard in files.weight_map.items():
     by_shard.setdefault(shard, []).append(name)
   for shard in sorted(by_shard):
     header = _checked_header(shard)
-    for name, (dtype, shape) in header.items():
+    for name, (dtype, shape, offset) in header.items():
       if name in specs:
         raise _fail(files.index, f"tensor {name!r} is in two shards: "
                     f"{os.path.basename(specs[name].file)} and {os.path.basename(shard)}")
-      specs[name] = TensorSpec(dtype, shape, shard)
+      specs[name] = TensorSpec(dtype, shape, shard, offset)
   for name, shard in files.weight_map.items():
     if name not in specs:
       raise _fail(files.index, f"tensor {name!r} is mapped to {os.path.basename(shard)}, "
@@ -102,35 +112,62 @@ def read_tensors(path: str | os.PathLike,
   """The tensors of a safetensors checkpoint (see `tensor_specs` for `path`), as stored.
 
   Returns name -> writable numpy array in the stored dtype (bf16 as `ml_dtypes.bfloat16`),
-  owning its memory (no view of the file). `names` selects a subset (each must exist).
+  owning its memory (no view of the file), in the order of `names` (default: every tensor).
   Every header is checked before any data is read.
   """
   specs = tensor_specs(path)
   wanted = list(specs) if names is None else list(names)
-  missing = [n for n in wanted if n not in specs]
-  if missing:
-    raise _fail(os.fspath(path), f"no tensors named {missing[:8]}")
-  by_file: dict[str, list[str]] = {}
-  for name in wanted:
-    by_file.setdefault(specs[name].file, []).append(name)
-  out = {}
-  for file, file_names in by_file.items():
-    try:
-      with safetensors.safe_open(file, framework="np") as f:
-        for name in file_names:
-          out[name] = _own(f.get_tensor(name), specs[name], name)
-    except (safetensors.SafetensorError, OSError) as e:
-      raise _fail(file, f"safetensors could not read it: {e}") from e
+  out = dict(iter_tensors(specs, wanted, os.fspath(path)))
   return {name: out[name] for name in wanted}
 
 
-def _own(a: np.ndarray, spec: TensorSpec, name: str) -> np.ndarray:
-  """The array as a C-contiguous, writable array of its own, checked against the header."""
-  if a.dtype != DTYPES[spec.dtype] or tuple(a.shape) != spec.shape:
-    raise _fail(spec.file, f"tensor {name!r} read back as {a.dtype} {tuple(a.shape)}, header "
-                f"says {spec.dtype} {spec.shape}")
-  if not (a.flags.writeable and a.flags.c_contiguous):
-    a = np.array(a, order="C")
+def iter_tensors(specs: Mapping[str, TensorSpec], names: Iterable[str],
+                 where: str = "checkpoint") -> Iterator[tuple[str, np.ndarray]]:
+  """(name, array) for each of `names`, read one at a time from the files `specs` (from
+  `tensor_specs`) point at: file by file, each in the order of its bytes. Each array is fresh
+  and writable, in the stored dtype, filled by positional reads of `READ_CHUNK` bytes on a few
+  threads (a single reader does not reach the page cache's or an NVMe's bandwidth); the host
+  holds only the one being yielded (and what the caller keeps). A name not in `specs` is an
+  error naming `where`, raised before anything is read."""
+  names = list(names)
+  missing = [n for n in names if n not in specs]
+  if missing:
+    raise _fail(where, f"no tensors named {missing[:8]}")
+  if sys.byteorder != "little":
+    raise _fail(where, "safetensors data is little-endian; this host is big-endian")
+  by_file: dict[str, list[str]] = {}
+  for name in names:
+    by_file.setdefault(specs[name].file, []).append(name)
+  with ThreadPoolExecutor(min(READ_THREADS, os.cpu_count() or 1)) as pool:
+    for file in sorted(by_file):
+      try:
+        fd = os.open(file, os.O_RDONLY)
+      except OSError as e:
+        raise _fail(file, f"could not read it: {e}") from e
+      try:
+        for name in sorted(by_file[file], key=lambda n: specs[n].offset):
+          yield name, _read(fd, specs[name], name, pool)
+      finally:
+        os.close(fd)
+
+
+def _read(fd: int, spec: TensorSpec, name: str, pool: ThreadPoolExecutor) -> np.ndarray:
+  a = np.empty(spec.shape, DTYPES[spec.dtype])
+  buf = memoryview(a.reshape(-1).view(np.uint8))
+
+  def fill(lo: int) -> None:
+    hi = min(lo + READ_CHUNK, spec.nbytes)
+    while lo < hi:
+      try:
+        n = os.preadv(fd, [buf[lo:hi]], spec.offset + lo)
+      except OSError as e:
+        raise _fail(spec.file, f"could not read tensor {name!r}: {e}") from e
+      if not n:
+        raise _fail(spec.file, f"tensor {name!r}: the file ended inside its bytes (it "
+                    "changed since its header was checked)")
+      lo += n
+
+  list(pool.map(fill, range(0, spec.nbytes, READ_CHUNK)))
   return a
 
 
@@ -199,10 +236,11 @@ def _read_index(path: str) -> dict[str, str]:
   return out
 
 
-def _checked_header(path: str) -> dict[str, tuple[str, tuple[int, ...]]]:
-  """name -> (dtype, shape) from the header of `path`, after checking the header against the
-  file: bounded length, valid JSON, known dtypes, and data offsets that tile the data section
-  exactly (no gap, no overlap, each span = prod(shape) * itemsize, nothing past the end)."""
+def _checked_header(path: str) -> dict[str, tuple[str, tuple[int, ...], int]]:
+  """name -> (dtype, shape, file offset of its bytes) from the header of `path`, after checking
+  the header against the file: bounded length, valid JSON, known dtypes, and data offsets that
+  tile the data section exactly (no gap, no overlap, each span = prod(shape) * itemsize,
+  nothing past the end)."""
   size = os.path.getsize(path)
   if size < 8:
     raise _fail(path, f"{size} bytes: too short for a safetensors header (truncated?)")
@@ -236,7 +274,7 @@ def _checked_header(path: str) -> dict[str, tuple[str, tuple[int, ...]]]:
       raise _fail(path, f"tensor {name!r} ends at data byte {end}, but the file holds only "
                   f"{data_size} data bytes: truncated")
     entries.append((begin, end, name))
-    out[name] = (dtype, shape)
+    out[name] = (dtype, shape, 8 + n + begin)
   entries.sort()
   at, prev = 0, None
   for begin, end, name in entries:

@@ -1,4 +1,4 @@
-"""HF / z-lab DFlash drafter checkpoints (SPEC.md section 8): `config.json` plus safetensors.
+"""HF / z-lab DFlash drafter checkpoints (docs/SPEC.md section 8): config.json plus safetensors.
 
 The folder layout is the one z-lab's and SpecForge's `DFlashDraftModel.save_pretrained` write:
 tensors `fc`, `hidden_norm`, `norm` and `layers.i.*` (no `model.` prefix, no embedding or LM
@@ -14,9 +14,13 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from dflash_jax import atomic, safetensors_io
-from dflash_jax.config import FULL, LAYER_TYPES, SLIDING, DFlashConfig, drafter_tensor_shapes
-from dflash_jax.gguf_io import DEFAULT_BLOCK_SIZE, DrafterFormatError, _checked_weights
+from dflash_jax.config import (DEFAULT_BLOCK_SIZE, FULL, LAYER_TYPES, SLIDING, DFlashConfig,
+                               drafter_tensor_shapes)
+from dflash_jax.io import atomic
+from dflash_jax.io import safetensors as safetensors_io
+from dflash_jax.io.errors import (DrafterFormatError, SafetensorsFormatError,
+                                  checked_drafter_weights)
+from dflash_jax.io.errors import drafter_error as _fail
 
 CONFIG_FILE = "config.json"
 MAX_CONFIG_BYTES = 4 << 20
@@ -34,10 +38,6 @@ _LAYER_NAMES = {
 }
 _GLOBAL_NAMES = {"fc": "fc", "enc.output_norm": "hidden_norm", "output_norm": "norm"}
 _MISSING = object()
-
-
-def _fail(where: str, message: str) -> DrafterFormatError:
-  return DrafterFormatError(f"{where}: {message}")
 
 
 def hf_tensor_names(cfg: DFlashConfig) -> dict[str, str]:
@@ -174,7 +174,7 @@ def _read_json(path: str) -> dict[str, Any]:
     raise FileNotFoundError(f"{path}: no such config file")
   try:
     return safetensors_io.read_json_object(path, MAX_CONFIG_BYTES)
-  except safetensors_io.SafetensorsFormatError as e:
+  except SafetensorsFormatError as e:
     raise DrafterFormatError(str(e)) from e
 
 
@@ -311,12 +311,12 @@ def load_hf_drafter(path: str | os.PathLike) -> tuple[DFlashConfig, dict[str, np
   except FileNotFoundError as e:
     raise _fail(folder, f"{CONFIG_FILE} but no {safetensors_io.SINGLE_FILE} or "
                 f"{safetensors_io.INDEX_FILE}") from e
-  except safetensors_io.SafetensorsFormatError as e:
+  except SafetensorsFormatError as e:
     raise DrafterFormatError(str(e)) from e
   _check_specs(cfg, names, specs, folder, config_path)
   try:
     arrays = safetensors_io.read_tensors(folder, names=names.values())
-  except safetensors_io.SafetensorsFormatError as e:
+  except SafetensorsFormatError as e:
     raise DrafterFormatError(str(e)) from e
   weights = {}
   for key, name in names.items():
@@ -384,7 +384,7 @@ def save_hf_drafter(folder: str | os.PathLike, cfg: DFlashConfig, w: Mapping[str
     raise _fail(where, str(e)) from e
   names = hf_tensor_names(cfg)
   tensors = {}
-  for key, a in _checked_weights(cfg, w, where).items():
+  for key, a in checked_drafter_weights(cfg, w, where).items():
     try:
       tensors[names[key]] = a if a.ndim == 1 else safetensors_io.cast(names[key], a, dtype)
     except ValueError as e:

@@ -30,6 +30,8 @@ from typing import Any, Callable
 import gguf
 import numpy as np
 
+from dflash_jax.io.errors import GGUFFormatError
+
 _VT = gguf.GGUFValueType
 _QT = gguf.GGMLQuantizationType
 MAGIC = b"GGUF"
@@ -51,10 +53,6 @@ _ITEM_TYPES = {_QT.F16: np.float16, _QT.F32: np.float32, _QT.F64: np.float64, _Q
 _PSEUDO_FIELDS = {"GGUF.version": (4, np.uint32, _VT.UINT32),
                   "GGUF.tensor_count": (8, np.uint64, _VT.UINT64),
                   "GGUF.kv_count": (16, np.uint64, _VT.UINT64)}
-
-
-class GGUFFormatError(ValueError):
-  """A file that is not a well-formed GGUF; the message names the file, the field, the limit."""
 
 
 def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
