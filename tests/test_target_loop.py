@@ -228,9 +228,9 @@ def test_generate_cli_names_drafter_and_target_layers(tmp_path, capsys):
   """`python -m dflash_jax generate` with a drafter whose target_layers reach past the
   target: one line naming --drafter and the drafter's target_layers."""
   from dflash_jax.__main__ import main
-  from dflash_jax.models import qwen3
+  from dflash_jax.models import save_target
   tcfg, tp = TM.target(seed=0)
-  qwen3.save_target(tmp_path / "target", tcfg, tp, dtype="f32")
+  save_target(tmp_path / "target", tcfg, tp, dtype="f32")
   dcfg, w = TM.drafter_weights(tcfg)
   dfj.save_drafter(str(tmp_path / "d.gguf"), dataclasses.replace(dcfg, target_layers=(1, 5)), w)
   assert main(["generate", "--target", str(tmp_path / "target"), "--drafter",
