@@ -11,8 +11,9 @@ from dflash_jax.quant import host_pool
 
 # Values per random stream. Every tensor is filled in chunks of this size, each from its own
 # stream spawned from the seed, so that threads can fill them (numpy's generators release the
-# GIL) and the values do not depend on how many threads there are. The seed drafter (2.4B
-# values) takes 4.6 s on the H200 machine's 16 cores, 51.5 s from one stream (RESULTS.md run 26).
+# GIL) and the values do not depend on how many threads there are (one stream made the seed
+# drafter's 2.4B values the GPU suite's largest host cost: RESULTS.md, "The whole GPU suite in
+# one call").
 _CHUNK = 1 << 22
 
 

@@ -142,8 +142,8 @@ def qk_norm_rope(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array, n_past: j
   reshape, which under vmap would first move the slot axis to the front, a copy). Returns
   float32 q [Hkv, T*G, D] (row r = token r // G, query head kvh*G + r % G), k and v
   [Hkv, T, D]. Any G; T up to `limits.MAX_WIDTH`; D a
-  multiple of 16 up to 256. One program per head (grid Hkv x (G + 2)): one per kv head
-  measured 5.2 us on the H200, too few programs to hide the loads' latency.
+  multiple of 16 up to 256. One program per head (grid Hkv x (G + 2)): one per kv head is
+  too few programs to hide the loads' latency.
   parts=True returns instead the operands of `ring_attention_mgpu`: (q0, q1, k0, k1, v0,
   v1), the bf16 parts (`bf16_parts`) of q / sqrt(D), k and v in the same layouts, from the
   same launch (bitwise `ring_attention_mgpu.split_operands` of the float32 outputs).

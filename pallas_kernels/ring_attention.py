@@ -4,11 +4,11 @@ Two launches. `ring_attn_partial` runs a grid (Hkv x query row tiles, chunks + 1
 (h, c < chunks) attends kv head h's packed query rows (T*G rows: token r // G, query head
 h*G + r % G) over ring chunk c with an online softmax and writes an unnormalised partial
 (o, m, l); program (h, chunks) does the same over the block's own T keys, so no ring program
-carries that extra work (measured on the H200: 8.3 vs 9.0 us). `ring_attn_combine` runs a
-grid (Hkv, row tiles of the combine) and merges the chunks + 1 partials of its rows straight
-into the token-major [T, Hq*D] output. One program per kv head would fill only Hkv of the
-H200's 132 SMs (measured 33 us vs ~6 us with 16 splits); combining in XLA cost ~4 us in 3
-launches.
+carries that extra work (faster than folding them into the first chunk). `ring_attn_combine`
+runs a grid (Hkv, row tiles of the combine) and merges the chunks + 1 partials of its rows
+straight into the token-major [T, Hq*D] output. One program per kv head would fill only Hkv
+of the H200's 132 SMs, and combining in XLA takes 3 launches (benchmarks/RESULTS.md, the
+attention sweeps of "kernel GPU tests, kernel timings, attention sweep" and after).
 
 Visibility (SPEC.md sections 3 and 7): token t sees all T block keys, and slot j iff
 0 <= ring_pos[j] < n_past and, for a sliding window W, n_past + t - ring_pos[j] < W
@@ -44,14 +44,15 @@ from pallas_kernels.limits import check_head_dim, check_width
 # has a real score somewhere because the block's own keys are always visible.
 MASK = -0.7 * float(np.finfo(np.float32).max)
 
-# Dots must be fp32-accurate, and plain f32 dots run as TF32 on the GPU (1.8e-2 error
-# measured on the H200). Each float32 operand is split into `terms` bf16 parts (x = x0 + x1
+# Dots must be fp32-accurate, and plain f32 dots run as TF32 on the GPU (errors of order
+# 1e-2 on the H200). Each float32 operand is split into `terms` bf16 parts (x = x0 + x1
 # + ..., each part the bf16 rounding of the remainder) and the part products of order < terms
 # are summed with fp32 accumulation: terms=3 keeps ~24 mantissa bits (fp32), terms=2 ~16. A
 # bf16 ring tile is exact as one part, so q.k costs `terms` bf16 MMAs. The query is split once
-# per program, not once per tile as lax.DotAlgorithmPreset.BF16_BF16_F32_X3 would (measured on
-# the H200: 14.6 us per layer with that preset, 41 us with tf32x3). The interpreter runs the
-# same arithmetic, so CPU tests see GPU numerics.
+# per program, not once per tile as lax.DotAlgorithmPreset.BF16_BF16_F32_X3 would (slower on
+# the H200, and tf32x3 slower still: RESULTS.md, "attention GPU tests, attention + GEMM
+# sweeps, first step benchmark"). The interpreter runs the same arithmetic, so CPU tests see
+# GPU numerics.
 
 
 def _split(x: jax.Array, terms: int) -> list[jax.Array]:
@@ -450,7 +451,7 @@ def combine_partials(o: jax.Array, m: jax.Array, l: jax.Array, *, t: int, d: int
       out_specs=out_spec,
       out_shape=jax.ShapeDtypeStruct(out_shape, out_dtype),
       # No loop to pipeline: one load of the whole [chunks, RB, D] block per program; 8 warps
-      # measured 3.0 vs 4.0 us with 4 (H200).
+      # beat 4 on the H200.
       compiler_params=plt.CompilerParams(num_warps=8, num_stages=1),
       interpret=interpret, name="ring_attn_combine",
   )(o, m, l, *own_args)

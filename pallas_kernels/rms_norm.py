@@ -3,7 +3,8 @@
 y = x * rsqrt(mean(x^2) + eps) * w, rounded to out_dtype (bf16 in front of a bf16 GEMM: the
 rounding SPEC.md section 5 names). One program per `rows` rows, each row read once as one
 power-of-2 tile (lanes past K masked). At a batched round's 64-128 rows XLA's fusions of the
-same norm cost ~6-7 us each for ~5 MB (RESULTS.md run 16), far from the bytes' time.
+same norm take several times the bytes' time (benchmarks/RESULTS.md, the batched-round
+sections).
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ contiguous read of K-runs. Weight formats:
 
 1-byte weights are widened in registers to bfloat16, which is exact for int8 and for fp8
 e4m3 values; fp8 goes through float32 first because Triton's direct fp8 -> bf16 conversion
-is the bottleneck on the H200 (2.97 vs 3.86 TB/s measured). The activation x is rounded to
+is the bottleneck on the H200 (benchmarks/RESULTS.md, the fp8 GEMM sections). The activation x is rounded to
 bfloat16 for the dot (the same rounding a bf16-weight GEMM applies), products are exact and
 the accumulation is float32, so the kernel matches `skinny_matmul_reference` up to float32
 summation order.
