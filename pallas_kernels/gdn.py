@@ -7,7 +7,7 @@ Per value head j (key head j // (nv / nk)) and row t, with q already l2-normed a
   S <- exp(g_t) S;   u = beta_t (v_t - S^T k_t);   S <- S + k_t u^T;   o_t = S^T q_t
 
 (o_t from the updated S). States are stacked over a target's Gated DeltaNet layers,
-[L, B, nv, dk, dv], and the kernels take the layer as an int32 operand that indexes the
+[B, L, nv, dk, dv] (the batch axis first, as in every cache array), and the kernels take the layer as an int32 operand that indexes the
 stacked array inside the kernel: one compiled kernel then serves every layer (a layer in an
 index map would compile one kernel per layer), and no layer's state is sliced out of the
 stack first (XLA would copy it).
@@ -130,7 +130,7 @@ def _check(name: str, q, k, v, g, beta, state, lead: int) -> tuple[int, ...]:
   for nm, a in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("state", state)):
     check(a.dtype == jnp.float32, name, f"{nm} dtype must be float32", a.dtype)
   check(q.ndim == lead + 3 and q.shape == k.shape, name,
-        f"q and k must be [{'L, ' * (lead - 1)}B, T, nk, dk] alike", (q.shape, k.shape))
+        f"q and k must be [B, {'L, ' * (lead - 1)}T, nk, dk] alike", (q.shape, k.shape))
   *outer, t, nk, dk = q.shape
   check(v.ndim == q.ndim and tuple(v.shape[:-2]) == tuple(q.shape[:-2]), name,
         "v must be [..., T, nv, dv] over q's leading axes", v.shape)
@@ -139,8 +139,8 @@ def _check(name: str, q, k, v, g, beta, state, lead: int) -> tuple[int, ...]:
   for nm, a in (("g", g), ("beta", beta)):
     check(a.shape == tuple(v.shape[:-1]), name, f"{nm} must be [..., T, nv]", a.shape)
   check(state.ndim == 5 and tuple(state.shape[2:]) == (nv, dk, dv)
-        and state.shape[1] == outer[-1], name, "state must be [L, B, nv, dk, dv]",
-        (state.shape, q.shape, v.shape))
+        and tuple(state.shape[:len(outer)]) == tuple(outer), name,
+        "state must be [B, L, nv, dk, dv]", (state.shape, q.shape, v.shape))
   return t, nk, dk, nv, dv
 
 
@@ -166,7 +166,7 @@ def _recurrent_kernel(layer_ref, q_ref, k_ref, v_ref, g_ref, b_ref, s_ref, *rest
   b, j, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   lay = layer_ref[0]
   cols = pl.ds(vb * bv, bv)
-  s = s_ref[lay, b, j, :, cols]
+  s = s_ref[b, lay, j, :, cols]
   tp = next_pow2(t_rows)
   lim = (None if tp == t_rows else t_rows,)
   gs, betas = load_tile(g_ref, (0,), (tp,), lim), load_tile(b_ref, (0,), (tp,), lim)
@@ -177,17 +177,17 @@ def _recurrent_kernel(layer_ref, q_ref, k_ref, v_ref, g_ref, b_ref, s_ref, *rest
     s, o = row_step(s, q_ref[t, :], k_ref[t, :], v_ref[t, :], g, beta)
     o_ref[t, :] = o
     if snapshots:
-      snap_ref[lay, b, t, j, :, cols] = s
+      snap_ref[b, lay, t, j, :, cols] = s
 
 
 @functools.partial(jax.jit, static_argnames=("knobs", "interpret", "snapshot_layers"))
 def recurrent(q, k, v, g, beta, state, layer, snaps=None, *, snapshot_layers: int = 0,
               knobs: Knobs | None = None, interpret: bool | None = None):
-  """The rows of one layer, one at a time, from state[layer] (read, not written).
+  """The rows of one layer, one at a time, from state[:, layer] (read, not written).
 
-  q, k [B, T, nk, dk]; v [B, T, nv, dv]; g, beta [B, T, nv]; state [L, B, nv, dk, dv];
+  q, k [B, T, nk, dk]; v [B, T, nv, dv]; g, beta [B, T, nv]; state [B, L, nv, dk, dv];
   layer: int32 scalar. Returns o [B, T, nv, dv], or (o, snaps) with snapshots: snaps
-  [Ls, B, T, nv, dk, dv] holds S after every row at [layer]. Pass snaps (that buffer, from
+  [B, Ls, T, nv, dk, dv] holds S after every row at [:, layer]. Pass snaps (that buffer, from
   the previous layer's call; updated in place) or snapshot_layers = Ls to start a new one
   (its other layers are left unwritten)."""
   name = "gdn.recurrent"
@@ -198,8 +198,9 @@ def recurrent(q, k, v, g, beta, state, layer, snaps=None, *, snapshot_layers: in
   bsz, r, bv, tp = q.shape[0], nv // nk, knobs.block_v, next_pow2(t)
   with_snaps = snaps is not None or snapshot_layers > 0
   if snaps is not None:
-    check(snaps.shape[1:] == (bsz, t, nv, dk, dv) and snaps.dtype == jnp.float32, name,
-          "snaps must be float32 [Ls, B, T, nv, dk, dv]", (snaps.shape, snaps.dtype))
+    check(snaps.ndim == 6 and snaps.shape[0] == bsz and snaps.shape[2:] == (t, nv, dk, dv)
+          and snaps.dtype == jnp.float32, name, "snaps must be float32 [B, Ls, T, nv, dk, dv]",
+          (snaps.shape, snaps.dtype))
   gt, bt = jnp.swapaxes(g, 1, 2), jnp.swapaxes(beta, 1, 2)          # [B, nv, T]
   full = lambda a: pl.BlockSpec(a.shape, lambda b, j, vb: (0,) * len(a.shape))
   in_specs = [
@@ -215,7 +216,7 @@ def recurrent(q, k, v, g, beta, state, layer, snaps=None, *, snapshot_layers: in
   out_specs = [pl.BlockSpec((None, tp, None, bv), lambda b, j, vb: (b, 0, j, vb))]
   aliases = {}
   if with_snaps:
-    shape = snaps.shape if snaps is not None else (snapshot_layers, bsz, t, nv, dk, dv)
+    shape = snaps.shape if snaps is not None else (bsz, snapshot_layers, t, nv, dk, dv)
     out_shape.append(jax.ShapeDtypeStruct(shape, jnp.float32))
     out_specs.append(pl.BlockSpec(shape, lambda b, j, vb: (0,) * 6))
     if snaps is not None:
@@ -256,23 +257,23 @@ def recurrent_reference(q, k, v, g, beta, state, layer, snaps=None, *,
   """Pure-jnp twin of `recurrent` (same arguments minus the knobs)."""
   t, nk, dk, nv, dv = _check("gdn.recurrent_reference", q, k, v, g, beta, state, 1)
   r = nv // nk
-  s0 = lax.dynamic_index_in_dim(state, jnp.asarray(layer, jnp.int32), 0, keepdims=False)
+  s0 = lax.dynamic_index_in_dim(state, jnp.asarray(layer, jnp.int32), 1, keepdims=False)
   with_snaps = snaps is not None or snapshot_layers > 0
   _, o, rows = _scan_rows(s0, _expand(q, r), _expand(k, r), v, g, beta, True, with_snaps)
   if not with_snaps:
     return o
   if snaps is None:
-    snaps = jnp.zeros((snapshot_layers,) + rows.shape, jnp.float32)
-  return o, snaps.at[layer].set(rows)
+    snaps = jnp.zeros((rows.shape[0], snapshot_layers) + rows.shape[1:], jnp.float32)
+  return o, snaps.at[:, layer].set(rows)
 
 
 # --- replay (the commit of the replay rollback) -------------------------------------------------
 
 def _replay_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, s_ref, s_out_ref, *, t_rows: int,
                    bv: int):
-  lay, b, j, vb = (pl.program_id(i) for i in range(4))
+  b, lay, j, vb = (pl.program_id(i) for i in range(4))
   cols = pl.ds(vb * bv, bv)
-  s = s_ref[lay, b, j, :, cols]
+  s = s_ref[b, lay, j, :, cols]
   tp = next_pow2(t_rows)
   lim = (None if tp == t_rows else t_rows,)
   gs, betas = load_tile(g_ref, (0,), (tp,), lim), load_tile(b_ref, (0,), (tp,), lim)
@@ -281,13 +282,13 @@ def _replay_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, s_ref, s_out_ref, *, t_row
     g = jnp.sum(jnp.where(idx == t, gs, 0.0))
     beta = jnp.sum(jnp.where(idx == t, betas, 0.0))
     s, _ = row_step(s, q_ref[t, :], k_ref[t, :], v_ref[t, :], g, beta)
-  s_out_ref[lay, b, j, :, cols] = s
+  s_out_ref[b, lay, j, :, cols] = s
 
 
 def _keep_mask(g, beta, n_keep):
-  """g, beta [L, B, T, nv] with the rows at or past n_keep[b] zeroed (no-op rows)."""
+  """g, beta [B, L, T, nv] with the rows at or past n_keep[b] zeroed (no-op rows)."""
   keep = jnp.arange(g.shape[2], dtype=jnp.int32)[None, :] < n_keep[:, None]   # [B, T]
-  keep = keep[None, :, :, None]
+  keep = keep[:, None, :, None]
   return jnp.where(keep, g, 0.0), jnp.where(keep, beta, 0.0)
 
 
@@ -296,29 +297,27 @@ def replay(q, k, v, g, beta, state, n_keep, *, knobs: Knobs | None = None,
            interpret: bool | None = None):
   """Every layer's S advanced by its first n_keep[b] rows, in place (state is donated).
 
-  q, k [L, B, T, nk, dk]; v [L, B, T, nv, dv]; g, beta [L, B, T, nv] (what `recurrent` ran
-  in a verify, stacked over the layers); state [L, B, nv, dk, dv]; n_keep [B] int32 in
+  q, k [B, L, T, nk, dk]; v [B, L, T, nv, dv]; g, beta [B, L, T, nv] (what `recurrent` ran
+  in a verify, stacked over the layers); state [B, L, nv, dk, dv]; n_keep [B] int32 in
   [0, T]. Returns the new state."""
   name = "gdn.replay"
   t, nk, dk, nv, dv = _check(name, q, k, v, g, beta, state, 2)
-  check(state.shape[0] == q.shape[0], name, "state and the rows must have the same layers",
-        (state.shape, q.shape))
   knobs = knobs or default_knobs(dv)
   _check_dims(name, dk, dv, knobs)
   check_width(name, t)
-  nl, bsz, r, bv, tp = q.shape[0], q.shape[1], nv // nk, knobs.block_v, next_pow2(t)
+  bsz, nl, r, bv, tp = q.shape[0], q.shape[1], nv // nk, knobs.block_v, next_pow2(t)
   g, beta = _keep_mask(g, beta, jnp.asarray(n_keep, jnp.int32).reshape(bsz))
-  gt, bt = jnp.swapaxes(g, 2, 3), jnp.swapaxes(beta, 2, 3)          # [L, B, nv, T]
-  full = pl.BlockSpec(state.shape, lambda l, b, j, vb: (0,) * 5)
+  gt, bt = jnp.swapaxes(g, 2, 3), jnp.swapaxes(beta, 2, 3)          # [B, L, nv, T]
+  full = pl.BlockSpec(state.shape, lambda b, l, j, vb: (0,) * 5)
   return pl.pallas_call(
       functools.partial(_replay_kernel, t_rows=t, bv=bv),
-      grid=(nl, bsz, nv, dv // bv),
+      grid=(bsz, nl, nv, dv // bv),
       in_specs=[
-          pl.BlockSpec((None, None, tp, None, dk), lambda l, b, j, vb: (l, b, 0, j // r, 0)),
-          pl.BlockSpec((None, None, tp, None, dk), lambda l, b, j, vb: (l, b, 0, j // r, 0)),
-          pl.BlockSpec((None, None, tp, None, bv), lambda l, b, j, vb: (l, b, 0, j, vb)),
-          pl.BlockSpec((None, None, None, tp), lambda l, b, j, vb: (l, b, j, 0)),
-          pl.BlockSpec((None, None, None, tp), lambda l, b, j, vb: (l, b, j, 0)),
+          pl.BlockSpec((None, None, tp, None, dk), lambda b, l, j, vb: (b, l, 0, j // r, 0)),
+          pl.BlockSpec((None, None, tp, None, dk), lambda b, l, j, vb: (b, l, 0, j // r, 0)),
+          pl.BlockSpec((None, None, tp, None, bv), lambda b, l, j, vb: (b, l, 0, j, vb)),
+          pl.BlockSpec((None, None, None, tp), lambda b, l, j, vb: (b, l, j, 0)),
+          pl.BlockSpec((None, None, None, tp), lambda b, l, j, vb: (b, l, j, 0)),
           full],
       out_specs=full, out_shape=jax.ShapeDtypeStruct(state.shape, jnp.float32),
       input_output_aliases={5: 0},
@@ -332,9 +331,9 @@ def replay_reference(q, k, v, g, beta, state, n_keep):
   """Pure-jnp twin of `replay`."""
   t, nk, dk, nv, dv = _check("gdn.replay_reference", q, k, v, g, beta, state, 2)
   r = nv // nk
-  g, beta = _keep_mask(g, beta, jnp.asarray(n_keep, jnp.int32).reshape(q.shape[1]))
+  g, beta = _keep_mask(g, beta, jnp.asarray(n_keep, jnp.int32).reshape(q.shape[0]))
   run = lambda s, *x: _scan_rows(s, *x, False, False)[0]
-  return jax.vmap(run)(state, _expand(q, r), _expand(k, r), v, g, beta)
+  return jax.vmap(run, in_axes=1, out_axes=1)(state, _expand(q, r), _expand(k, r), v, g, beta)
 
 
 # --- chunked (prefill) --------------------------------------------------------------------------
@@ -351,7 +350,7 @@ def _chunked_kernel(layer_ref, q_ref, k_ref, v_ref, g_ref, b_ref, s_ref, o_ref, 
                       b_ref[rows], precision)
     o_ref[rows, :] = o
     return s
-  s_out_ref[lay, b, j, :, cols] = lax.fori_loop(0, n_chunks, body, s_ref[lay, b, j, :, cols])
+  s_out_ref[b, lay, j, :, cols] = lax.fori_loop(0, n_chunks, body, s_ref[b, lay, j, :, cols])
 
 
 def _chunk_rows(t: int, chunk: int) -> tuple[int, int]:
@@ -370,10 +369,10 @@ def _pad_rows(t_pad: int, *arrays):
 @functools.partial(jax.jit, static_argnames=("knobs", "interpret"), donate_argnames=("state",))
 def chunked(q, k, v, g, beta, state, layer, *, knobs: Knobs | None = None,
             interpret: bool | None = None):
-  """The rows of one layer in chunks from state[layer] -> (o [B, T, nv, dv], state with
-  [layer] advanced by every row; in place: state is donated).
+  """The rows of one layer in chunks from state[:, layer] -> (o [B, T, nv, dv], state with
+  [:, layer] advanced by every row; in place: state is donated).
 
-  q, k [B, T, nk, dk]; v [B, T, nv, dv]; g, beta [B, T, nv]; state [L, B, nv, dk, dv];
+  q, k [B, T, nk, dk]; v [B, T, nv, dv]; g, beta [B, T, nv]; state [B, L, nv, dk, dv];
   layer: int32 scalar. Any T (padded inside to whole chunks)."""
   name = "gdn.chunked"
   t, nk, dk, nv, dv = _check(name, q, k, v, g, beta, state, 1)
@@ -429,6 +428,6 @@ def chunked_reference(q, k, v, g, beta, state, layer, *, chunk: int = Knobs.chun
     a = jnp.moveaxis(a, 2, 1)
     return a.reshape(bsz, nv, t_pad // c, c, *a.shape[3:])
   lay = jnp.asarray(layer, jnp.int32)
-  s0 = lax.dynamic_index_in_dim(state, lay, 0, keepdims=False)
+  s0 = lax.dynamic_index_in_dim(state, lay, 1, keepdims=False)
   o, s = jax.vmap(jax.vmap(per_head))(s0, *(heads(a) for a in (q, k, v, g, beta)))
-  return jnp.moveaxis(o, 1, 2)[:, :t], state.at[lay].set(s)
+  return jnp.moveaxis(o, 1, 2)[:, :t], state.at[:, lay].set(s)

@@ -41,7 +41,7 @@ def _inputs(seed, bsz=2, t=5, nk=2, nv=4, dk=16, dv=16, layers=3):
   v = rng.standard_normal((bsz, t, nv, dv))
   g = -rng.uniform(0.01, 1.0, (bsz, t, nv))
   beta = rng.uniform(0.0, 1.0, (bsz, t, nv))
-  state = 0.3 * rng.standard_normal((layers, bsz, nv, dk, dv))
+  state = 0.3 * rng.standard_normal((bsz, layers, nv, dk, dv))
   return [jnp.asarray(a, jnp.float32) for a in (q, k, v, g, beta, state)]
 
 
@@ -51,21 +51,22 @@ def test_recurrent_matches_the_rule(t):
   state is only read; with an aliased snapshot buffer the other layers stay as they were."""
   q, k, v, g, beta, state = _inputs(t, t=t)
   lay = 1
-  o_ref, states = _rule(q, k, v, g, beta, state[lay])
+  o_ref, states = _rule(q, k, v, g, beta, state[:, lay])
   knobs = G.Knobs(block_v=8)
   o = G.recurrent(q, k, v, g, beta, state, lay, knobs=knobs)
   np.testing.assert_allclose(o, o_ref, rtol=1e-5, atol=1e-5)
   o2, snaps = G.recurrent(q, k, v, g, beta, state, lay, snapshot_layers=3, knobs=knobs)
   np.testing.assert_array_equal(o2, o)
-  np.testing.assert_allclose(snaps[lay], states, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(snaps[:, lay], states, rtol=1e-5, atol=1e-5)
   o3, snaps3 = G.recurrent_reference(q, k, v, g, beta, state, lay, snapshot_layers=3)
   np.testing.assert_allclose(o3, o_ref, rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(snaps3[lay], states, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(snaps3[:, lay], states, rtol=1e-5, atol=1e-5)
   # Into an existing buffer: layer 2's rows written, layers 0 and 1 untouched.
-  buf = jnp.full((3, 2, t, 4, 16, 16), 7.0, jnp.float32)
+  buf = jnp.full((2, 3, t, 4, 16, 16), 7.0, jnp.float32)
   _, out = G.recurrent(q, k, v, g, beta, state, 2, buf, knobs=knobs)
-  np.testing.assert_array_equal(out[:2], 7.0)
-  np.testing.assert_allclose(out[2], _rule(q, k, v, g, beta, state[2])[1], rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(out[:, :2], 7.0)
+  np.testing.assert_allclose(out[:, 2], _rule(q, k, v, g, beta, state[:, 2])[1], rtol=1e-5,
+                             atol=1e-5)
 
 
 @pytest.mark.parametrize("t", [1, 6])
@@ -78,21 +79,21 @@ def test_replay_is_the_verifys_own_state(t):
   knobs = G.Knobs(block_v=8)
   # Each layer its own rows: the inputs scaled per layer (g, beta stay in range).
   per_layer = [[a * (1 - 0.1 * lay) for a in (q, k, v, g, beta)] for lay in range(3)]
-  rows = [G.recurrent(*per_layer[lay], state, lay, snapshot_layers=3, knobs=knobs)[1][lay]
+  rows = [G.recurrent(*per_layer[lay], state, lay, snapshot_layers=3, knobs=knobs)[1][:, lay]
           for lay in range(3)]
-  twin_rows = [G.recurrent_reference(*per_layer[lay], state, lay, snapshot_layers=3)[1][lay]
+  twin_rows = [G.recurrent_reference(*per_layer[lay], state, lay, snapshot_layers=3)[1][:, lay]
                for lay in range(3)]
-  args = [jnp.stack([per_layer[lay][i] for lay in range(3)]) for i in range(5)]
+  args = [jnp.stack([per_layer[lay][i] for lay in range(3)], axis=1) for i in range(5)]
   for n0 in range(t + 1):
     n_keep = jnp.asarray([n0, t - n0], jnp.int32)
     got = G.replay(*args, jnp.array(state), n_keep, knobs=knobs)
     twin = G.replay_reference(*args, state, n_keep)
     for lay in range(3):
       for b, n in enumerate((n0, t - n0)):
-        want = state[lay, b] if n == 0 else rows[lay][b, n - 1]
-        np.testing.assert_array_equal(got[lay, b], want, err_msg=f"layer {lay} b {b} n {n}")
-        want_twin = state[lay, b] if n == 0 else twin_rows[lay][b, n - 1]
-        np.testing.assert_allclose(twin[lay, b], want_twin, rtol=1e-6, atol=1e-6)
+        want = state[b, lay] if n == 0 else rows[lay][b, n - 1]
+        np.testing.assert_array_equal(got[b, lay], want, err_msg=f"layer {lay} b {b} n {n}")
+        want_twin = state[b, lay] if n == 0 else twin_rows[lay][b, n - 1]
+        np.testing.assert_allclose(twin[b, lay], want_twin, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("t, chunk", [(7, 16), (37, 16), (64, 32)])
@@ -102,14 +103,14 @@ def test_chunked_equals_token_by_token(t, chunk):
   moves."""
   q, k, v, g, beta, state = _inputs(20 + t, t=t)
   lay = 2
-  o_ref, states = _rule(q, k, v, g, beta, state[lay])
+  o_ref, states = _rule(q, k, v, g, beta, state[:, lay])
   o, new = G.chunked(q, k, v, g, beta, jnp.array(state), lay,
                      knobs=G.Knobs(block_v=16, chunk=chunk))
   o2, new2 = G.chunked_reference(q, k, v, g, beta, state, lay, chunk=chunk)
   for got_o, got_s in ((o, new), (o2, new2)):
     np.testing.assert_allclose(got_o, o_ref, rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(got_s[lay], states[:, -1], rtol=1e-4, atol=1e-5)
-    np.testing.assert_array_equal(got_s[:lay], state[:lay])
+    np.testing.assert_allclose(got_s[:, lay], states[:, -1], rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(got_s[:, :lay], state[:, :lay])
   # The same rows one at a time through the recurrent twin (in pieces of <= 16 rows).
   s, outs = state, []
   for i in range(0, t, 16):
@@ -117,9 +118,9 @@ def test_chunked_equals_token_by_token(t, chunk):
     oo, sn = G.recurrent_reference(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], s, lay,
                                    snapshot_layers=3)
     outs.append(oo)
-    s = s.at[lay].set(sn[lay][:, -1])
+    s = s.at[:, lay].set(sn[:, lay, -1])
   np.testing.assert_allclose(o, jnp.concatenate(outs, 1), rtol=1e-4, atol=1e-5)
-  np.testing.assert_allclose(new[lay], s[lay], rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(new[:, lay], s[:, lay], rtol=1e-4, atol=1e-5)
 
 
 def test_chunked_no_op_rows_keep_the_state():
@@ -128,12 +129,12 @@ def test_chunked_no_op_rows_keep_the_state():
   n = jnp.asarray([13, 4])
   keep = (jnp.arange(20)[None, :] < n[:, None])[..., None]
   g0, b0 = jnp.where(keep, g, 0.0), jnp.where(keep, beta, 0.0)
-  _, states = _rule(q, k, v, g, beta, state[0])
+  _, states = _rule(q, k, v, g, beta, state[:, 0])
   for fn in (lambda *a: G.chunked(*a, knobs=G.Knobs(block_v=16, chunk=16)),
              lambda *a: G.chunked_reference(*a, chunk=16)):
     _, new = fn(q, k, v, g0, b0, jnp.array(state), 0)
     for b in range(2):
-      np.testing.assert_allclose(new[0, b], states[b, int(n[b]) - 1], rtol=1e-4, atol=1e-5)
+      np.testing.assert_allclose(new[b, 0], states[b, int(n[b]) - 1], rtol=1e-4, atol=1e-5)
 
 
 def test_unit_lower_inverse():
@@ -153,7 +154,7 @@ def test_input_errors():
                                        r"\[16, dv\]"):
     G.chunked(q, k, v, g, beta, state, 0, knobs=G.Knobs(block_v=8))
   with pytest.raises(ValueError, match="gdn.recurrent: state must be"):
-    G.recurrent(q, k, v, g, beta, state[0], 0)
+    G.recurrent(q, k, v, g, beta, state[:, 0], 0)
   with pytest.raises(ValueError, match=r"gdn.recurrent: dk must be a power of 2 in \[16, 256\]"):
     G.recurrent(q[..., :12], k[..., :12], v, g, beta, state[..., :12, :], 0)
 
@@ -170,18 +171,18 @@ def test_recurrent_and_replay_gpu(t):
   o, snaps = G.recurrent(q, k, v, g, beta, state, 1, snapshot_layers=2)
   o2, snaps2 = G.recurrent_reference(q, k, v, g, beta, state, 1, snapshot_layers=2)
   np.testing.assert_allclose(o, o2, rtol=1e-4, atol=1e-5)
-  np.testing.assert_allclose(snaps[1], snaps2[1], rtol=1e-4, atol=1e-5)
-  o_ref, states = _rule(q[:1], k[:1], v[:1], g[:1], beta[:1], state[1, :1])
+  np.testing.assert_allclose(snaps[:, 1], snaps2[:, 1], rtol=1e-4, atol=1e-5)
+  o_ref, states = _rule(q[:1], k[:1], v[:1], g[:1], beta[:1], state[:1, 1])
   np.testing.assert_allclose(o[:1], o_ref, rtol=1e-4, atol=1e-5)
-  np.testing.assert_allclose(snaps[1, :1], states, rtol=1e-4, atol=1e-5)
-  stack = lambda a: jnp.stack([a, a])
+  np.testing.assert_allclose(snaps[:1, 1], states, rtol=1e-4, atol=1e-5)
+  stack = lambda a: jnp.stack([a, a], axis=1)
   for n0 in sorted({0, 1, t // 2, t}):
     n_keep = jnp.asarray([n0, t - n0], jnp.int32)
     got = G.replay(stack(q), stack(k), stack(v), stack(g), stack(beta), jnp.array(state),
                    n_keep)
     for b, n in enumerate((n0, t - n0)):
-      want = state[1, b] if n == 0 else snaps[1, b, n - 1]
-      np.testing.assert_array_equal(got[1, b], want)
+      want = state[b, 1] if n == 0 else snaps[b, 1, n - 1]
+      np.testing.assert_array_equal(got[b, 1], want)
 
 
 @pytest.mark.gpu
@@ -196,13 +197,13 @@ def test_chunked_gpu(chunk, precision):
   o2, new2 = G.chunked_reference(q, k, v, g, beta, state, 1, chunk=chunk)
   tol = dict(rtol=1e-3, atol=1e-4) if precision == "tf32x3" else dict(rtol=1e-4, atol=1e-5)
   np.testing.assert_allclose(o, o2, **tol)
-  np.testing.assert_allclose(new[1], new2[1], **tol)
+  np.testing.assert_allclose(new[:, 1], new2[:, 1], **tol)
   s, outs = state, []
   for i in range(0, t, 16):
     sl = slice(i, i + 16)
     oo, sn = G.recurrent_reference(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], s, 1,
                                    snapshot_layers=2)
     outs.append(oo)
-    s = s.at[1].set(sn[1][:, -1])
+    s = s.at[:, 1].set(sn[:, 1, -1])
   np.testing.assert_allclose(o, jnp.concatenate(outs, 1), **tol)
-  np.testing.assert_allclose(new[1], s[1], **tol)
+  np.testing.assert_allclose(new[:, 1], s[:, 1], **tol)

@@ -115,8 +115,8 @@ def test_checkpoint_names_shapes_and_reference(tmp_path, model, layout):
       np.testing.assert_allclose(feats[b, :, j * e:(j + 1) * e], hs[i], **TOL)
     for slot, layer in enumerate(cfg.gdn_layers):
       s, window = states[layer]
-      np.testing.assert_allclose(cache.state[slot, b], s, **TOL)
-      np.testing.assert_allclose(cache.conv[slot, b], window, **TOL)
+      np.testing.assert_allclose(cache.state[b, slot], s, **TOL)
+      np.testing.assert_allclose(cache.conv[b, slot], window, **TOL)
 
 
 def test_qwen3_next_groups_are_per_key_head(model):

@@ -19,11 +19,11 @@ normed. shared/research/target_families.md section 2 holds the semantics; briefl
 
 The cache (`TargetCache`): K/V per attention layer [B, Hkv, S, D] (slot = position, as in
 qwen3), and per Gated DeltaNet layer the state S and the conv window, float32 whatever the
-weight dtype, stacked over those layers ([Lg, B, nv, dk, dv] and [Lg, B, K-1, C]) so that a
-commit updates all of them in one launch. A verify of w rows leaves S and the window as
+weight dtype, stacked over those layers ([B, Lg, nv, dk, dv] and [B, Lg, K-1, C]; every
+cache array has the batch axis first) so that a commit updates all of them in one launch. A verify of w rows leaves S and the window as
 they were and records in `Pending` what `commit(cache, n_keep)` needs to move them to after
 row n_keep - 1; the config's `rollback` picks how (both kept so the GPU can decide):
-- "snapshot": the verify kernel writes S after every row ([Lg, B, w, nv, dk, dv]); the
+- "snapshot": the verify kernel writes S after every row ([B, Lg, w, nv, dk, dv]); the
   commit copies row n_keep - 1's. Bytes per verify: w states written, one read and one
   written at the commit.
 - "replay": the verify keeps its rows' recurrence inputs (q, k, v, g, beta: about C floats
@@ -602,7 +602,7 @@ def forward(params: TargetParams, cfg: TargetConfig, tokens: jax.Array, *,
   b, t = tokens.shape
   positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
   causal = jnp.tril(jnp.ones((t, t), bool))[None]
-  zero_state = jnp.zeros((1, b, cfg.nv, cfg.dk, cfg.dv), jnp.float32)
+  zero_state = jnp.zeros((b, 1, cfg.nv, cfg.dk, cfg.dv), jnp.float32)
   window = jnp.zeros((b, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim), jnp.float32)
 
   def attend_layer(_):
@@ -625,9 +625,9 @@ def forward(params: TargetParams, cfg: TargetConfig, tokens: jax.Array, *,
 @flax.struct.dataclass
 class Pending:
   """What a verify of w rows leaves for its commit (stacked over the Gated DeltaNet layers).
-  rows: the pre-conv rows [Lg, B, w, C]. snapshot rollback: snaps [Lg, B, w, nv, dk, dv], S
-  after each row. replay rollback: the rule's inputs q, k [Lg, B, w, nk, dk], v [Lg, B, w,
-  nv, dv], g, beta [Lg, B, w, nv]. impl: the verify's kernels, which the commit reuses."""
+  rows: the pre-conv rows [B, Lg, w, C]. snapshot rollback: snaps [B, Lg, w, nv, dk, dv], S
+  after each row. replay rollback: the rule's inputs q, k [B, Lg, w, nk, dk], v [B, Lg, w,
+  nv, dv], g, beta [B, Lg, w, nv]. impl: the verify's kernels, which the commit reuses."""
   rows: jax.Array
   snaps: jax.Array | None = None
   q: jax.Array | None = None
@@ -641,7 +641,7 @@ class Pending:
 @flax.struct.dataclass
 class TargetCache:
   """k, v: per attention layer [B, Hkv, S, D] (after q/k norm and rope; slot = position);
-  state [Lg, B, nv, dk, dv] and conv [Lg, B, K-1, C] (float32): per Gated DeltaNet layer, S
+  state [B, Lg, nv, dk, dv] and conv [B, Lg, K-1, C] (float32): per Gated DeltaNet layer, S
   and the last K-1 pre-conv rows after the committed positions; length [B] int32: positions
   0..length-1 are committed. pending: what the last verify left for `commit` (None once
   committed)."""
@@ -671,8 +671,8 @@ def init_cache(cfg: TargetConfig, batch: int, capacity: int, dtype: Any = "fp32"
   return TargetCache(
       k=tuple(jnp.zeros(shape, dt) for _ in range(n_attn)),
       v=tuple(jnp.zeros(shape, dt) for _ in range(n_attn)),
-      state=jnp.zeros((n_gdn, batch, cfg.nv, cfg.dk, cfg.dv), jnp.float32),
-      conv=jnp.zeros((n_gdn, batch, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim), jnp.float32),
+      state=jnp.zeros((batch, n_gdn, cfg.nv, cfg.dk, cfg.dv), jnp.float32),
+      conv=jnp.zeros((batch, n_gdn, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim), jnp.float32),
       length=jnp.zeros((batch,), jnp.int32))
 
 
@@ -726,7 +726,7 @@ def _extend(params: TargetParams, cfg: TargetConfig, cache: TargetCache, tokens:
 
   def gdn_layer(l, lp, h):
     i = slot[l]
-    window = cache.conv[i]
+    window = cache.conv[:, i]
     r = _gdn_rows(cfg, lp, h, window, (b, t), impl)
     args = (r.q, r.k, r.v)
     if n_valid is not None:   # prefill: padding rows become no-ops
@@ -738,7 +738,7 @@ def _extend(params: TargetParams, cfg: TargetConfig, cache: TargetCache, tokens:
       else:
         o, held["state"] = gdn.chunked_reference(*args, g, beta, held["state"], i)
       full = jnp.concatenate([window, r.mixed], axis=1)
-      held["conv"] = held["conv"].at[i].set(_window_after(full, n_valid, kw))
+      held["conv"] = held["conv"].at[:, i].set(_window_after(full, n_valid, kw))
     else:
       snap_kw = {}
       if snapshot:
@@ -761,7 +761,7 @@ def _extend(params: TargetParams, cfg: TargetConfig, cache: TargetCache, tokens:
   if n_valid is not None:
     return new.replace(length=start + n_valid), h, feats
   rows = held["rows"]
-  stack = lambda name: jnp.stack([getattr(r, name) for r in rows]) if rows else None
+  stack = lambda name: jnp.stack([getattr(r, name) for r in rows], axis=1) if rows else None
   if snapshot:
     pending = Pending(rows=stack("mixed"), snaps=held["snaps"], impl=impl)
   else:
@@ -805,13 +805,13 @@ def commit(cfg: TargetConfig, cache: TargetCache, n_keep: jax.Array) -> TargetCa
   state, conv = cache.state, cache.conv
   if cfg.gdn_layers:
     kw = cfg.linear_conv_kernel_dim
-    full = jnp.concatenate([conv, p.rows], axis=2)          # [Lg, B, K-1+w, C]
-    conv = jax.vmap(lambda f: _window_after(f, n_keep, kw))(full)
+    full = jnp.concatenate([conv, p.rows], axis=2)          # [B, Lg, K-1+w, C]
+    conv = jax.vmap(lambda f: _window_after(f, n_keep, kw), in_axes=1, out_axes=1)(full)
     if cfg.rollback == "snapshot":
       w = p.snaps.shape[2]
       idx = jnp.clip(n_keep - 1, 0, w - 1)
-      picked = jnp.take_along_axis(p.snaps, idx[None, :, None, None, None, None], axis=2)[:, :, 0]
-      state = jnp.where((n_keep > 0)[None, :, None, None, None], picked, state)
+      picked = jnp.take_along_axis(p.snaps, idx[:, None, None, None, None, None], axis=2)
+      state = jnp.where((n_keep > 0)[:, None, None, None, None], picked[:, :, 0], state)
     elif p.impl == "pallas":
       state = gdn.replay(p.q, p.k, p.v, p.g, p.beta, state, n_keep, knobs=_kernel_knobs(cfg))
     else:
