@@ -412,3 +412,39 @@ def test_commit_needs_a_verify(model):
     cfg.verify(p, cfg.init_cache(1, 8), _tokens(0, (1, 2)), impl="triton")
   with pytest.raises(ValueError, match=r"capture_layers \[6\] outside \[0, 5\]"):
     cfg.forward(p, _tokens(0, (1, 2)), capture_layers=(6,))
+
+
+@pytest.mark.parametrize("rollback", M.ROLLBACKS)
+def test_pallas_path_lowers_for_sm90(monkeypatch, rollback):
+  """prefill, verify and commit with impl="pallas" (bf16 weights, real head shapes: dk = dv =
+  128, head_dim 256) lower for an sm90 target with the kernels compiled, not interpreted:
+  one recurrent kernel serves every GDN layer (the layer is an operand), one replay or
+  snapshot commit."""
+  import pallas_kernels.gdn as gdn_kernels
+  import pallas_kernels.skinny_gemm as skinny
+  from test_kernels_lowering import lowered_text
+  for mod in (gdn_kernels, skinny):
+    monkeypatch.setattr(mod, "resolve_interpret", lambda _: False)
+  cfg = dataclasses.replace(M.TargetConfig(
+      vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+      num_attention_heads=4, num_key_value_heads=2, layer_types=(L, L, F, L),
+      linear_num_key_heads=2, linear_num_value_heads=6), rollback=rollback)
+  p = jax.eval_shape(lambda: M.init_params(cfg, jax.random.key(0), jnp.bfloat16))
+  cache = jax.eval_shape(lambda: cfg.init_cache(1, 256, "bf16"))
+
+  def round_(p, c, t):
+    c, logits, feats = cfg.verify(p, c, t, capture_layers=(1, 3), impl="pallas")
+    return cfg.commit(c, jnp.asarray([5], jnp.int32)), logits, feats
+
+  import re
+  text = lowered_text(round_, (p, cache, jax.ShapeDtypeStruct((1, 16), jnp.int32)))
+  kernels = re.findall(r"tt.func public @(\w+)", text)
+  # Skinny GEMMs for the 16-row bf16 products, then the rule's kernels: one recurrent kernel
+  # for all three GDN layers (two with snapshots: the first call starts the buffer).
+  assert "skinny_matmul" in kernels
+  assert kernels.count("gdn_recurrent") == (2 if rollback == "snapshot" else 1), kernels
+  assert kernels.count("gdn_replay") == (rollback == "replay"), kernels
+  text = lowered_text(lambda p, c, t: cfg.prefill(p, c, t, jnp.asarray([100], jnp.int32),
+                                                  impl="pallas"),
+                      (p, cache, jax.ShapeDtypeStruct((1, 128), jnp.int32)))
+  assert "gdn_chunked" in text
