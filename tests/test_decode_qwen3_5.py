@@ -154,3 +154,27 @@ def test_committed_tokens_follow_target_sampling():
   assert _chi2_p(counts, _exact(SMALL, params, hotter)) < ALPHA, "cannot see a 10% change"
   hist = sum(r[1] for r in runs).sum(0)
   assert hist[0] > 0 and hist[1:].sum() > 0 and hist[-1] > 0, hist
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rollback", M.ROLLBACKS)
+def test_greedy_lossless_gpu(rollback):
+  """A float32 hybrid at real head shapes (8 layers, hidden 1024, 8 / 2 heads x 256, 16 key /
+  48 value heads x 128) with a drafter tapping GDN and attention layers, every kernel
+  compiled: speculative greedy output == target-only output at widths 16 and 5 (noisy
+  oracle drafts: every acceptance length)."""
+  tcfg = M.TargetConfig(
+      vocab_size=4096, hidden_size=1024, intermediate_size=2048, num_hidden_layers=8,
+      num_attention_heads=8, num_key_value_heads=2, linear_num_key_heads=16,
+      linear_num_value_heads=48, max_position_embeddings=4096, rollback=rollback)
+  tp = M.init_params(tcfg, jax.random.key(0))
+  dp = _drafter(tcfg, tp, (1, 4, 6, 8), block_size=16, window=64, n_head=8, n_head_kv=2)
+  m = D.Models(target=tp, drafter=dp, d2t=None, target_cfg=tcfg)
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(0, tcfg.vocab_size, n).tolist() for n in (5, 40, 100)]
+  ref = D.generate_target_only(tp, tcfg, prompts, 48, target_impl="pallas").tokens
+  for width in (16, 5):
+    g = D.generate(m, D.DecodeConfig(width=width, target_impl="pallas"), prompts, 48,
+                   oracle=_noisy_oracle(prompts, ref, seed=width, vocab=tcfg.vocab_size))
+    assert g.tokens == ref, width
+    assert g.hist[:, 1:].sum() > 0

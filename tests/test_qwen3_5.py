@@ -448,3 +448,33 @@ def test_pallas_path_lowers_for_sm90(monkeypatch, rollback):
                                                   impl="pallas"),
                       (p, cache, jax.ShapeDtypeStruct((1, 128), jnp.int32)))
   assert "gdn_chunked" in text
+
+
+@pytest.mark.gpu
+def test_pallas_path_gpu():
+  """Real head shapes (dk = dv = 128, head_dim 256; 4 key / 12 value heads), float32, the
+  compiled kernels: a 40-row chunked prefill, then a verify of 16 rows committed at n_keep
+  0, 1, 7 and 16 under both rollbacks: the states of the two rollbacks are bitwise equal,
+  and the next verify's logits equal the uncached forward (XLA's GEMMs, the twins)."""
+  base_cfg = M.TargetConfig(
+      vocab_size=1024, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+      num_attention_heads=4, num_key_value_heads=2, layer_types=(L, L, F, L),
+      linear_num_key_heads=4, linear_num_value_heads=12, max_position_embeddings=4096)
+  p = M.init_params(base_cfg, jax.random.key(0))
+  toks = np.random.default_rng(0).integers(0, 1024, (2, 80)).astype(np.int32)
+  pre = np.zeros((2, 64), np.int32)
+  pre[:, :40] = toks[:, :40]
+  for n in (0, 1, 7, 16):
+    states = {}
+    for rollback in M.ROLLBACKS:
+      cfg = dataclasses.replace(base_cfg, rollback=rollback)
+      cache, _ = M.prefill_jit(p, cfg, cfg.init_cache(2, 128), pre, jnp.int32(40),
+                               impl="pallas")
+      cache, _, _ = M.verify_jit(p, cfg, cache, toks[:, 40:56], impl="pallas")
+      cache = M.commit_jit(cfg, cache, jnp.full((2,), n, jnp.int32))
+      states[rollback] = np.asarray(cache.state)
+      _, logits, _ = M.verify_jit(p, cfg, cache, toks[:, 60:64], impl="pallas")
+      seq = np.concatenate([toks[:, :40 + n], toks[:, 60:64]], 1)
+      ref, _ = M.forward_jit(p, cfg, seq)
+      np.testing.assert_allclose(logits, ref[:, -4:], rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(states["replay"], states["snapshot"])
