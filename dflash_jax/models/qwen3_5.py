@@ -410,7 +410,8 @@ def _normals(key: jax.Array, shapes: dict[str, tuple[int, ...]]) -> dict[str, ja
           zip(shapes.items(), offsets, sizes)}
 
 
-def _mats(cfg: TargetConfig, r: dict, scale: dict, dtype) -> dict[str, jax.Array]:
+def _mats(r: dict, scale: dict, dtype) -> dict[str, jax.Array]:
+  """The matrices of r as N(0, scale^2 / fan_in) in dtype."""
   return {k: (r[k] * (s / math.sqrt(r[k].shape[1]))).astype(dtype) for k, s in scale.items()}
 
 
@@ -421,7 +422,7 @@ def _init_gdn(cfg: TargetConfig, key: jax.Array, dtype) -> GDNLayer:
   r = _normals(key, {"w_in": (cfg.in_dim, e), "w_out": (e, cfg.value_dim), "wgu": (2 * f, e),
                      "wd": (e, f), "conv": (kw, cfg.conv_dim), "heads": (2, cfg.nv),
                      "norms": (2 * e + cfg.dv,)})
-  m = _mats(cfg, r, {"w_in": 1.0, "w_out": branch, "wgu": 1.0, "wd": branch}, dtype)
+  m = _mats(r, {"w_in": 1.0, "w_out": branch, "wgu": 1.0, "wd": branch}, dtype)
   n = 0.1 * r["norms"]
   # A = exp(A_log) in (0.05, 1): decays exp(g) mostly in (0.4, 1), so the state carries
   # over tens of tokens (a test of the rollback needs it to matter).
@@ -437,7 +438,7 @@ def _init_attn(cfg: TargetConfig, key: jax.Array, dtype) -> AttnLayer:
   branch = 1.0 / math.sqrt(2.0 * cfg.num_hidden_layers)
   r = _normals(key, {"wqkv": (2 * cfg.q_dim + 2 * cfg.kv_dim, e), "wo": (e, cfg.q_dim),
                      "wgu": (2 * f, e), "wd": (e, f), "norms": (2 * e + 2 * d,)})
-  m = _mats(cfg, r, {"wqkv": 1.0, "wo": branch, "wgu": 1.0, "wd": branch}, dtype)
+  m = _mats(r, {"wqkv": 1.0, "wo": branch, "wgu": 1.0, "wd": branch}, dtype)
   n = 0.1 * r["norms"]
   return AttnLayer(attn_norm=n[:e], wqkv=m["wqkv"], q_norm=n[2 * e:2 * e + d],
                    k_norm=n[2 * e + d:], wo=m["wo"], ffn_norm=n[e:2 * e], wgu=m["wgu"],
@@ -446,13 +447,13 @@ def _init_attn(cfg: TargetConfig, key: jax.Array, dtype) -> AttnLayer:
 
 @functools.partial(jax.jit, static_argnums=(0, 2))
 def _init_outer(cfg: TargetConfig, key: jax.Array, dtype):
+  # A draw each: a 248320-token embedding and head together pass 2^31 elements.
   v, e = cfg.vocab_size, cfg.hidden_size
-  shapes = {"embed": (v, e), "norm": (e,)}
-  if not cfg.tie_word_embeddings:
-    shapes["head"] = (v, e)
-  r = _normals(key, shapes)
-  head = None if cfg.tie_word_embeddings else (r["head"] / math.sqrt(e)).astype(dtype)
-  return r["embed"].astype(dtype), 0.1 * r["norm"], head
+  k_embed, k_norm, k_head = jax.random.split(key, 3)
+  embed = jax.random.normal(k_embed, (v, e), jnp.float32).astype(dtype)
+  head = None if cfg.tie_word_embeddings else (
+      jax.random.normal(k_head, (v, e), jnp.float32) / math.sqrt(e)).astype(dtype)
+  return embed, 0.1 * jax.random.normal(k_norm, (e,), jnp.float32), head
 
 
 def init_params(cfg: TargetConfig, key: jax.Array, dtype: Any = jnp.float32) -> TargetParams:
@@ -888,12 +889,6 @@ def hf_ignored(name: str) -> bool:
           or name.endswith(".rotary_emb.inv_freq"))
 
 
-def _next_groups(cfg: TargetConfig) -> tuple[int, int]:
-  """Rows per key-head group of qwen3_next's in_proj_qkvz and in_proj_ba."""
-  r = cfg.nv // cfg.nk
-  return 2 * cfg.dk + 2 * r * cfg.dv, 2 * r
-
-
 def params_from_hf(cfg: TargetConfig, tensors: Mapping[str, Any], dtype: Any) -> TargetParams:
   """Checkpoint-named arrays (hf_tensor_shapes' names; host or device, any stored float
   dtype) -> TargetParams: matrices cast to dtype on the device and fused; qwen3_next's
@@ -920,8 +915,10 @@ def params_from_hf(cfg: TargetConfig, tensors: Mapping[str, Any], dtype: Any) ->
       continue
     g = p + "linear_attn."
     if cfg.model_type == "qwen3_next":
-      grp = dev(g + "in_proj_qkvz.weight").reshape(cfg.nk, _next_groups(cfg)[0], e)
+      # Per key head: its q, its k, then the r value heads' v, then their z (and in
+      # in_proj_ba the r heads' b, then their a); value head kh * r + i reads key head kh.
       dk, vr = cfg.dk, r * cfg.dv
+      grp = dev(g + "in_proj_qkvz.weight").reshape(cfg.nk, 2 * dk + 2 * vr, e)
       q, k = grp[:, :dk], grp[:, dk:2 * dk]
       v, z = grp[:, 2 * dk:2 * dk + vr], grp[:, 2 * dk + vr:]
       ba = dev(g + "in_proj_ba.weight").reshape(cfg.nk, 2 * r, e)
