@@ -306,8 +306,9 @@ def test_cached_random_chunks_equal_one_pass(model, impl):
   while pos < 40:
     w = int(rng.integers(1, 6))
     if rng.random() < 0.5:
-      cache, feats = M.prefill_jit(p, cfg, cache, np.pad(toks[:, pos:pos + w], ((0, 0), (0, 16 - w))),
-                                   jnp.int32(w), capture_layers=capture, impl=impl)
+      chunk = np.pad(toks[:, pos:pos + w], ((0, 0), (0, 16 - w)))
+      cache, feats = M.prefill_jit(p, cfg, cache, chunk, jnp.int32(w), capture_layers=capture,
+                                   impl=impl)
       np.testing.assert_allclose(feats[:, :w], ref_feats[:, pos:pos + w], **TOL)
     else:
       cache, logits, feats = M.verify_jit(p, cfg, cache, toks[:, pos:pos + w],
