@@ -292,10 +292,11 @@ def _keep_mask(g, beta, n_keep):
   return jnp.where(keep, g, 0.0), jnp.where(keep, beta, 0.0)
 
 
-@functools.partial(jax.jit, static_argnames=("knobs", "interpret"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("knobs", "interpret"))
 def replay(q, k, v, g, beta, state, n_keep, *, knobs: Knobs | None = None,
            interpret: bool | None = None):
-  """Every layer's S advanced by its first n_keep[b] rows, in place (state is donated).
+  """Every layer's S advanced by its first n_keep[b] rows (the output aliases state: in
+  place inside a jit that donates it).
 
   q, k [B, L, T, nk, dk]; v [B, L, T, nv, dv]; g, beta [B, L, T, nv] (what `recurrent` ran
   in a verify, stacked over the layers); state [B, L, nv, dk, dv]; n_keep [B] int32 in
@@ -366,11 +367,12 @@ def _pad_rows(t_pad: int, *arrays):
   return tuple(jnp.pad(a, [(0, 0), (0, t_pad - t)] + [(0, 0)] * (a.ndim - 2)) for a in arrays)
 
 
-@functools.partial(jax.jit, static_argnames=("knobs", "interpret"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("knobs", "interpret"))
 def chunked(q, k, v, g, beta, state, layer, *, knobs: Knobs | None = None,
             interpret: bool | None = None):
   """The rows of one layer in chunks from state[:, layer] -> (o [B, T, nv, dv], state with
-  [:, layer] advanced by every row; in place: state is donated).
+  [:, layer] advanced by every row; the output aliases state: in place inside a jit that
+  donates it).
 
   q, k [B, T, nk, dk]; v [B, T, nv, dv]; g, beta [B, T, nv]; state [B, L, nv, dk, dv];
   layer: int32 scalar. Any T (padded inside to whole chunks)."""
@@ -411,7 +413,7 @@ def chunked(q, k, v, g, beta, state, layer, *, knobs: Knobs | None = None,
 
 @functools.partial(jax.jit, static_argnames=("chunk",))
 def chunked_reference(q, k, v, g, beta, state, layer, *, chunk: int = Knobs.chunk):
-  """Pure-jnp twin of `chunked` (chunk: the knob of the same name; not donated)."""
+  """Pure-jnp twin of `chunked` (chunk: the knob of the same name)."""
   t, nk, dk, nv, dv = _check("gdn.chunked_reference", q, k, v, g, beta, state, 1)
   bsz, r = q.shape[0], nv // nk
   c, t_pad = _chunk_rows(t, chunk)
