@@ -7,10 +7,10 @@ Per value head j (key head j // (nv / nk)) and row t, with q already l2-normed a
   S <- exp(g_t) S;   u = beta_t (v_t - S^T k_t);   S <- S + k_t u^T;   o_t = S^T q_t
 
 (o_t from the updated S). States are stacked over a target's Gated DeltaNet layers,
-[B, L, nv, dk, dv] (the batch axis first, as in every cache array), and the kernels take the layer as an int32 operand that indexes the
-stacked array inside the kernel: one compiled kernel then serves every layer (a layer in an
-index map would compile one kernel per layer), and no layer's state is sliced out of the
-stack first (XLA would copy it).
+[B, L, nv, dk, dv] (the batch axis first, as in every cache array), and the kernels take
+the layer as an int32 operand that indexes the stacked array inside the kernel: one compiled
+kernel then serves every layer (a layer in an index map would compile one kernel per
+layer), and no layer's state is sliced out of the stack first (XLA would copy it).
 
 - `recurrent`: the rows one at a time (decode, verify). Each program holds a [dk, block_v]
   block of S in registers for all T rows: S is read once per call, never written (a verify
@@ -18,7 +18,8 @@ stack first (XLA would copy it).
 - `replay`: the commit of a verify under the replay rollback: every layer's S advanced by the
   first n_keep[b] of that verify's rows, in place, in one launch. Rows past n_keep run with
   g = beta = 0, which leaves S bitwise unchanged, so S after the replay is bitwise the state
-  `recurrent` computed after row n_keep - 1.
+  `recurrent` computed after row n_keep - 1 (the kernels: the same row code; the twins are
+  two XLA programs that may fuse differently, equal to rounding).
 - `chunked`: prefill, C rows at a time in the chunked (WY / UT transform) form: inside a chunk
   the rows' updates of each other are one unit lower triangular solve, applied with matrix
   products; across chunks the state carries. Updates the layer's state in place. Rows with

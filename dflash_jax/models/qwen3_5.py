@@ -20,16 +20,16 @@ normed. shared/research/target_families.md section 2 holds the semantics; briefl
 The cache (`TargetCache`): K/V per attention layer [B, Hkv, S, D] (slot = position, as in
 qwen3), and per Gated DeltaNet layer the state S and the conv window, float32 whatever the
 weight dtype, stacked over those layers ([B, Lg, nv, dk, dv] and [B, Lg, K-1, C]; every
-cache array has the batch axis first) so that a commit updates all of them in one launch. A verify of w rows leaves S and the window as
-they were and records in `Pending` what `commit(cache, n_keep)` needs to move them to after
-row n_keep - 1; the config's `rollback` picks how (both kept so the GPU can decide):
-- "snapshot": the verify kernel writes S after every row ([B, Lg, w, nv, dk, dv]); the
-  commit copies row n_keep - 1's. Bytes per verify: w states written, one read and one
-  written at the commit.
+cache array has the batch axis first) so that a commit updates all of them in one launch.
+A verify of w rows reads S once and leaves S and the window as they were; it records in
+`Pending` what `commit(cache, n_keep)` needs to move them to after row n_keep - 1. The
+config's `rollback` picks how (both kept so that the GPU can decide):
+- "snapshot": the verify kernel also writes S after every row ([B, Lg, w, nv, dk, dv]); the
+  commit copies row n_keep - 1's. State bytes per round: w + 1 written, 2 read.
 - "replay": the verify keeps its rows' recurrence inputs (q, k, v, g, beta: about C floats
   per row and layer); the commit runs the rule again over the first n_keep rows from the
-  untouched pre-verify S (gdn.replay, bitwise the verify's own states). Bytes: the state
-  read once more and written once.
+  untouched pre-verify S (gdn.replay: bitwise the verify's own states). State bytes per
+  round: 1 written, 2 read.
 Both keep the verify's pre-conv rows for the conv window. `cache_nbytes` counts each.
 
 Layout: matrices stay HF's (out, in); every product is `dflash_jax.params.linear`. A Gated
