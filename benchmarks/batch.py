@@ -17,16 +17,15 @@ Sections (each printed as it finishes, all written to DIR/batch.json and batch.m
 - memory: ring bytes per slot (from the config), then 64 slots of a 2048 window allocated on
   the device beside the bf16 weights, with one round over all 64 slots.
 - crossover: the skinny GEMM vs XLA's GEMM for each bf16 matrix of a seed round at M = 64 ..
-  512 rows; prints the row count to set `dflash_jax.params.SKINNY_MAX_M` to.
-- batched_ab, fp8_ab, norm_ab, attn_ab, mgpu_attn_ab: rounds under two or more routings,
-  interleaved in one process, at 32-128 rows (bf16 weights; `--ab-points` takes fp8 points
-  too; `ab_settings` says what each compares): the batched GEMM on vs off (where
-  `params.BATCHED_ROWS` comes from), fp8's pipeline depth and small-matrix routing on it
-  (`batched_gemm.FP8_DEEP_K`, `params.FP8_SMALL_WEIGHTS`), XLA's or the Pallas RMS norm in
-  front of it (`params.NORM_KERNEL`), the block's own keys in a program of their own or folded into
-  chunk 0's (`ring_attention.FOLD_OWN_MIN_SEQS`), the Triton or the Mosaic GPU partials with
-  one or two compute warpgroups (`ring_attention_mgpu.MAX_SEQS`, `COMPUTE_WGS`). By default
-  only batched_ab runs (each A/B takes minutes).
+  512 rows; prints the row count to set `KernelPolicy.skinny_max_m` to.
+- batched_ab, fp8_ab, attn_ab, mgpu_attn_ab: rounds under two or more kernel policies
+  (`dflash_jax.dispatch.KernelPolicy`, each its own compiled program), interleaved in one
+  process, at 32-128 rows (bf16 weights; `--ab-points` takes fp8 points too; `ab_settings`
+  says what each compares): the batched GEMM on vs off (where `batched_bf16_rows` /
+  `batched_fp8_rows` come from), fp8's small matrices on the batched or the skinny GEMM at 32
+  rows (`fp8_small_weights`), the block's own keys in a program of their own or folded into
+  chunk 0's (`fold_own_min_seqs`), the Triton or the Mosaic GPU partials
+  (`mgpu_attention_seqs`). By default only batched_ab runs (each A/B takes minutes).
 
 On the H200 the whole run takes about 5 minutes, mostly compiles (one per point); a slower
 start can split it: `--only rounds`, then `--only compiles,memory,crossover`.
@@ -46,15 +45,13 @@ import numpy as np
 
 import dflash_jax as dfj
 from benchmarks import common as C
-from dflash_jax import params as P
-from dflash_jax import step as S
-from dflash_jax.params import SKINNY_MAX_M, gemm_knobs, linear
-from pallas_kernels import batched_gemm as BG
-from pallas_kernels import ring_attention as A
-from pallas_kernels import ring_attention_mgpu as AM
+from dflash_jax import dispatch as P
+from dflash_jax.dispatch import KernelPolicy, gemm_knobs, linear
+from dflash_jax.drafter import step as S
 from pallas_kernels import skinny_gemm
 
-AB_SECTIONS = ("batched_ab", "fp8_ab", "norm_ab", "attn_ab", "mgpu_attn_ab")
+POLICY = KernelPolicy()   # the shipped routing
+AB_SECTIONS = ("batched_ab", "fp8_ab", "attn_ab", "mgpu_attn_ab")
 SECTIONS = ("rounds", "compiles", "memory", "crossover") + AB_SECTIONS   # rates always run
 DEFAULT_SECTIONS = ("rounds", "compiles", "memory", "crossover", "batched_ab")
 
@@ -107,13 +104,13 @@ def gemm_rate(n: int, iters: int) -> float:
   return 2 * n ** 3 / (C.device_ms(C.cupti_kernels(f, a, b, iterations=iters)) * 1e-3)
 
 
-def gemm_path(dtype: str, rows: int) -> str:
-  """Which GEMM a round's weights run on at this row count (params.linear's rule; fp8's small
-  matrices may stay on the skinny GEMM: "batched+skinny")."""
-  other = "skinny" if dtype != "bf16" or rows <= SKINNY_MAX_M else "xla"
-  if not P.batched_gemm_runs(dtype, rows):
+def gemm_path(dtype: str, rows: int, policy: KernelPolicy = POLICY) -> str:
+  """Which GEMM a round's weights run on at this row count (dispatch.linear's rule; fp8's
+  small matrices may stay on the skinny GEMM: "batched+skinny")."""
+  other = "skinny" if dtype != "bf16" or rows <= policy.skinny_max_m else "xla"
+  if not P.batched_gemm_runs(dtype, rows, policy):
     return other
-  return "batched" if P.batched_gemm_runs(dtype, rows, 0) else f"batched+{other}"
+  return "batched" if P.batched_gemm_runs(dtype, rows, policy, 0) else f"batched+{other}"
 
 
 def round_inputs(cfg: dfj.DFlashConfig, n_slots: int, width: int, n_past: int, seed: int = 3):
@@ -204,44 +201,36 @@ def bench_rounds(plan: Plan, rates: dict, out: list, save) -> None:
     save()
 
 
-def ab_settings(section: str) -> list[tuple[str, dict]]:
-  """The settings one A/B section compares, the shipped routing's opposite first: (tag,
-  {(module, attribute): value}) patched in for that tag's jit.
-  batched_ab: the Mosaic GPU batched GEMM off (params.BATCHED_ROWS emptied: XLA's GEMM for
-  bf16, the skinny GEMM for fp8) vs on for bf16 and fp8 from SKINNY_MAX_M + 1 rows (so the
-  A/B also says where each format's lower bound belongs). fp8_ab: fp8 on the batched GEMM as
-  in run 20 (at most 4 pipeline stages, every matrix from 32 rows), then with up to 6 stages
-  from batched_gemm.FP8_DEEP_K, then also with the small matrices on the skinny GEMM at 32
-  rows (params.FP8_SMALL_WEIGHTS, the shipped routing). norm_ab: XLA's RMS norm vs the
-  Pallas row norm
-  in front of the batched GEMM (params.NORM_KERNEL). attn_ab: the Triton attention's own-key
-  program vs folded into chunk 0 (ring_attention.FOLD_OWN_MIN_SEQS). mgpu_attn_ab: the
-  Triton attention vs the Mosaic GPU partials with one or two compute warpgroups
-  (ring_attention_mgpu.MAX_SEQS, COMPUTE_WGS)."""
+def ab_settings(section: str) -> list[tuple[str, KernelPolicy]]:
+  """The kernel policies one A/B section compares, the shipped routing's opposite first:
+  (tag, policy). batched_ab: the Mosaic GPU batched GEMM off (XLA's GEMM for bf16, the
+  skinny GEMM for fp8) vs on for bf16 and fp8 from skinny_max_m + 1 rows (so the A/B also says
+  where each format's lower bound belongs). fp8_ab: every fp8 matrix on the batched GEMM from
+  32 rows vs the small ones on the skinny GEMM there (fp8_small_weights, shipped). attn_ab:
+  the Triton attention's own-key program vs folded into chunk 0 from 2 slots
+  (fold_own_min_seqs). mgpu_attn_ab: the Triton attention vs the Mosaic GPU partials up to 64
+  slots (mgpu_attention_seqs)."""
   if section == "batched_ab":
-    on = {f: (P.SKINNY_MAX_M + 1, P.BATCHED_ROWS.get(f, (0, 128))[1]) for f in ("bf16", "fp8")}
-    return [("off", {(P, "BATCHED_ROWS"): {}}), ("on", {(P, "BATCHED_ROWS"): on})]
+    on = lambda rows: (POLICY.skinny_max_m + 1, (rows or (0, 128))[1])
+    return [("off", dataclasses.replace(POLICY, batched_bf16_rows=None, batched_fp8_rows=None)),
+            ("on", dataclasses.replace(POLICY, batched_bf16_rows=on(POLICY.batched_bf16_rows),
+                                       batched_fp8_rows=on(POLICY.batched_fp8_rows)))]
   if section == "fp8_ab":
-    return [("run20", {(BG, "FP8_DEEP_K"): 1 << 30, (P, "FP8_SMALL_WEIGHTS"): 0}),
-            ("deep", {(BG, "FP8_DEEP_K"): BG.FP8_DEEP_K, (P, "FP8_SMALL_WEIGHTS"): 0}),
-            ("deep_small", {(BG, "FP8_DEEP_K"): BG.FP8_DEEP_K,
-                            (P, "FP8_SMALL_WEIGHTS"): P.FP8_SMALL_WEIGHTS})]
-  if section == "norm_ab":
-    return [("xla", {(P, "NORM_KERNEL"): False}), ("pallas", {(P, "NORM_KERNEL"): True})]
+    return [("all_batched", dataclasses.replace(POLICY, fp8_small_weights=0)),
+            ("small_skinny", POLICY)]
   if section == "attn_ab":
-    return [("own_program", {(A, "FOLD_OWN_MIN_SEQS"): None}),
-            ("own_folded", {(A, "FOLD_OWN_MIN_SEQS"): 2})]
+    return [("own_program", dataclasses.replace(POLICY, fold_own_min_seqs=None)),
+            ("own_folded", dataclasses.replace(POLICY, fold_own_min_seqs=2))]
   if section == "mgpu_attn_ab":
-    return [("triton", {(AM, "MAX_SEQS"): 0}),
-            ("mgpu", {(AM, "MAX_SEQS"): 64, (AM, "COMPUTE_WGS"): 1}),
-            ("mgpu_2wg", {(AM, "MAX_SEQS"): 64, (AM, "COMPUTE_WGS"): 2})]
+    return [("triton", dataclasses.replace(POLICY, mgpu_attention_seqs=None)),
+            ("mgpu", dataclasses.replace(POLICY, mgpu_attention_seqs=(1, 64)))]
   raise ValueError(section)
 
 
 def bench_ab(plan: Plan, section: str, repeats: int = 2) -> list[dict]:
   """Rounds under each of `ab_settings(section)` in the same process, interleaved, for every
-  point of plan.ab_points (each setting its own jit; the defaults restored after); with the
-  largest logits difference and draft agreement of each setting against the first."""
+  point of plan.ab_points (each policy compiles its own program); with the largest logits
+  difference and draft agreement of each setting against the first."""
   cfg, window = plan.cfg, plan.window
   settings = ab_settings(section)
   out, params = [], None
@@ -251,21 +240,14 @@ def bench_ab(plan: Plan, section: str, repeats: int = 2) -> list[dict]:
       params = C.random_params(cfg, plan.n_vocab, dtype)
     ring = C.filled_state(cfg, "bf16", window, window, n_seqs=n_slots)
     inputs = round_inputs(cfg, n_slots, width, window)
+    f = _round_no_donation(width)
     times, outs = {tag: [] for tag, _ in settings}, {}
     for _ in range(repeats):
-      for tag, patch in settings:
-        saved = {key: getattr(*key) for key in patch}
-        try:
-          for (mod, attr), v in patch.items():
-            setattr(mod, attr, v)
-          f = jax.jit(functools.partial(S.draft_round_batched, width=width, impl="pallas"))
-          per = C.without_copies(C.cupti_kernels(f, params, ring, *inputs,
-                                                 iterations=plan.iters))
-          times[tag].append((C.device_ms(per), C.launches(per)))
-          outs[tag] = f(params, ring, *inputs)
-        finally:
-          for (mod, attr), v in saved.items():
-            setattr(mod, attr, v)
+      for tag, policy in settings:
+        p = params.replace(policy=policy)
+        per = C.without_copies(C.cupti_kernels(f, p, ring, *inputs, iterations=plan.iters))
+        times[tag].append((C.device_ms(per), C.launches(per)))
+        outs[tag] = f(p, ring, *inputs)
     first = settings[0][0]
     r = dict(dtype=dtype, width=width, slots=n_slots, rows=n_slots * width,
              ms={tag: [t for t, _ in ts] for tag, ts in times.items()},
@@ -385,14 +367,14 @@ def step_matrices(cfg: dfj.DFlashConfig, n_vocab: int) -> list[tuple[str, int, i
 def bench_crossover(plan: Plan) -> dict:
   """Each bf16 GEMM of a round on the skinny kernel (ceil(M / 64) M tiles) and on XLA's GEMM
   at M rows; per M the round's total (each matrix times its launches). The suggested
-  SKINNY_MAX_M is the largest probed M up to which the skinny total never loses."""
+  skinny_max_m is the largest probed M up to which the skinny total never loses."""
   key = iter(jax.random.split(jax.random.key(9), 64))
   rows = {}
   for name, n, k, gate_up, count in step_matrices(plan.cfg, plan.n_vocab):
     if plan.crossover_gemms is not None and name not in plan.crossover_gemms:
       continue
     w = (jax.random.normal(next(key), (n, k), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
-    knobs = gemm_knobs("bf16", n // 2 if gate_up else n, k, gate_up)
+    knobs = gemm_knobs("bf16", n // 2 if gate_up else n, k, gate_up, policy=POLICY).kwargs()
     partials = name == "qkv"   # the step keeps qkv's split-K partials for qk_norm_rope
     if gate_up:
       skinny = jax.jit(functools.partial(skinny_gemm.skinny_matmul_gate_up, fmt="bf16",
@@ -421,12 +403,12 @@ def bench_crossover(plan: Plan) -> dict:
                     for nm, v in rows[m].items())
     print(f"crossover M={m}: round GEMMs skinny {totals[m]['skinny_ms']:.3f} ms, xla "
           f"{totals[m]['xla_ms']:.3f} ms (us skinny/xla: {per})", flush=True)
-  print(f"crossover: suggested SKINNY_MAX_M = {suggested} (now {SKINNY_MAX_M}; the largest "
+  print(f"crossover: suggested skinny_max_m = {suggested} (now {POLICY.skinny_max_m}; the largest "
         "probed M up to which the skinny kernel's round total never loses; None: it loses "
         f"already at M = {min(totals)})", flush=True)
   return dict(per_rows={str(m): v for m, v in rows.items()},
               totals={str(m): v for m, v in totals.items()},
-              suggested_skinny_max_m=suggested, current_skinny_max_m=SKINNY_MAX_M)
+              suggested_skinny_max_m=suggested, current_skinny_max_m=POLICY.skinny_max_m)
 
 
 def markdown(res: dict) -> str:
@@ -462,7 +444,7 @@ def markdown(res: dict) -> str:
     lines += ["", "| M | round GEMMs skinny ms | xla ms |", "|---|---|---|"]
     for m, t in x["totals"].items():
       lines.append(f"| {m} | {t['skinny_ms']:.3f} | {t['xla_ms']:.3f} |")
-    lines.append(f"\nsuggested SKINNY_MAX_M = {x['suggested_skinny_max_m']} "
+    lines.append(f"\nsuggested skinny_max_m = {x['suggested_skinny_max_m']} "
                  f"(current {x['current_skinny_max_m']})")
   for section in AB_SECTIONS:
     if section not in res:

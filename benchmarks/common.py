@@ -16,9 +16,9 @@ import numpy as np
 
 from dflash_jax import atomic
 from dflash_jax.config import FULL, SLIDING, DFlashConfig, rope_inv_freq
-from dflash_jax.params import (DrafterParams, InjectParams, LayerParams, QuantWeight,
-                               resolve_dtype, resolve_weight_format)
-from dflash_jax.step import KVCache, RingState
+from dflash_jax.dispatch import QuantWeight, resolve_dtype, resolve_weight_format
+from dflash_jax.drafter.step import KVCache, RingState
+from dflash_jax.drafter.weights import DrafterParams, InjectParams, LayerParams
 
 ON_GPU = jax.default_backend() == "gpu"
 # What jax records for each XLA backend compilation (jax._src.dispatch.BACKEND_COMPILE_EVENT).

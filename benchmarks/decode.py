@@ -10,7 +10,7 @@ Sections, in order (results are saved after each, so a run cut short keeps what 
 2. target-only greedy decoding (the same target code at width 1): tokens/s, wall clock over
    a long run after a warm-up that compiles it. Its output is the oracle of section 4.
 3. one round at width block_size (16; 8 in --smoke), piece by piece, CUPTI device time (median over iterations of the
-   kernel sum, XLA copies before aliased kernels excluded): draft (`decode._propose`: encode +
+   kernel sum, XLA copies before aliased kernels excluded): draft (`decode.Drafter().propose`: encode +
    inject of the committed rows + block step + drafts), of which inject and block step
    measured alone; verify of 16 rows; accept + commit; and a 1-token target decode step.
    The draft with the full 151936-token head and with a 32768-token reduced draft vocab.
@@ -47,8 +47,9 @@ from jax import lax
 
 import dflash_jax as dfj
 from benchmarks import common as C
+from benchmarks.oracle import Oracle
 from dflash_jax import decode as D
-from dflash_jax import step as S
+from dflash_jax.drafter import step as S
 from dflash_jax.models import qwen3 as Q
 
 QWEN3_8B_TARGET = Q.TargetConfig(
@@ -115,11 +116,11 @@ def target_loop(tc: Q.TargetConfig, inner: int, capture, impl: str):
   def run(tp, cache, tokens):
     def body(_, c):
       cache, toks = c
-      new, logits, feats = Q.verify(tp, tc, cache, toks, capture_layers=capture, impl=impl)
+      new, logits, feats = tc.verify(tp, cache, toks, capture_layers=capture, impl=impl)
       toks = jnp.argmax(logits, -1).astype(jnp.int32)
       if capture:   # keep the captured features live, as the round needs them
         toks = toks + (feats[..., 0] > 1e30).astype(jnp.int32)
-      return new.replace(length=cache.length), toks
+      return new, toks   # nothing committed: the next pass is at the same position
     return lax.fori_loop(0, inner, body, (cache, tokens))[1]
   return jax.jit(run)
 
@@ -222,17 +223,17 @@ def round_section(su, res, models, reduced, prompt, oracle, w16, kw, impl, skinn
   """Section 3. The state: the prompt prefilled, then as after a round that accepted 15
   drafts (16 committed rows pending for inject; the cache and ring lengths to match)."""
   tc, dc, tp, dp = su.target, su.drafter, models.target, models.drafter
-  st = D.start(models, w16, [prompt], su.max_new, oracle=oracle, **kw)
+  st = D.start(models, w16, [prompt], su.max_new, **kw)
   w = dc.block_size
   keys = jax.random.split(jax.random.key(2), 4)
   st = st.replace(pending=jax.random.normal(keys[0], st.pending.shape, jnp.float32),
                   n_new=st.n_new + w, n_past=st.n_past + w,
-                  cache=st.cache.replace(length=st.cache.length + w))
+                  cache=tc.commit(st.cache, jnp.full(st.n_past.shape, w, jnp.int32)))
   key = jax.random.split(keys[1], 1)
   parts = {}
   t0 = time.perf_counter()
-  # The drafter's own drafts (oracle off); weights are arguments of every measured function.
-  propose = jax.jit(lambda m, s, k: D._propose(m, w16, s.replace(oracle=None), k)[1])
+  # The drafter's own drafts; weights are arguments of every measured function.
+  propose = jax.jit(lambda m, s, k: D.Drafter().propose(m, w16, s, k)[1].drafts)
   for name, m in (("draft_full_vocab", models), ("draft_reduced_vocab", reduced)):
     parts[name] = device_ms(propose, m, st, key, iters=su.iters)
   ring0 = jax.tree.map(lambda a: a[0], st.ring)
@@ -245,13 +246,15 @@ def round_section(su, res, models, reduced, prompt, oracle, w16, kw, impl, skinn
   block = jax.jit(lambda d, r, i, n: S.greedy_drafts(S.block_step(d, r, i, n, impl=impl)))
   parts["block_step_full_vocab"] = device_ms(block, dp, ring0, st.id_last[0], st.n_past[0],
                                              iters=su.iters)
-  drafts = D._slice_rows(st.oracle, st.n_past + 1, w - 1)
+  p = int(st.n_past[0])
+  drafts = jnp.asarray(np.asarray(oracle[0], np.int32)[None, p + 1:p + w])
   # Accept + commit does the same work whatever the values: random verify outputs.
   logits = jax.random.normal(keys[2], (1, w, tc.vocab_size), jnp.float32)
   feats = jax.random.normal(keys[3], (1, w, dc.n_embd_fc), jnp.float32)
-  commit = jax.jit(lambda s, d, lg, f, k: (lambda o: (o.tokens, o.n_past, o.pending, o.hist))(
-      D._accept_commit(w16, s, d, None, lg, f, k)))
-  parts["accept_commit"] = device_ms(commit, st, drafts, logits, feats, key, iters=su.iters)
+  commit = jax.jit(lambda m, s, d, lg, f, k: (lambda o: (o.tokens, o.n_past, o.pending, o.hist))(
+      D.accept_commit(m, w16, s, D.Proposal(d), lg, f, k)))
+  parts["accept_commit"] = device_ms(commit, models, st, drafts, logits, feats, key,
+                                     iters=su.iters)
   res["compile_and_measure_draft_parts_s"] = time.perf_counter() - t0
   vt = jnp.concatenate([st.id_last[:, None], drafts], 1)
   for impl_t in ("xla", "pallas") if skinny else ("xla",):
@@ -282,12 +285,14 @@ def oracle_run(su, models, prompt, oracle, g0, base_tps, k, impl, kw,
   So the oracle is refined to a fixed point: each run's committed tokens become the next
   run's oracle (the agreeing prefix grows by at least one round per run) until a run commits
   exactly its oracle, i.e. every draft of every round was accepted. The last run is reported."""
-  dcfg = D.DecodeConfig(width=k + 1, impl=impl)
+  dcfg = D.DecodeConfig(width=k + 1, impl=impl, proposer=Oracle())
+  length = len(oracle[0]) + k + 1
   t0 = time.perf_counter()
-  D.generate(models, dcfg, [prompt], 4, oracle=oracle, rounds_per_call=su.sync_every, **kw)
+  D.generate(models, dcfg, [prompt], 4, proposer_state=Oracle.state(oracle, length),
+             rounds_per_call=su.sync_every, **kw)
   warm = time.perf_counter() - t0
   for runs in range(1, max_refine + 1):
-    g = D.generate(models, dcfg, [prompt], su.max_new, oracle=oracle,
+    g = D.generate(models, dcfg, [prompt], su.max_new, proposer_state=Oracle.state(oracle, length),
                    rounds_per_call=su.sync_every, **kw)
     fixed = list(g.tokens[0]) == list(oracle[0][len(prompt):len(prompt) + g.n_tokens])
     if fixed:

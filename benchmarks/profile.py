@@ -46,9 +46,9 @@ import dflash_jax as dfj
 from benchmarks import common as C
 from dflash_jax import atomic
 from dflash_jax import decode as D
-from dflash_jax import step as S
+from dflash_jax.drafter import step as S
 
-# The scope names of dflash_jax.step and dflash_jax.decode that name a phase; a scope path
+# The scope names of dflash_jax.drafter.step and dflash_jax.decode that name a phase; a scope path
 # reduces to the ones it holds, in order (layer<i>, jit(...), vmap(...), while/body dropped):
 # ".../draft/layer2/ffn/gate_up/jit(silu)" -> "draft/ffn/gate_up".
 PHASE_SCOPES = frozenset((

@@ -25,7 +25,8 @@ import numpy as np
 
 import dflash_jax as dfj
 from benchmarks import common as C
-from dflash_jax import step as S
+from dflash_jax.dispatch import KernelPolicy
+from dflash_jax.drafter import step as S
 
 # The fused (non-GEMM) Pallas kernels; the Pallas skinny GEMM counts as a GEMM (common.GEMM_RE).
 PALLAS = {"inject": "inject", "qk_norm_rope": "norm_rope", "ring_attn": "attention",
@@ -272,7 +273,10 @@ def bench_kernels(bw: float, iters: int, smoke: bool) -> dict:
   for rdt in ("bf16", "fp32"):
     ring = C.full_ring(cfg, w, rdt)
     q, k, v = rnd((hkv, b * g, d)), rnd((hkv, b, d)), rnd((hkv, b, d))
-    knobs = S.attention_knobs(ring)
+    # The Triton kernel with its default knobs (the step may route one sequence elsewhere).
+    knobs = dict(R.default_knobs(ring.slots, ring.window, ring.k.dtype, head_dim=d,
+                                 fold_own_min_seqs=KernelPolicy().fold_own_min_seqs).kwargs(),
+                 window=ring.window)
     f = jax.jit(functools.partial(R.ring_attention, layer=L - 1, **knobs))
     per = C.cupti_kernels(f, q, k, v, ring.k, ring.v, ring.pos, jnp.int32(w), iterations=iters)
     ring_bytes = 2 * hkv * w * d * ring.k.dtype.itemsize

@@ -80,7 +80,7 @@ def run(args, nvls: str) -> int:
   import dflash_jax as dfj
   from benchmarks import common as C
   from dflash_jax import sharding as SH
-  from dflash_jax import step as S
+  from dflash_jax.drafter import step as S
 
   if args.gpu and not C.ON_GPU:
     raise SystemExit("--gpu needs a CUDA backend")

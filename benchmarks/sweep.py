@@ -26,11 +26,14 @@ import numpy as np
 
 import dflash_jax as dfj
 from benchmarks import common as C
+from dflash_jax.dispatch import KernelPolicy
 from dflash_jax.quant import quantize_fp8, quantize_q8_0
 from pallas_kernels import inject as I
 from pallas_kernels import norm_rope as N
 from pallas_kernels import ring_attention as R
 from pallas_kernels import skinny_gemm as G
+
+POLICY = KernelPolicy()   # the default knobs' thresholds
 
 
 def _emit(out: list, row: dict) -> None:
@@ -240,7 +243,8 @@ def sweep_shapes(bw: float) -> list[dict]:
       rk, rv, pos = _ring(next(key), hkv, s, d, min(n_past, s), rdt)
       # The ring bytes that must be read: the slots below n_past (all of a sliding ring).
       floor_us = 2 * hkv * min(n_past, s) * d * jnp.dtype(rdt).itemsize / bw * 1e6
-      for kn in [R.default_knobs(s, window, rdt, head_dim=d)] + (
+      for kn in [R.default_knobs(s, window, rdt, head_dim=d,
+                                 fold_own_min_seqs=POLICY.fold_own_min_seqs).kwargs()] + (
           ATTN_ALT.get(name, []) if rdt == jnp.bfloat16 else []):
         kn = dict(dict(terms=2 if rdt == jnp.bfloat16 else 3), **kn)
         f = functools.partial(R.ring_attention, layer=1, window=window, **kn)
@@ -278,7 +282,8 @@ def sweep_shapes(bw: float) -> list[dict]:
       else:
         quant = quantize_fp8 if fmt == "fp8" else quantize_q8_0
         wq, sc = (jnp.asarray(a) for a in quant(np.asarray(w32)))
-      kn = G.default_knobs(fmt, n, k, gate_up)
+      kn = G.default_knobs(fmt, n, k, gate_up,
+                           swap_ab_min_m=POLICY.skinny_fp8_swap_min_m).kwargs()
       fn = G.skinny_matmul_gate_up if gate_up else G.skinny_matmul
       f = functools.partial(fn, fmt=fmt, **kn)
       us, err = _time(f, xs, wq, sc)
@@ -316,7 +321,8 @@ def sweep_rows(fmts: tuple[str, ...], rows: tuple[int, ...]) -> list[dict]:
       for fmt in fmts:
         wq, sc = weights[fmt]
         nbytes = wq.nbytes + (0 if sc is None else sc.nbytes)
-        base = G.default_knobs(fmt, n, k, gate_up)
+        base = G.default_knobs(fmt, n, k, gate_up,
+                               swap_ab_min_m=POLICY.skinny_fp8_swap_min_m).kwargs()
         grid = [(bm, bn, False) for bm in sorted({min(64, m), m}) for bn in (32, 64, 128)]
         grid += [(bm, bn, True) for bm in sorted({min(64, m), min(128, m)}) for bn in (64, 128)]
         for bm, bn, swap in grid:
@@ -390,18 +396,16 @@ def sweep_mgpu(rows: tuple[int, ...]) -> list[dict]:
 
 def sweep_batched_gemm(rows: tuple[int, ...], fmts: tuple[str, ...],
                        shapes_wanted: tuple[str, ...] = ("qkv", "o", "gate_up", "down"),
-                       block_ns: tuple[int, ...] = (64, 128, 256),
-                       split_ks: tuple[int, ...] = (1, 2, 4),
                        block_ks: tuple[int, ...] = (64, 128),
                        stages: tuple[int, ...] = (2, 3, 4, 5, 6),
                        wg_splits: tuple[str, ...] = ("rows",)) -> list[dict]:
   """pallas_kernels.batched_gemm on the seed's matrices with their round epilogues (qkv
   plain, o and down + residual, gate_up silu * up; encode's fc and the inject GEMM plain), bf16
-  or fp8 weights, block_n x block_k x stages x split_k x wg_split (split partials summed by
-  XLA, with the residual; qkv's left to its consumer), next to the path outside the kernel in
-  one jit: XLA's dot + the same epilogue for bf16, the skinny GEMM for fp8 (err: max
-  |kernel - twin|)."""
-  from dflash_jax.params import gemm_knobs
+  or fp8 weights, block_k x stages x wg_split, next to the path outside the kernel in one jit:
+  XLA's dot + the same epilogue for bf16, the skinny GEMM for fp8 (err: max |kernel - twin|).
+  (Wider column tiles and K splits were slower and left the kernel; RESULTS.md, "New kernel
+  pallas_kernels/batched_gemm.py".)"""
+  from dflash_jax.dispatch import gemm_knobs
   from pallas_kernels import batched_gemm as BG
   shapes = {"qkv": (6144, 6656, "none"), "o": (6656, 4096, "residual"),
             "gate_up": (19968, 6656, "gate_up"), "down": (6656, 19968, "residual"),
@@ -428,7 +432,7 @@ def sweep_batched_gemm(rows: tuple[int, ...], fmts: tuple[str, ...],
             x, w, r, scale=s, epilogue=ep, out_dtype=od))
         want = twin(x, w, scale, r)
         if fmt == "fp8":
-          kn = gemm_knobs("fp8", n, k, ep == "gate_up", m)
+          kn = gemm_knobs("fp8", n, k, ep == "gate_up", m, policy=POLICY).kwargs()
           if ep == "gate_up":
             base = lambda x, w, s, r, kn=kn: G.skinny_matmul_gate_up(x, w, s, fmt="fp8",
                                                                      out_dtype=od, **kn)
@@ -441,32 +445,27 @@ def sweep_batched_gemm(rows: tuple[int, ...], fmts: tuple[str, ...],
         us, err = _time(base, x, w, scale, r, iters=20)
         _emit(out, dict(kernel=label, fmt=fmt, shape=name, m=m, us=us, err=err,
                         TBps=_tbps(nbytes, us)))
-        for bn, bk, st, sk, ws in itertools.product(block_ns, block_ks, stages, split_ks,
-                                                    wg_splits):
-          if not BG.fits(m, n, k, ep, od, bn, bk, st, sk, fmt, ws):
+        for bk, st, ws in itertools.product(block_ks, stages, wg_splits):
+          if not BG.fits(m, n, k, ep, od, bk, st, fmt, ws):
             continue
-          # qkv's consumer (qk_norm_rope) sums K splits itself: time the partials alone.
-          keep = name == "qkv" and sk > 1
-          f = jax.jit(lambda x, w, s, r, kn=dict(block_n=bn, block_k=bk, max_concurrent_steps=st,
-                                                 split_k=sk, wg_split=ws, keep_splits=keep):
+          f = jax.jit(lambda x, w, s, r, kn=dict(block_k=bk, max_concurrent_steps=st,
+                                                 wg_split=ws):
                       BG.batched_matmul(x, w, r, scale=s, epilogue=ep, out_dtype=od, **kn))
           us, err = _time(f, x, w, scale, r, iters=20)
           if err is None:
             got = f(x, w, scale, r).astype(jnp.float32)
-            err = float(jnp.max(jnp.abs((got.sum(0) if keep else got)
-                                        - want.astype(jnp.float32))))
-          _emit(out, dict(kernel="batched_gemm", fmt=fmt, shape=name, m=m, block_n=bn,
-                          block_k=bk, steps=st, split_k=sk, wg_split=ws, us=us, err=err,
-                          TBps=_tbps(nbytes, us)))
+            err = float(jnp.max(jnp.abs(got - want.astype(jnp.float32))))
+          _emit(out, dict(kernel="batched_gemm", fmt=fmt, shape=name, m=m, block_k=bk,
+                          steps=st, wg_split=ws, us=us, err=err, TBps=_tbps(nbytes, us)))
       del w, scale
   return out
 
 
 def sweep_norm(rows: tuple[int, ...]) -> list[dict]:
   """The RMS norm in front of a bf16 GEMM at the seed's n_embd: XLA's fusion (the step's
-  `params.rms_norm` + the bf16 rounding) next to pallas_kernels.rms_norm's rows x num_warps
+  `dispatch.rms_norm` + the bf16 rounding) next to pallas_kernels.rms_norm's rows x num_warps
   (err: max |kernel - XLA|)."""
-  from dflash_jax.params import rms_norm as xla_norm
+  from dflash_jax.dispatch import rms_norm as xla_norm
   from pallas_kernels import rms_norm as RN
   k, eps, out = dfj.SEED_CONFIG.n_embd, dfj.SEED_CONFIG.eps, []
   key = iter(jax.random.split(jax.random.key(9), 16))
@@ -518,8 +517,8 @@ def sweep_mgpu_attention(bw: float) -> list[dict]:
 def sweep_mgpu_batch_attention(bw: float, slots: tuple[int, ...]) -> list[dict]:
   """The Mosaic GPU batched ring attention (ring_attention_mgpu) next to the vmapped Triton
   kernel with its default knobs, S slots at the seed's dims, full bf16 rings, bf16 out:
-  chunks x pipeline stages x compute warpgroups, each timed from the bf16 parts (as
-  qk_norm_rope emits them) and split per launch (partials, combine)."""
+  chunks x pipeline stages, each timed from the bf16 parts (as qk_norm_rope emits them) and
+  split per launch (partials, combine)."""
   from pallas_kernels import ring_attention_mgpu as M
   cfg = dfj.SEED_CONFIG
   w, d, b = 2048, cfg.head_dim, cfg.block_size
@@ -527,7 +526,8 @@ def sweep_mgpu_batch_attention(bw: float, slots: tuple[int, ...]) -> list[dict]:
   out = []
   for n in slots:
     (q, k, v, ring, n_past), floor_us = _slot_batch(cfg, n, w, bw)
-    kn = R.default_knobs(w, w, jnp.bfloat16, n_seqs=n)
+    kn = R.default_knobs(w, w, jnp.bfloat16, n_seqs=n,
+                         fold_own_min_seqs=POLICY.fold_own_min_seqs).kwargs()
     tri = jax.vmap(functools.partial(R.ring_attention, layer=layer, window=w,
                                      out_dtype=jnp.bfloat16, **kn))
     args = (q, k, v, ring.k, ring.v, ring.pos, n_past)
@@ -536,14 +536,14 @@ def sweep_mgpu_batch_attention(bw: float, slots: tuple[int, ...]) -> list[dict]:
                     err=err, **kn))
     ref = tri(*args).astype(jnp.float32)
     parts = jax.jit(M.split_operands)(q, k, v)
-    for splits, steps, wgs in itertools.product((1, 2, 4, 8), (2, 3), (1, 2)):
-      if M.smem_bytes(b, d, steps, wgs) > M.SMEM_LIMIT:
+    for splits, steps in itertools.product((1, 2, 4, 8, 16), (2, 3)):
+      if M.smem_bytes(b, d, steps) > M.SMEM_LIMIT:
         continue
       f = functools.partial(M.ring_attention_batched, layer=layer, window=w, splits=splits,
-                            steps=steps, wgs=wgs, out_dtype=jnp.bfloat16)
+                            steps=steps, out_dtype=jnp.bfloat16)
       margs = (*parts, ring.k, ring.v, ring.pos, n_past)
       us, err = _time(f, *margs)
-      row = dict(kernel="ring_attention_mgpu", slots=n, splits=splits, steps=steps, wgs=wgs,
+      row = dict(kernel="ring_attention_mgpu", slots=n, splits=splits, steps=steps,
                  us=us, floor_us=floor_us, err=err)
       if err is None:
         row["max_diff_vs_triton"] = float(jnp.max(jnp.abs(jax.jit(f)(*margs) - ref)))
@@ -562,8 +562,7 @@ def main(argv=None) -> int:
   p.add_argument("--wide", action="store_true", help="GEMM: the wide tile grid")
   p.add_argument("--rows", default="32,64,128", help="rows: the M values (comma list)")
   p.add_argument("--slots", default="2,8,32", help="battn: the S values (comma list)")
-  p.add_argument("--split-ks", default="", help="GEMM, bgemm: these split_k values (comma list)")
-  p.add_argument("--block-ns", default="64,128,256", help="bgemm: these block_n values")
+  p.add_argument("--split-ks", default="", help="GEMM: these split_k values (comma list)")
   p.add_argument("--block-ks", default="64,128", help="bgemm: these block_k values")
   p.add_argument("--stages", default="2,3,4,5,6", help="bgemm: these pipeline depths")
   p.add_argument("--wg-splits", default="rows", help="bgemm: these wg_split values (fp8: rows,k)")
@@ -584,11 +583,10 @@ def main(argv=None) -> int:
   rows = tuple(int(v) for v in args.rows.split(","))
   if "bgemm" in args.what:
     ints = lambda v: tuple(int(x) for x in v.split(","))
-    grid = dict(split_ks=ints(args.split_ks)) if args.split_ks else {}
     res["rows"] += sweep_batched_gemm(
         rows, tuple(f for f in args.fmts.split(",") if f != "q8_0"),
-        tuple(args.shapes.split(",")), ints(args.block_ns), block_ks=ints(args.block_ks),
-        stages=ints(args.stages), wg_splits=tuple(args.wg_splits.split(",")), **grid)
+        tuple(args.shapes.split(",")), block_ks=ints(args.block_ks), stages=ints(args.stages),
+        wg_splits=tuple(args.wg_splits.split(",")))
   if "mgpu_battn" in args.what:
     res["rows"] += sweep_mgpu_batch_attention(bw, tuple(int(v) for v in args.slots.split(",")))
   if "norm" in args.what:

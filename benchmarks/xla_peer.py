@@ -1,6 +1,6 @@
 """The plain-XLA block step made as strong as XLA allows: benchmarks.run's `xla_peer` column.
 
-`impl="xla"` of dflash_jax.step runs the Pallas kernels' jnp twins, written to be read and to
+`impl="xla"` of dflash_jax.drafter.step runs the Pallas kernels' jnp twins, written to be read and to
 certify the kernels: every dot float32 at HIGHEST precision, each layer's ring converted to
 float32 and concatenated with the block's keys, quantized weights dequantized to float32.
 That is a weak peer. This step computes the same function (the same bf16 rounding points,
@@ -28,8 +28,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dflash_jax.params import DrafterParams, QuantWeight, rms_norm
-from dflash_jax.step import RingState
+from dflash_jax.dispatch import QuantWeight, rms_norm
+from dflash_jax.drafter.step import RingState
+from dflash_jax.drafter.weights import DrafterParams
 from pallas_kernels.norm_rope import rms_rope_halves
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -116,7 +117,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, kv: LayerKV,
 
 def block_step(params: DrafterParams, ring: tuple[LayerKV, ...], id_last: jax.Array,
                n_past: jax.Array, *, width: int | None = None) -> jax.Array:
-  """`dflash_jax.step.block_step` (logits [w, n_vocab] float32 of [id_last, mask x (w-1)] at
+  """`dflash_jax.drafter.step.block_step` (logits [w, n_vocab] float32 of [id_last, mask x (w-1)] at
   n_past..) on the ring of `peer_ring`."""
   cfg = params.cfg
   w = cfg.resolve_width(width)

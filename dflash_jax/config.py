@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -10,6 +11,133 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 LAYER_TYPES = (SLIDING, FULL)   # HF `layer_types` spellings
 DEFAULT_WINDOW = 2048
 DEFAULT_CAPACITY = 8192
+FAMILIES = ("dflash", "dflash2", "dspark")
+MARKOV_HEADS = ("vanilla", "gated", "rnn")
+
+
+@dataclasses.dataclass(frozen=True)
+class DFlash2Fields:
+  """What DFlash2 adds to a DFlash drafter (SPEC_dflash2_dspark sections 3-7).
+
+  conv_kernel_size K: taps of each grouped dynamic causal convolution; conv_group_size G:
+  channels sharing one dynamic coefficient (n_embd / G groups); selector_rank R and
+  selector_top_k k: the candidate selector's codebook rank and candidates per draft row.
+  output_multiplier then final_logit_softcapping (None = off; 0 is read as off) shape the
+  logits; input_embedding_scale multiplies every block row's embedding. is_causal is the
+  resolved block-attention causality: one bool for every layer, or one per layer (an
+  all-equal tuple is stored as its bool). A file that omits the flag is resolved by
+  `resolve_is_causal` with the file's format named, never guessed here.
+  """
+  conv_kernel_size: int
+  conv_group_size: int
+  selector_rank: int
+  selector_top_k: int
+  output_multiplier: float = 1.0
+  final_logit_softcapping: float | None = None
+  input_embedding_scale: float = 1.0
+  is_causal: bool | tuple[bool, ...] = False
+
+  def __post_init__(self):
+    problems = []
+    for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
+        problems.append(f"{name} must be a positive int, got {v!r}")
+    m = self.output_multiplier
+    if isinstance(m, bool) or not isinstance(m, (int, float)) or not np.isfinite(m) or m == 0:
+      problems.append(f"output_multiplier must be a finite nonzero number, got {m!r}")
+    c = self.final_logit_softcapping
+    if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float))
+                          or not np.isfinite(c) or c < 0):
+      problems.append(f"final_logit_softcapping must be None or a finite number >= 0, got {c!r}")
+    e = self.input_embedding_scale
+    if isinstance(e, bool) or not isinstance(e, (int, float)) or not np.isfinite(e) or e == 0:
+      problems.append(f"input_embedding_scale must be a finite nonzero number, got {e!r}")
+    causal = self.is_causal
+    if isinstance(causal, (bool, np.bool_)):
+      causal = bool(causal)
+    elif isinstance(causal, (tuple, list)) and causal and all(
+        isinstance(b, (bool, np.bool_)) for b in causal):
+      causal = tuple(bool(b) for b in causal)
+      causal = causal[0] if len(set(causal)) == 1 else causal
+    else:
+      problems.append(f"is_causal must be a bool or a non-empty tuple of bools (one per layer), "
+                      f"got {causal!r}; a file without the flag is resolved by "
+                      f"resolve_is_causal")
+    if problems:
+      raise ValueError("invalid DFlash2Fields: " + "; ".join(problems))
+    object.__setattr__(self, "final_logit_softcapping", None if not c else float(c))
+    object.__setattr__(self, "output_multiplier", float(m))
+    object.__setattr__(self, "input_embedding_scale", float(e))
+    object.__setattr__(self, "is_causal", causal)
+
+
+@dataclasses.dataclass(frozen=True)
+class DSparkFields:
+  """What DSpark adds to a DFlash drafter (SPEC_dflash2_dspark sections 9-12).
+
+  sample_from_anchor: shifted rows, block row i predicts position n_past + i + 1 (a block of
+  w rows gives w drafts); False keeps DFlash's rows (row i predicts n_past + i, drafts from
+  rows 1..w-1). markov_rank R (0 = no Markov head) and markov_head_type ("vanilla", "gated"
+  or "rnn"; None exactly when R is 0). confidence_head: the per-row acceptance estimate;
+  confidence_with_markov: its input is [h ; W1[prev]] instead of h (needs R > 0).
+  """
+  sample_from_anchor: bool = True
+  markov_rank: int = 0
+  markov_head_type: str | None = None
+  confidence_head: bool = False
+  confidence_with_markov: bool = False
+
+  def __post_init__(self):
+    problems = []
+    for name in ("sample_from_anchor", "confidence_head", "confidence_with_markov"):
+      if not isinstance(getattr(self, name), (bool, np.bool_)):
+        problems.append(f"{name} must be a bool, got {getattr(self, name)!r}")
+    r = self.markov_rank
+    if isinstance(r, bool) or not isinstance(r, (int, np.integer)) or r < 0:
+      problems.append(f"markov_rank must be an int >= 0, got {r!r}")
+    elif r > 0 and self.markov_head_type not in MARKOV_HEADS:
+      problems.append(f"markov_head_type must be one of {MARKOV_HEADS} when markov_rank > 0, "
+                      f"got {self.markov_head_type!r}")
+    elif r == 0 and self.markov_head_type is not None:
+      problems.append(f"markov_head_type must be None when markov_rank is 0 (no Markov head), "
+                      f"got {self.markov_head_type!r}")
+    if self.confidence_with_markov and not self.confidence_head:
+      problems.append("confidence_with_markov needs confidence_head")
+    if self.confidence_with_markov and isinstance(r, (int, np.integer)) and r == 0:
+      problems.append("confidence_with_markov needs a Markov head (markov_rank > 0)")
+    if problems:
+      raise ValueError("invalid DSparkFields: " + "; ".join(problems))
+    for name in ("sample_from_anchor", "confidence_head", "confidence_with_markov"):
+      object.__setattr__(self, name, bool(getattr(self, name)))
+    object.__setattr__(self, "markov_rank", int(r))
+
+
+_FAMILY_FIELDS = {"dflash": type(None), "dflash2": DFlash2Fields, "dspark": DSparkFields}
+
+
+def resolve_is_causal(flag: bool | None, kinds: tuple[str, ...], source: str
+                      ) -> bool | tuple[bool, ...]:
+  """DFlash2's block causality from a file's `is_causal` flag (SPEC_dflash2_dspark 5.4, 13.1).
+
+  A present flag holds for every layer. An absent flag (None) follows the documented default
+  of the file's format, which the two formats' reference code disagrees on: `source` "hf"
+  (z-lab's model code: sliding layers causal, full-attention layers not) or "gguf" (llama.cpp:
+  non-causal unless `dflash.attention.causal` is true). `kinds` is each layer's attention kind.
+  """
+  if flag is not None:
+    if not isinstance(flag, (bool, np.bool_)):
+      raise ValueError(f"is_causal must be a bool or None (absent), got {flag!r}")
+    return bool(flag)
+  if source == "hf":
+    bad = sorted(set(kinds) - set(LAYER_TYPES))
+    if bad or not kinds:
+      raise ValueError(f"kinds must be a non-empty tuple of {LAYER_TYPES}, got {kinds!r}")
+    return tuple(k == SLIDING for k in kinds)
+  if source == "gguf":
+    return False
+  raise ValueError(f"source must be 'hf' or 'gguf' (whose default applies when is_causal is "
+                   f"absent), got {source!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +153,10 @@ class DFlashConfig:
   capacity, `resolve_capacity`). None means every layer slides (an all-sliding tuple is
   stored as None, so configs read from different formats compare equal). `context_length`
   is the target's context length when the file states it.
+
+  `family` is "dflash" (SPEC.md), "dflash2" or "dspark" (SPEC_dflash2_dspark);
+  `family_fields` holds the family's own fields: None for "dflash", a DFlash2Fields or a
+  DSparkFields (the `dflash2` / `dspark` properties return it, checked).
   """
   n_layer: int
   n_embd: int
@@ -40,6 +172,9 @@ class DFlashConfig:
   window: int | None = None
   layer_types: tuple[str, ...] | None = None
   context_length: int | None = None
+  # The drafter family whose block step runs this config (`dflash_jax.drafter.step.FAMILIES`).
+  family: str = "dflash"
+  family_fields: DFlash2Fields | DSparkFields | None = None
 
   def __post_init__(self):
     problems = []
@@ -71,9 +206,72 @@ class DFlashConfig:
       elif not problems and len(kinds) != self.n_layer:
         problems.append(f"layer_types has {len(kinds)} entries for n_layer {self.n_layer}")
       object.__setattr__(self, "layer_types", None if set(kinds) <= {SLIDING} else kinds)
+    problems += self._family_problems(problems)
     if problems:
       raise ValueError("invalid DFlashConfig: " + "; ".join(problems))
     object.__setattr__(self, "target_layers", tuple(int(t) for t in self.target_layers))
+
+  def _family_problems(self, earlier: list[str]) -> list[str]:
+    """What is wrong with family / family_fields (the dims are checked first)."""
+    if self.family not in FAMILIES:
+      return [f"family must be one of {FAMILIES}, got {self.family!r}"]
+    want = _FAMILY_FIELDS[self.family]
+    if not isinstance(self.family_fields, want):
+      need = "None" if want is type(None) else f"a {want.__name__}"
+      return [f"family_fields must be {need} for family {self.family!r}, got "
+              f"{type(self.family_fields).__name__}"]
+    f = self.family_fields
+    if self.family != "dflash2" or earlier:
+      return []
+    problems = []
+    if self.n_embd % f.conv_group_size:
+      problems.append(f"family_fields.conv_group_size ({f.conv_group_size}) must divide n_embd "
+                      f"({self.n_embd})")
+    if isinstance(f.is_causal, tuple) and len(f.is_causal) != self.n_layer:
+      problems.append(f"family_fields.is_causal has {len(f.is_causal)} entries for n_layer "
+                      f"{self.n_layer}")
+    return problems
+
+  @property
+  def dflash2(self) -> DFlash2Fields:
+    """The DFlash2 fields; an error for a drafter of another family."""
+    if self.family != "dflash2":
+      raise ValueError(f"the drafter's family is {self.family!r}, not 'dflash2'")
+    return self.family_fields
+
+  @property
+  def dspark(self) -> DSparkFields:
+    """The DSpark fields; an error for a drafter of another family."""
+    if self.family != "dspark":
+      raise ValueError(f"the drafter's family is {self.family!r}, not 'dspark'")
+    return self.family_fields
+
+  @property
+  def n_conv_groups(self) -> int:
+    """DFlash2: dynamic coefficients per convolution tap (n_embd / conv_group_size)."""
+    return self.n_embd // self.dflash2.conv_group_size
+
+  def block_causal(self, layer: int) -> bool:
+    """Whether layer's block attention is causal (block key j visible to row i iff j <= i).
+    Only DFlash2 has causal layers; DFlash and DSpark blocks are bidirectional."""
+    if self.family != "dflash2":
+      return False
+    c = self.dflash2.is_causal
+    return c if isinstance(c, bool) else c[layer]
+
+  @property
+  def shifted_rows(self) -> bool:
+    """DSpark with sample_from_anchor: block row i predicts position n_past + i + 1."""
+    return self.family == "dspark" and self.dspark.sample_from_anchor
+
+  @property
+  def first_draft_row(self) -> int:
+    """The block row of the first draft: 0 with shifted rows, else 1 (row 0 unused)."""
+    return 0 if self.shifted_rows else 1
+
+  def n_drafts(self, width: int | None = None) -> int:
+    """Drafts of one block of `width` rows (default block_size)."""
+    return self.resolve_width(width) - self.first_draft_row
 
   @property
   def n_target_layers(self) -> int:
@@ -164,10 +362,65 @@ TINY_CONFIG = DFlashConfig(
     n_layer=2, n_embd=64, n_ff=128, n_head=4, n_head_kv=2, head_dim=16,
     rope_theta=1e4, eps=1e-6, target_layers=(1, 3, 5), mask_token_id=7,
     block_size=8, window=32)
+# z-lab/Muse-Glimmer-30B-DFlash2 as its config.json publishes it: the seed drafter's dims
+# (5 sliding layers, window 2048) with K 2, G 16, R 256, k 16, the logit multiplier and
+# softcap, is_causal false; HF target_layer_ids [1, 13, 25, 37, 49] (+1 here), mask token
+# 201818 of the 202048-token vocabulary, eps 1e-5, max_position_embeddings 131072.
+DFLASH2_CONFIG = DFlashConfig(
+    n_layer=5, n_embd=6656, n_ff=19968, n_head=32, n_head_kv=8, head_dim=128,
+    rope_theta=5e5, eps=1e-5, target_layers=(2, 14, 26, 38, 50), mask_token_id=201818,
+    block_size=16, window=2048, context_length=131072, family="dflash2",
+    family_fields=DFlash2Fields(
+        conv_kernel_size=2, conv_group_size=16, selector_rank=256, selector_top_k=16,
+        output_multiplier=0.19611613513818404, final_logit_softcapping=20.0, is_causal=False))
+# deepseek-ai/dspark_qwen3_8b_block7's shape (DeepSpec's Qwen3 DSpark configs): Qwen3-8B's
+# attention and rope, 5 full-attention layers, block 7 with shifted rows, a vanilla Markov
+# head of rank 256 and a confidence head reading the Markov feature; target_layer_ids
+# [1, 9, 17, 25, 33] (+1 here) and mask token 151669 as in DeepSpec's Qwen3 configs.
+DSPARK_QWEN3_8B_CONFIG = DFlashConfig(
+    n_layer=5, n_embd=4096, n_ff=12288, n_head=32, n_head_kv=8, head_dim=128,
+    rope_theta=1e6, eps=1e-6, target_layers=(2, 10, 18, 26, 34), mask_token_id=151669,
+    block_size=7, window=None, layer_types=(FULL,) * 5, context_length=40960, family="dspark",
+    family_fields=DSparkFields(sample_from_anchor=True, markov_rank=256,
+                               markov_head_type="vanilla", confidence_head=True,
+                               confidence_with_markov=True))
+# TINY_CONFIG's dims for each new family (CPU tests): every family axis > 1 and G < n_embd.
+TINY_DFLASH2_CONFIG = dataclasses.replace(
+    TINY_CONFIG, family="dflash2",
+    family_fields=DFlash2Fields(conv_kernel_size=2, conv_group_size=8, selector_rank=8,
+                                selector_top_k=4, output_multiplier=0.5,
+                                final_logit_softcapping=12.0, input_embedding_scale=1.5))
+TINY_DSPARK_CONFIG = dataclasses.replace(
+    TINY_CONFIG, block_size=7, window=None, layer_types=(FULL,) * TINY_CONFIG.n_layer,
+    context_length=64, family="dspark",
+    family_fields=DSparkFields(sample_from_anchor=True, markov_rank=8, markov_head_type="vanilla",
+                               confidence_head=True, confidence_with_markov=True))
 
 
-def drafter_tensor_shapes(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
-  """The (out, in) numpy shape of every drafter tensor, keyed without `.weight`."""
+def vocab_sized_tensors(cfg: DFlashConfig) -> tuple[str, ...]:
+  """The family's drafter tensors with one row per target token id (their first axis is the
+  target's vocabulary, which the drafter file's metadata does not state)."""
+  if cfg.family == "dflash2":
+    return ("selector_predecessor", "selector_successor")
+  if cfg.family == "dspark" and cfg.dspark.markov_rank:
+    return ("markov_w1", "markov_w2")
+  return ()
+
+
+def drafter_tensor_shapes(cfg: DFlashConfig, n_vocab: int | None = None
+                          ) -> dict[str, tuple[int, ...]]:
+  """The (out, in) numpy shape of every drafter tensor, keyed by its GGUF name without a
+  `.weight` suffix (biases keep `.bias`; names without a GGUF form follow the same pattern).
+
+  The target's `tok_embd` / `lm_head` are not drafter tensors. The tensors of
+  `vocab_sized_tensors(cfg)` need `n_vocab`, the target's vocabulary (an error without it).
+  """
+  vocab = vocab_sized_tensors(cfg)
+  if vocab and (isinstance(n_vocab, bool) or not isinstance(n_vocab, (int, np.integer))
+                or n_vocab <= 0):
+    raise ValueError(f"n_vocab must be the target's vocabulary size (a positive int): family "
+                     f"{cfg.family!r} has target-vocab-sized tensors {list(vocab)}; got "
+                     f"{n_vocab!r}")
   e, hd = cfg.n_embd, cfg.head_dim
   shapes = {"fc": (e, cfg.n_embd_fc), "enc.output_norm": (e,), "output_norm": (e,)}
   for i in range(cfg.n_layer):
@@ -185,4 +438,95 @@ def drafter_tensor_shapes(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
         p + "ffn_up": (cfg.n_ff, e),
         p + "ffn_down": (e, cfg.n_ff),
     })
+  if cfg.family == "dflash2":
+    shapes.update(_dflash2_shapes(cfg, int(n_vocab)))
+  elif cfg.family == "dspark":
+    shapes.update(_dspark_shapes(cfg, None if n_vocab is None else int(n_vocab)))
   return shapes
+
+
+def _dflash2_shapes(cfg: DFlashConfig, n_vocab: int) -> dict[str, tuple[int, ...]]:
+  """Per layer the attention and MLP convolutions' base kernels [2, K, H] (side 0 = prepare,
+  1 = finish) and coefficient projections [2 K n_groups, H]; once the selector's codebooks
+  [V, R] and hidden projection [R, H]."""
+  f, e = cfg.dflash2, cfg.n_embd
+  k, proj = f.conv_kernel_size, 2 * f.conv_kernel_size * cfg.n_conv_groups
+  shapes = {}
+  for i in range(cfg.n_layer):
+    for side in ("attn", "ffn"):
+      shapes[f"blk.{i}.{side}_conv_base"] = (2, k, e)
+      shapes[f"blk.{i}.{side}_conv_proj"] = (proj, e)
+  shapes.update(selector_predecessor=(n_vocab, f.selector_rank),
+                selector_successor=(n_vocab, f.selector_rank),
+                selector_hidden=(f.selector_rank, e))
+  return shapes
+
+
+def _dspark_shapes(cfg: DFlashConfig, n_vocab: int | None) -> dict[str, tuple[int, ...]]:
+  """The Markov head's tables W1 [V, R] (rows gathered by the previous token) and W2 [V, R]
+  (R -> V, no bias), the gated head's gate [R, H+R] or the rnn head's joint projection
+  [3R, 2R+H] with their biases, and the confidence head's [1, H(+R)] projection and bias."""
+  f, e = cfg.dspark, cfg.n_embd
+  r = f.markov_rank
+  shapes = {}
+  if r:
+    shapes.update(markov_w1=(n_vocab, r), markov_w2=(n_vocab, r))
+  if f.markov_head_type == "gated":
+    shapes.update({"markov_gate": (r, e + r), "markov_gate.bias": (r,)})
+  elif f.markov_head_type == "rnn":
+    shapes.update({"markov_joint": (3 * r, 2 * r + e), "markov_joint.bias": (3 * r,)})
+  if f.confidence_head:
+    shapes.update({"conf_proj": (1, e + (r if f.confidence_with_markov else 0)),
+                   "conf_proj.bias": (1,)})
+  return shapes
+
+
+def check_drafter_weights(cfg: DFlashConfig, w: Mapping[str, Any]) -> int:
+  """Validate a drafter weights mapping (plus the target's `tok_embd` / `lm_head`) against the
+  family's tensor set; returns n_vocab (tok_embd's rows).
+
+  Every tensor present with its shape, no unknown names, everything finite, mask_token_id in
+  the vocabulary. `lm_head` may cover a reduced draft vocabulary (fewer rows, mapped by d2t)
+  only for family "dflash": DFlash2's selector and DSpark's Markov head index the target's
+  full vocabulary by token id. DFlash2 also needs selector_top_k <= n_vocab.
+  """
+  for key in ("tok_embd", "lm_head"):
+    if key not in w:
+      raise ValueError(f"weights lack '{key}': the drafter borrows the target's token embedding "
+                       "and LM head; set w['tok_embd'] and w['lm_head'] ([n_vocab, n_embd] each)")
+  if np.ndim(w["tok_embd"]) != 2:
+    raise ValueError(f"tensor 'tok_embd' must be [n_vocab, {cfg.n_embd}], got shape "
+                     f"{tuple(np.shape(w['tok_embd']))}")
+  n_vocab = int(np.shape(w["tok_embd"])[0])
+  expected = dict(drafter_tensor_shapes(cfg, n_vocab))
+  expected["tok_embd"] = (n_vocab, cfg.n_embd)
+  n_head = int(np.shape(w["lm_head"])[0]) if np.ndim(w["lm_head"]) == 2 else n_vocab
+  reduced_ok = cfg.family == "dflash" and 0 < n_head <= n_vocab
+  expected["lm_head"] = (n_head if reduced_ok else n_vocab, cfg.n_embd)
+  for name, shape in expected.items():
+    if name not in w:
+      raise ValueError(f"weights lack tensor '{name}' (expected shape {shape})")
+    if tuple(np.shape(w[name])) != shape:
+      why = (" (DFlash2 / DSpark read the target's full vocabulary: no reduced LM head)"
+             if name == "lm_head" and cfg.family != "dflash" else "")
+      raise ValueError(f"tensor '{name}' has shape {tuple(np.shape(w[name]))}, expected "
+                       f"{shape}{why}")
+  extra = sorted(set(w) - set(expected))
+  if extra:
+    raise ValueError(f"unknown tensors in weights: {extra} (family {cfg.family!r})")
+  for name in expected:
+    if not np.isfinite(np.asarray(w[name], np.float32)).all():
+      raise ValueError(f"tensor '{name}' holds NaN or Inf")
+  if not 0 <= cfg.mask_token_id < n_vocab:
+    raise ValueError(f"mask_token_id {cfg.mask_token_id} is outside the target vocab "
+                     f"[0, {n_vocab})")
+  if cfg.family == "dflash2" and cfg.dflash2.selector_top_k > n_vocab:
+    raise ValueError(f"family_fields.selector_top_k {cfg.dflash2.selector_top_k} exceeds the "
+                     f"target vocab ({n_vocab})")
+  return n_vocab
+
+
+def gguf_tensor_name(key: str) -> str:
+  """The GGUF tensor name of a weights key: `.weight` appended, except for biases and the
+  DFlash2 base kernels, which llama.cpp names without it (SPEC_dflash2_dspark 3.3)."""
+  return key if key.endswith((".bias", "_conv_base")) else key + ".weight"

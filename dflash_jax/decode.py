@@ -15,10 +15,15 @@ Each phase runs under a `jax.named_scope` of that name (draft, verify, accept, c
 state donated; the loop ends early once every slot is done (EOS or max length, checked on
 device each round). `generate` calls it every R rounds to stream the new tokens.
 
+The loop talks to the target only through the `Target` protocol (models/base.py: prefill,
+verify without commit, commit(n_keep) per slot, the config facts), so any family runs here;
+and to the drafter only through a `DrafterRun` (`LocalRun` here, `sharding.MeshRun` on a
+mesh: `sharding.shard_models` binds both once, and nothing below branches on a mesh).
 Target-only decoding (`generate_target_only`) is the same loop at width 1 with no drafter, so
-speculative and target-only outputs come from the same target code. Prompt lookup (n-gram
-drafting, `DecodeConfig(proposer="lookup")`, `ngram_drafts`) is the same loop with no drafter
-too: only the proposer differs.
+speculative and target-only outputs come from the same target code. Who drafts is a
+`Proposer`: the drafter (`Drafter`), prompt lookup (`Lookup`, n-gram drafting from the
+committed tokens), or one that tests and benchmarks define (an oracle of known tokens): only
+the proposer differs; verify, accept and commit are shared.
 
 Every array of `DecodeState` has a leading slot axis S (batch 1 is S = 1); slots are
 independent sequences. A finished slot keeps its tokens, lengths and counts; it still runs
@@ -30,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import flax.struct
 import jax
@@ -39,60 +44,163 @@ import numpy as np
 from jax import lax
 
 from dflash_jax import sampling as SP
-from dflash_jax import sharding, step
-from dflash_jax.models import qwen3
-from dflash_jax.params import DrafterParams
+from dflash_jax.drafter import step
+from dflash_jax.drafter.weights import DrafterParams
+from dflash_jax.models.base import Target, prefill_bucket
 from dflash_jax.sampling import Sampling
+
+
+class DrafterRun(Protocol):
+  """How the drafter's calls run: on one device (`LocalRun`) or on a mesh
+  (`sharding.MeshRun`). Every array has a leading slot axis S."""
+
+  def init_ring(self, cfg, n_slots: int, window, ring_dtype, capacity) -> step.RingState:
+    """Empty rings for n_slots sequences."""
+
+  def inject(self, params: DrafterParams, ring: step.RingState, features: jax.Array,
+             positions: jax.Array, n_valid: jax.Array, *, impl: str) -> step.RingState:
+    """Encode features [S, T, F] and inject rows t < n_valid[s] at positions [S, T]."""
+
+  def draft_round(self, params: DrafterParams, ring: step.RingState, new_features: jax.Array,
+                  n_new: jax.Array, id_last: jax.Array, n_past: jax.Array, active: jax.Array,
+                  *, width: int, impl: str) -> tuple[step.RingState, jax.Array]:
+    """`step.draft_round_batched` -> (ring, logits [S, width, V])."""
+
+  def place(self, tree: Any) -> Any:
+    """Place the decode state's per-slot arrays (leading axis S) where the calls run."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalRun:
+  """The drafter's calls on the default device: the step's batched functions as they are."""
+
+  def init_ring(self, cfg, n_slots, window, ring_dtype, capacity):
+    return step.init_batched_ring(cfg, n_slots, window, ring_dtype, capacity)
+
+  def inject(self, params, ring, features, positions, n_valid, *, impl):
+    return step.inject_batched(params, ring, step.encode(params, features, impl=impl),
+                               positions, n_valid, impl=impl)
+
+  def draft_round(self, params, ring, new_features, n_new, id_last, n_past, active, *, width,
+                  impl):
+    ring, _, logits = step.draft_round_batched(params, ring, new_features, n_new, id_last,
+                                               n_past, active, width=width, impl=impl)
+    return ring, logits
+
+  def place(self, tree):
+    return tree
 
 
 @flax.struct.dataclass
 class Models:
-  """target + drafter weights. drafter None: target-only. d2t [V_draft] int32: the target id
-  of each draft id when the drafter's LM head covers a reduced draft vocab (None: the
-  drafter's head covers the target vocab). plan: None, or the `sharding.Plan` the models were
-  placed with (`sharding.shard_models`): the drafter and target calls then run sharded."""
-  target: qwen3.TargetParams
+  """target + drafter weights. target: the target family's params; target_cfg: its config,
+  a `Target` (models/base.py; `sharding.ShardedTarget` on a mesh). drafter None: target-only.
+  d2t [V_draft] int32: the target id of each draft id when the drafter's LM head covers a
+  reduced draft vocab (None: the drafter's head covers the target vocab). run: how the
+  drafter's calls run (`LocalRun`, or `sharding.MeshRun` from `sharding.shard_models`)."""
+  target: Any
   drafter: DrafterParams | None
   d2t: jax.Array | None
-  target_cfg: qwen3.TargetConfig = flax.struct.field(pytree_node=False)
-  plan: sharding.Plan | None = flax.struct.field(pytree_node=False, default=None)
+  target_cfg: Target = flax.struct.field(pytree_node=False)
+  run: DrafterRun = flax.struct.field(pytree_node=False, default=LocalRun())
 
 
-PROPOSERS = ("drafter", "lookup")
+@flax.struct.dataclass
+class Proposal:
+  """A round's drafts [S, n] in target ids, and q: the proposal distributions [S, n, V] over
+  target ids the drafts were sampled from, or None for one-hot proposals (the drafter's
+  argmax, prompt lookup, an oracle)."""
+  drafts: jax.Array
+  q: jax.Array | None = None
+
+
+class Proposer(Protocol):
+  """Who drafts. Static (hashable: part of `DecodeConfig`). `propose` runs inside the jitted
+  round; its per-slot data, if any, is `DecodeState.proposer_state` (given to `start`)."""
+
+  def check(self, models: Models, dcfg: "DecodeConfig") -> None:
+    """Host checks before a run (ValueError naming what does not fit)."""
+
+  def propose(self, models: Models, dcfg: "DecodeConfig", st: "DecodeState", key: jax.Array
+              ) -> tuple[step.RingState | None, Proposal]:
+    """-> (the drafter's ring after this round's inject, or st.ring; the proposal)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Drafter:
+  """The DFlash drafter of `Models`: inject last round's committed rows, draft a block of
+  `width` rows; under sampling with `Sampling.proposals == "sampled"` the drafts are samples
+  of softmax(drafter_logits / T) and q is that distribution."""
+
+  def check(self, models, dcfg):
+    if models.drafter is None:
+      raise ValueError(f"width {dcfg.width} needs a drafter (width 1 is target-only decoding)")
+
+  def propose(self, models, dcfg, st, key):
+    n, samp = dcfg.width - 1, dcfg.sampling
+    active = jnp.ones(st.n_past.shape, jnp.bool_)
+    ring, logits = models.run.draft_round(models.drafter, st.ring, st.pending, st.n_new,
+                                          st.id_last, st.n_past, active, width=dcfg.width,
+                                          impl=dcfg.impl)
+    drafts, q = step.greedy_drafts(logits), None
+    if not samp.greedy and samp.proposals == "sampled":
+      z = logits[:, 1:n + 1].astype(jnp.float32) / samp.temperature
+      drafts = jax.vmap(lambda k, zz: jax.random.categorical(k, zz, axis=-1))(key, z)
+      q = jax.nn.softmax(z, axis=-1)
+      if models.d2t is not None:   # over target ids: zero outside the draft vocab
+        s = q.shape[0]
+        q = jnp.zeros((s, n, models.target_cfg.vocab_size), q.dtype).at[:, :, models.d2t].set(q)
+    if models.d2t is not None:
+      drafts = models.d2t[drafts]
+    return ring, Proposal(drafts.astype(jnp.int32), q)
+
+
+@dataclasses.dataclass(frozen=True)
+class Lookup:
+  """Prompt lookup (`ngram_drafts` on matches of up to max_ngram tokens): drafts from the
+  committed tokens, no drafter (Models.drafter and d2t None), one-hot proposals."""
+  max_ngram: int = 3
+
+  def __post_init__(self):
+    if (isinstance(self.max_ngram, bool) or not isinstance(self.max_ngram, int)
+        or self.max_ngram < 1):
+      raise ValueError(f"max_ngram must be an int >= 1, got {self.max_ngram!r}")
+
+  def check(self, models, dcfg):
+    if models.drafter is not None or models.d2t is not None:
+      raise ValueError("prompt lookup drafts from the committed tokens: Models.drafter and "
+                       "Models.d2t must be None")
+    if not dcfg.sampling.greedy and dcfg.sampling.proposals == "sampled":
+      raise ValueError("prompt lookup proposes one-hot drafts: sampled proposals "
+                       "(Sampling.proposals='sampled') need the drafter")
+
+  def propose(self, models, dcfg, st, key):
+    drafts = jax.vmap(ngram_drafts, in_axes=(0, 0, None, None))(st.tokens, st.n_past,
+                                                                 dcfg.width - 1, self.max_ngram)
+    return st.ring, Proposal(drafts)
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
   """Static knobs of the loop. width: rows verified per round (id_last + width - 1 drafts;
-  2 .. block_size with a drafter, >= 2 with lookup, 1 = target-only). proposer: who drafts,
-  "drafter" (the DFlash drafter of `Models`) or "lookup" (prompt lookup, `ngram_drafts`, on
-  matches of up to max_ngram tokens; Models without a drafter; one-hot proposals). impl: the
-  drafter's kernels and the acceptance scan ("pallas" or "xla"); target_impl: the target's
-  GEMMs ("xla", or "pallas" for the skinny GEMM)."""
+  2 .. block_size with a drafter, >= 2 with lookup, 1 = target-only). proposer: who drafts
+  (`Drafter()`, `Lookup(max_ngram)`, or a `Proposer` of your own). impl: the drafter's
+  kernels and the acceptance scan ("pallas" or "xla"); target_impl: the target's GEMMs
+  ("xla", or "pallas" for the skinny GEMM)."""
   width: int
   sampling: Sampling = Sampling()
   impl: str = "pallas"
   target_impl: str = "xla"
-  proposer: str = "drafter"
-  max_ngram: int = 3
+  proposer: Proposer = Drafter()
 
   def __post_init__(self):
     if isinstance(self.width, bool) or not isinstance(self.width, int) or self.width < 1:
       raise ValueError(f"width must be an int >= 1, got {self.width!r}")
     step.kernels(self.impl)
     step.kernels(self.target_impl)
-    if self.proposer not in PROPOSERS:
-      raise ValueError(f"proposer must be one of {PROPOSERS}, got {self.proposer!r}")
-    if (isinstance(self.max_ngram, bool) or not isinstance(self.max_ngram, int)
-        or self.max_ngram < 1):
-      raise ValueError(f"max_ngram must be an int >= 1, got {self.max_ngram!r}")
-    if self.proposer == "lookup":
-      if self.width < 2:
-        raise ValueError(f"proposer 'lookup' needs width >= 2 (width 1 is target-only "
-                         f"decoding), got {self.width}")
-      if not self.sampling.greedy and self.sampling.proposals == "sampled":
-        raise ValueError("proposer 'lookup' proposes one-hot drafts: sampled proposals "
-                         "(Sampling.proposals='sampled') need the drafter")
+    if not callable(getattr(self.proposer, "propose", None)):
+      raise ValueError(f"proposer must be a Proposer (Drafter(), Lookup(), ...), got "
+                       f"{self.proposer!r}")
 
 
 @flax.struct.dataclass
@@ -101,8 +209,8 @@ class DecodeState:
   are the prompt and committed tokens (id_last = tokens[s, n_past]); the target cache holds
   positions < n_past; pending/n_new: features of the rows committed last round, not yet in
   the ring; hist[s, j]: rounds that accepted j drafts; eos: the ids that end the sequence
-  (-1 pads); oracle: benchmark/test-only drafts (None: the drafter's)."""
-  cache: qwen3.TargetCache
+  (-1 pads); proposer_state: a custom proposer's per-slot data (None for the built-in ones)."""
+  cache: Any
   ring: step.RingState | None       # leading slot axis
   tokens: jax.Array                 # [S, L] int32
   n_past: jax.Array                 # [S] int32
@@ -116,21 +224,19 @@ class DecodeState:
   hist: jax.Array                   # [S, width] int32
   eos: jax.Array                    # [S, n_eos] int32
   key: jax.Array                    # [S] PRNG keys
-  oracle: jax.Array | None          # [S, L] int32
+  proposer_state: Any = None
 
 
 def check_models(models: Models, dcfg: DecodeConfig) -> None:
   """Host checks that the drafter fits the target and the loop (raises ValueError)."""
   tc = models.target_cfg
   d = models.drafter
-  if dcfg.proposer == "lookup":
-    if d is not None or models.d2t is not None:
-      raise ValueError("proposer 'lookup' drafts from the committed tokens: Models.drafter "
-                       "and Models.d2t must be None")
+  if dcfg.width == 1:
+    if d is not None:
+      raise ValueError("width 1 is target-only decoding: Models.drafter must be None")
     return
+  dcfg.proposer.check(models, dcfg)
   if d is None:
-    if dcfg.width != 1:
-      raise ValueError(f"width {dcfg.width} needs a drafter (width 1 is target-only decoding)")
     return
   c = d.cfg
   if dcfg.width < 2 or dcfg.width > c.block_size:
@@ -141,7 +247,11 @@ def check_models(models: Models, dcfg: DecodeConfig) -> None:
   if d.n_vocab != tc.vocab_size:
     raise ValueError(f"drafter tok_embd has {d.n_vocab} rows; the target vocab is "
                      f"{tc.vocab_size} (the drafter embeds target ids)")
-  qwen3.check_capture_layers(tc, c.target_layers)
+  try:
+    tc.check_capture_layers(c.target_layers)
+  except ValueError as e:
+    raise ValueError(f"the drafter's target_layers {list(c.target_layers)} (HF "
+                     f"target_layer_ids + 1) do not fit the target: {e}") from None
   n_head = int(d.lm_head.shape[0])
   if models.d2t is None:
     if n_head != tc.vocab_size:
@@ -165,26 +275,8 @@ def d2t_from_offsets(offsets) -> np.ndarray:
   return (np.arange(len(off)) + off).astype(np.int32)
 
 
-# --- the drafter, called in exactly these two places ---------------------------------------
-
-def _draft(models: Models, ring, pending, n_new, id_last, n_past, impl: str, width: int):
-  """Every slot's draft round in one call on a block of `width` rows (SPEC section 6): all
-  S x width rows through each GEMM in one launch."""
-  active = jnp.ones(n_past.shape, jnp.bool_)
-  if models.plan is not None:
-    return sharding.draft_round_slots(models.plan, models.drafter, ring, pending, n_new, id_last,
-                                      n_past, active, width=width, impl=impl)
-  return step.draft_round_batched(models.drafter, ring, pending, n_new, id_last, n_past, active,
-                                  width=width, impl=impl)
-
-
-def _inject_prompt(models: Models, ring, feats, n_valid, impl: str):
-  """Encode + inject rows 0..n_valid-1 of the prompt's features [S, T, F] at positions 0..."""
-  p = models.drafter
-  pos = jnp.broadcast_to(jnp.arange(feats.shape[1], dtype=jnp.int32), feats.shape[:2])
-  if models.plan is not None:
-    return sharding.inject_slots(models.plan, p, ring, feats, pos, n_valid, impl=impl)
-  return step.inject_batched(p, ring, step.encode(p, feats, impl=impl), pos, n_valid, impl=impl)
+def _capture(models: Models) -> tuple[int, ...]:
+  return models.drafter.cfg.target_layers if models.drafter is not None else ()
 
 
 # --- one round --------------------------------------------------------------------------------
@@ -210,53 +302,21 @@ def ngram_drafts(tokens: jax.Array, n_past: jax.Array, n_draft: int, max_ngram: 
   return jnp.where(chosen >= 0, tokens[jnp.clip(idx, 0, size - 1)], tokens[n_past])
 
 
-def _slice_rows(buf: jax.Array, start: jax.Array, n: int) -> jax.Array:
-  return jax.vmap(lambda b, s: lax.dynamic_slice(b, (s,), (n,)))(buf, start)
-
-
-def _propose(models: Models, dcfg: DecodeConfig, st: DecodeState, key: jax.Array):
-  """Inject last round's rows and draft -> (ring, drafts [S, width-1] in target ids, q): q
-  [S, width-1, V] is the proposal distribution over target ids for sampled proposals, None
-  for one-hot ones (greedy drafts, the oracle, prompt lookup)."""
-  n, samp = dcfg.width - 1, dcfg.sampling
-  if dcfg.proposer == "lookup":   # no drafter: the ring stays None
-    drafts = jax.vmap(ngram_drafts, in_axes=(0, 0, None, None))(st.tokens, st.n_past, n,
-                                                                 dcfg.max_ngram)
-    return st.ring, drafts, None
-  ring, drafts, dlogits = _draft(models, st.ring, st.pending, st.n_new, st.id_last, st.n_past,
-                                 dcfg.impl, dcfg.width)
-  drafts, dlogits, q = drafts[:, :n], dlogits[:, 1:n + 1], None
-  if st.oracle is not None:
-    return ring, _slice_rows(st.oracle, st.n_past + 1, n), None
-  if not samp.greedy and samp.proposals == "sampled":
-    z = dlogits.astype(jnp.float32) / samp.temperature
-    drafts = jax.vmap(lambda k, zz: jax.random.categorical(k, zz, axis=-1))(key, z)
-    q = jax.nn.softmax(z, axis=-1)
-    if models.d2t is not None:   # over target ids: zero outside the draft vocab
-      s = q.shape[0]
-      q = jnp.zeros((s, n, models.target_cfg.vocab_size), q.dtype).at[:, :, models.d2t].set(q)
-  if models.d2t is not None:
-    drafts = models.d2t[drafts]
-  return ring, drafts.astype(jnp.int32), q
-
-
-def _verify(models: Models, dcfg: DecodeConfig, st: DecodeState, drafts: jax.Array):
-  """The target on [id_last, drafts] -> (cache, logits [S, w, V], features [S, w, F])."""
-  capture = models.drafter.cfg.target_layers if models.drafter is not None else ()
+def verify(models: Models, dcfg: DecodeConfig, st: DecodeState, drafts: jax.Array):
+  """The target on [id_last, drafts] (nothing committed) -> (cache, logits [S, w, V],
+  features [S, w, F])."""
   vtok = jnp.concatenate([st.id_last[:, None], drafts], axis=1)
-  if models.plan is not None:
-    return sharding.verify(models.plan, models.target, models.target_cfg, st.cache, vtok,
-                           capture_layers=capture, impl=dcfg.target_impl)
-  return qwen3.verify(models.target, models.target_cfg, st.cache, vtok, capture_layers=capture,
-                      impl=dcfg.target_impl)
+  return models.target_cfg.verify(models.target, st.cache, vtok, capture_layers=_capture(models),
+                                   impl=dcfg.target_impl)
 
 
-def _accept_commit(dcfg: DecodeConfig, st: DecodeState, drafts, q, logits, feats,
-                   key: jax.Array) -> DecodeState:
-  """Accept (greedy prefix or rejection sampling), commit, roll the cache length back to the
-  committed tokens, keep the verify features for the next round's inject. The returned
-  state's cache and ring are st's (the caller sets them)."""
+def accept_commit(models: Models, dcfg: DecodeConfig, st: DecodeState, proposal: Proposal,
+                  logits, feats, key: jax.Array) -> DecodeState:
+  """Accept (greedy prefix or rejection sampling), commit the kept verify rows in the target
+  cache (`Target.commit`), keep the verify features for the next round's inject. st.cache
+  is the cache the verify returned; the returned state's ring is st's (the caller sets it)."""
   w, n, samp = dcfg.width, dcfg.width - 1, dcfg.sampling
+  drafts = proposal.drafts
   s = st.n_past.shape[0]
   active = ~st.done
   with jax.named_scope("accept"):
@@ -266,7 +326,7 @@ def _accept_commit(dcfg: DecodeConfig, st: DecodeState, drafts, q, logits, feats
               else jnp.zeros((s,), jnp.int32))
       t = jnp.take_along_axis(target_tokens, n_ok[:, None], axis=1)[:, 0]
     else:
-      n_ok, t = SP.verify_sampled(key, drafts, SP.probs(logits, samp), q)
+      n_ok, t = SP.verify_sampled(key, drafts, SP.probs(logits, samp), proposal.q)
   with jax.named_scope("commit"):
     rows = jnp.arange(w, dtype=jnp.int32)[None]
     # Row i of the commit: drafts[i] for i < n_ok, then t; rows past n_ok are scratch.
@@ -281,9 +341,10 @@ def _accept_commit(dcfg: DecodeConfig, st: DecodeState, drafts, q, logits, feats
     def keep(new, old):   # finished slots keep their state
       return jnp.where(active.reshape(-1, *([1] * (new.ndim - 1))), new, old)
 
+    # The verify rows 0..n_ok (id_last and the accepted drafts) are now committed.
+    cache = models.target_cfg.commit(st.cache, jnp.where(active, n_ok + 1, 0))
     return st.replace(
-        cache=st.cache.replace(length=keep(n_past, st.cache.length)),
-        tokens=keep(tokens, st.tokens), n_past=keep(n_past, st.n_past),
+        cache=cache, tokens=keep(tokens, st.tokens), n_past=keep(n_past, st.n_past),
         id_last=keep(t, st.id_last),
         pending=None if st.pending is None else keep(feats, st.pending),
         n_new=keep(n_ok + 1, st.n_new), done=st.done | (active & stop),
@@ -291,18 +352,22 @@ def _accept_commit(dcfg: DecodeConfig, st: DecodeState, drafts, q, logits, feats
         hist=st.hist.at[jnp.arange(s), n_ok].add(active.astype(jnp.int32)))
 
 
-def _round(models: Models, dcfg: DecodeConfig, st: DecodeState) -> DecodeState:
+def round_keys(st: DecodeState) -> jax.Array:
+  """Each slot's key split for one round: [S, 3] (next state, propose, accept)."""
+  return jax.vmap(lambda k: jax.random.split(k, 3))(st.key)
+
+
+def one_round(models: Models, dcfg: DecodeConfig, st: DecodeState) -> DecodeState:
   """propose -> verify -> accept + commit (the next round's propose injects the features)."""
   s = st.n_past.shape[0]
-  keys = jax.vmap(lambda k: jax.random.split(k, 3))(st.key)
-  ring, drafts, q = st.ring, jnp.zeros((s, 0), jnp.int32), None
+  keys = round_keys(st)
+  ring, proposal = st.ring, Proposal(jnp.zeros((s, 0), jnp.int32))
   if dcfg.width > 1:
     with jax.named_scope("draft"):
-      ring, drafts, q = _propose(models, dcfg, st, keys[:, 1])
+      ring, proposal = dcfg.proposer.propose(models, dcfg, st, keys[:, 1])
   with jax.named_scope("verify"):
-    cache, logits, feats = _verify(models, dcfg, st, drafts)
-  st = _accept_commit(dcfg, st.replace(cache=cache.replace(length=st.cache.length)), drafts, q,
-                      logits, feats, keys[:, 2])
+    cache, logits, feats = verify(models, dcfg, st, proposal.drafts)
+  st = accept_commit(models, dcfg, st.replace(cache=cache), proposal, logits, feats, keys[:, 2])
   return st.replace(ring=ring, key=keys[:, 0])
 
 
@@ -311,7 +376,7 @@ def _rounds(models: Models, dcfg: DecodeConfig, state: DecodeState, max_rounds) 
     return (c[1] < max_rounds) & ~jnp.all(c[0].done)
 
   def body(c):
-    return _round(models, dcfg, c[0]), c[1] + 1
+    return one_round(models, dcfg, c[0]), c[1] + 1
   return lax.while_loop(cond, body, (state, jnp.int32(0)))[0]
 
 
@@ -322,15 +387,11 @@ run_rounds = jax.jit(_rounds, static_argnames=("dcfg",), donate_argnames=("state
 @functools.partial(jax.jit, static_argnames=("impl", "target_impl"),
                    donate_argnames=("cache", "ring"))
 def _prefill(models: Models, cache, ring, tokens, n_valid, *, impl: str, target_impl: str):
-  capture = models.drafter.cfg.target_layers if models.drafter is not None else ()
-  if models.plan is not None:
-    cache, feats = sharding.prefill(models.plan, models.target, models.target_cfg, cache, tokens,
-                                    n_valid, capture_layers=capture, impl=target_impl)
-  else:
-    cache, feats = qwen3.prefill(models.target, models.target_cfg, cache, tokens, n_valid,
-                                 capture_layers=capture, impl=target_impl)
+  cache, feats = models.target_cfg.prefill(models.target, cache, tokens, n_valid,
+                                           capture_layers=_capture(models), impl=target_impl)
   if models.drafter is not None:
-    ring = _inject_prompt(models, ring, feats, n_valid, impl)
+    pos = jnp.broadcast_to(jnp.arange(feats.shape[1], dtype=jnp.int32), feats.shape[:2])
+    ring = models.run.inject(models.drafter, ring, feats, pos, n_valid, impl=impl)
   return cache, ring
 
 
@@ -353,23 +414,17 @@ def _check_prompts(prompts, vocab: int) -> list[np.ndarray]:
 
 def start(models: Models, dcfg: DecodeConfig, prompts: Sequence[Sequence[int]], max_new: int, *,
           eos_ids: Sequence[int] = (), seed: int = 0, capacity: int | None = None,
-          window: int | None = None,
-          cache_dtype: Any = "fp32", ring_dtype: Any = "fp32",
-          oracle: Sequence[Sequence[int]] | None = None) -> DecodeState:
+          window: int | None = None, cache_dtype: Any = "fp32", ring_dtype: Any = "fp32",
+          proposer_state: Any = None) -> DecodeState:
   """Prefill every prompt (one slot each; SPEC.md section 4 step 1) and return the state.
 
   capacity: target cache slots (default: the longest prompt + max_new + width, the least
   that the loop can need, rounded up to a multiple of 16), and the slots of the drafter's
-  full-attention cache (which holds the same positions). Its cost per verify grows with it
-  (the attention reads every slot). The prompt is prefilled in one call padded to a power
-  of two (at most the capacity). oracle (tests, benchmarks): per slot, the tokens to
-  propose as drafts at each position (the prompt then a continuation), instead of the
-  drafter's; they are treated as one-hot proposals.
+  full-attention cache (which holds the same positions). The prompt is prefilled in one
+  call padded to a power of two (at most the capacity). proposer_state: the per-slot data
+  of a custom proposer (a pytree of arrays with a leading slot axis), kept in the state.
   """
   check_models(models, dcfg)
-  if oracle is not None and dcfg.proposer != "drafter":
-    raise ValueError(f"an oracle replaces the drafter's drafts; proposer {dcfg.proposer!r} "
-                     "takes none")
   tc = models.target_cfg
   ps = _check_prompts(prompts, tc.vocab_size)
   if isinstance(max_new, bool) or not isinstance(max_new, (int, np.integer)) or max_new < 1:
@@ -379,6 +434,10 @@ def start(models: Models, dcfg: DecodeConfig, prompts: Sequence[Sequence[int]], 
   if bad:
     raise ValueError(f"eos ids {bad} outside the vocab [0, {tc.vocab_size})")
   s, w = len(ps), dcfg.width
+  for leaf in jax.tree.leaves(proposer_state):
+    if not np.shape(leaf) or np.shape(leaf)[0] != s:
+      raise ValueError(f"proposer_state arrays need a leading slot axis of {s} (one per "
+                       f"prompt), got shape {list(np.shape(leaf))}")
   longest = max(len(p) for p in ps)
   need = longest + max_new + w
   if capacity is None:
@@ -395,35 +454,24 @@ def start(models: Models, dcfg: DecodeConfig, prompts: Sequence[Sequence[int]], 
   for i, p in enumerate(ps):
     tokens[i, :len(p)] = p
   n_prompt = np.array([len(p) for p in ps], np.int32)
-  bucket = min(qwen3.prefill_bucket(longest - 1), capacity)
-  pre = tokens[:, :bucket]
-  cache = qwen3.init_cache(tc, s, capacity, cache_dtype)
+  bucket = min(prefill_bucket(longest - 1), capacity)
+  cache = tc.init_cache(s, capacity, cache_dtype)
   ring = pending = None
   if models.drafter is not None:
-    ring = step.init_batched_ring(models.drafter.cfg, s, window, ring_dtype, capacity)
+    ring = models.run.init_ring(models.drafter.cfg, s, window, ring_dtype, capacity)
     pending = jnp.zeros((s, w, models.drafter.cfg.n_embd_fc), jnp.float32)
-  if models.plan is not None:
-    cache = sharding.shard_target_cache(cache, models.plan)
-    ring = None if ring is None else sharding.shard_ring(ring, models.plan)
-  cache, ring = _prefill(models, cache, ring, jnp.asarray(pre), jnp.asarray(n_prompt - 1),
-                         impl=dcfg.impl, target_impl=dcfg.target_impl)
-  orc = None
-  if oracle is not None:
-    if len(oracle) != s:
-      raise ValueError(f"oracle needs one token list per prompt ({s}), got {len(oracle)}")
-    orc = np.zeros((s, buf_len), np.int32)
-    for i, o in enumerate(_check_prompts(oracle, tc.vocab_size)):
-      orc[i, :min(len(o), buf_len)] = o[:buf_len]
-    orc = jnp.asarray(orc)
-  state = DecodeState(
-      cache=cache, ring=ring, tokens=jnp.asarray(tokens), n_past=jnp.asarray(n_prompt - 1),
+  cache, ring = _prefill(models, cache, ring, jnp.asarray(tokens[:, :bucket]),
+                         jnp.asarray(n_prompt - 1), impl=dcfg.impl, target_impl=dcfg.target_impl)
+  slots = models.run.place(dict(
+      tokens=jnp.asarray(tokens), n_past=jnp.asarray(n_prompt - 1),
       id_last=jnp.asarray(tokens[np.arange(s), n_prompt - 1]), pending=pending,
       n_new=jnp.zeros((s,), jnp.int32), n_prompt=jnp.asarray(n_prompt),
       max_len=jnp.asarray(n_prompt + max_new, jnp.int32), done=jnp.zeros((s,), bool),
       rounds=jnp.zeros((s,), jnp.int32), hist=jnp.zeros((s, w), jnp.int32),
       eos=jnp.asarray(np.tile(np.array(eos_ids or (-1,), np.int32), (s, 1))),
-      key=jax.random.split(jax.random.key(seed), s), oracle=orc)
-  return state if models.plan is None else sharding.shard_decode_state(state, models.plan)
+      key=jax.random.split(jax.random.key(seed), s),
+      proposer_state=jax.tree.map(jnp.asarray, proposer_state)))
+  return DecodeState(cache=cache, ring=ring, **slots)
 
 
 @dataclasses.dataclass
@@ -463,7 +511,7 @@ def generate(models: Models, dcfg: DecodeConfig, prompts: Sequence[Sequence[int]
 
   Syncs with the host once per `rounds_per_call` rounds: on_tokens(slot, new_tokens) then
   receives the tokens committed since the last sync (never past EOS or max_new). start_kw
-  goes to `start` (seed, capacity, window, cache_dtype, ring_dtype, oracle).
+  goes to `start` (seed, capacity, window, cache_dtype, ring_dtype, proposer_state).
   """
   if rounds_per_call < 1:
     raise ValueError(f"rounds_per_call must be >= 1, got {rounds_per_call}")
@@ -491,10 +539,9 @@ def generate(models: Models, dcfg: DecodeConfig, prompts: Sequence[Sequence[int]
   return Generation(tokens=out, rounds=rounds, hist=hist, seconds=t2 - t1, prefill_seconds=t1 - t0)
 
 
-def generate_target_only(target: qwen3.TargetParams, cfg: qwen3.TargetConfig,
-                         prompts: Sequence[Sequence[int]], max_new: int, *,
-                         sampling: Sampling = Sampling(), target_impl: str = "xla",
-                         **kw) -> Generation:
+def generate_target_only(target: Any, cfg: Target, prompts: Sequence[Sequence[int]],
+                         max_new: int, *, sampling: Sampling = Sampling(),
+                         target_impl: str = "xla", **kw) -> Generation:
   """The target's own decoding (one token per round) with the same target code."""
   return generate(Models(target=target, drafter=None, d2t=None, target_cfg=cfg),
                   DecodeConfig(width=1, sampling=sampling, target_impl=target_impl), prompts,

@@ -5,9 +5,8 @@ query heads, kv heads, FFN columns, the fc input columns and the LM head's vocab
 `Rules`: which mesh axis each logical axis is split over. The tables below give every leaf
 of the drafter params, the ring, the target params and the target cache its logical axes
 (every other array of a decode state has a leading slot axis); `shard_params` /
-`shard_ring` / `shard_target` / `shard_target_cache` / `shard_decode_state` / `shard_models`
-place every leaf with a `NamedSharding` and raise a ValueError before placing anything when
-a split does not divide (naming the leaf, the axis and the sizes). Embeddings stay whole on
+`shard_ring` / `shard_target` / `shard_target_cache` / `shard_models` place every leaf with a
+`NamedSharding` and raise a ValueError before placing anything when a split does not divide (naming the leaf, the axis and the sizes). Embeddings stay whole on
 every device (a gather reads a few rows); so does a tied target head (lm_head None).
 
 Layout on the mesh. A plain axis is split in place (device i holds block i; the array keeps
@@ -19,14 +18,18 @@ matrix of a model with n_head / n query heads, n_head_kv / n kv heads and n_ff /
 columns. Those arrays are meant for this module's entry points only (the unsharded
 functions would misread them; the entry points reject unsharded trees).
 
-Inside each entry point `jax.shard_map` (check_vma=False: the Pallas kernels carry no
-varying-axes rules) runs the unsharded function on every device's block with that local
+Inside each entry point `shard_call` (`jax.shard_map`, the one wrapper) runs the unsharded
+function on every device's block with that local
 config, the o, down and fc projections wrapped in `params.Reduced` (their inputs are split,
 so `linear` psums their products), and the LM head producing this device's vocab columns:
 the logits leave the map sharded over vocab, and the greedy drafts are their argmax across
 devices. A TP result equals the unsharded one to rounding (the psums add per-device partial
 sums in another order than one GEMM does); a DP-only result (tp = 1) runs each slot's
 unsharded arithmetic.
+
+For decoding, `shard_models` binds the mesh into `decode.Models` once: the target becomes a
+`ShardedTarget` (a `Target` whose calls run on the mesh) and the drafter's calls a `MeshRun`,
+so the loop itself never looks at the plan.
 """
 from __future__ import annotations
 
@@ -38,10 +41,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from dflash_jax import step
 from dflash_jax.config import DFlashConfig
+from dflash_jax.dispatch import QuantWeight, Reduced
+from dflash_jax.drafter import step
+from dflash_jax.drafter.weights import DrafterParams, InjectParams, LayerParams
 from dflash_jax.models import qwen3
-from dflash_jax.params import DrafterParams, InjectParams, LayerParams, QuantWeight, Reduced
 
 DP, TP = "dp", "tp"
 
@@ -350,34 +354,125 @@ def shard_target_cache(cache: qwen3.TargetCache, plan: Plan | Mesh) -> qwen3.Tar
 
 
 def _slot_arrays(plan: Plan, values: dict[str, Any]) -> dict[str, Any]:
-  """Arrays whose leading axis is the slot axis, placed over `slots`'s mesh axis."""
+  """Arrays whose leading axis is the slot axis (values may be pytrees of them, or None),
+  placed over `slots`'s mesh axis."""
   problems: dict = {}
-  layouts = {k: None if v is None else _leaf(plan, v, ("slots",) + (None,) * (v.ndim - 1), k,
-                                              {}, problems, stored=False)
-             for k, v in values.items()}
+
+  def layout(path, v):
+    name = jax.tree_util.keystr(path)
+    return _leaf(plan, v, ("slots",) + (None,) * (v.ndim - 1), name, {}, problems, stored=False)
+  layouts = jax.tree_util.tree_map_with_path(layout, values)
   _raise_problems(problems)
-  return {k: None if v is None else jax.device_put(jnp.array(v, copy=True),
-                                                    NamedSharding(plan.mesh, layouts[k].spec))
-          for k, v in values.items()}
+  return jax.tree.map(lambda v, l: jax.device_put(jnp.array(v, copy=True),
+                                                  NamedSharding(plan.mesh, l.spec)),
+                      values, layouts, is_leaf=lambda x: isinstance(x, _Leaf))
 
 
-def shard_decode_state(state, plan: Plan | Mesh):
-  """A `decode.DecodeState` on the mesh: its cache and ring by their tables, every other
-  array (each has a leading slot axis) over `slots`'s axis."""
-  plan = as_plan(plan)
-  fields = [f.name for f in dataclasses.fields(state) if f.name not in ("cache", "ring")]
-  placed = _slot_arrays(plan, {f: getattr(state, f) for f in fields})
-  ring = None if state.ring is None else shard_ring(state.ring, plan)
-  return state.replace(cache=shard_target_cache(state.cache, plan), ring=ring, **placed)
+@dataclasses.dataclass(frozen=True)
+class MeshRun:
+  """`decode.DrafterRun` on a mesh: the drafter's rounds and prompt injection sharded (DP
+  over slots x TP), rings and per-slot state placed by the plan's rules."""
+  plan: Plan
+
+  def init_ring(self, cfg, n_slots, window, ring_dtype, capacity):
+    return shard_ring(step.init_batched_ring(cfg, n_slots, window, ring_dtype, capacity),
+                      self.plan)
+
+  def inject(self, params, ring, features, positions, n_valid, *, impl):
+    return inject_slots(self.plan, params, ring, features, positions, n_valid, impl=impl)
+
+  def draft_round(self, params, ring, new_features, n_new, id_last, n_past, active, *, width,
+                  impl):
+    ring, _, logits = draft_round_slots(self.plan, params, ring, new_features, n_new, id_last,
+                                        n_past, active, width=width, impl=impl)
+    return ring, logits
+
+  def place(self, tree):
+    return _slot_arrays(self.plan, tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedTarget:
+  """A Qwen3-family target (`qwen3.TargetConfig`) on a mesh, as a `Target` (models/base.py):
+  the config facts and commit are the inner config's; init_cache places the cache (batch
+  over `slots`'s axis, kv heads over `kv_heads`'s); prefill, verify and forward run every
+  device's block of the weights inside `jax.shard_map` (the logits leave it vocab-sharded)."""
+  inner: qwen3.TargetConfig
+  plan: Plan
+
+  def __post_init__(self):
+    if not isinstance(self.inner, qwen3.TargetConfig):
+      raise ValueError(f"sharding supports qwen3-family targets (qwen3.TargetConfig), got "
+                       f"{type(self.inner).__name__}")
+
+  def __getattr__(self, name):   # the config facts (vocab_size, hidden_size, ...)
+    if name in ("inner", "plan"):
+      raise AttributeError(name)
+    return getattr(self.inner, name)
+
+  @property
+  def n_layers(self) -> int:
+    return self.inner.n_layers
+
+  def check_capture_layers(self, capture_layers):
+    return self.inner.check_capture_layers(capture_layers)
+
+  def init_cache(self, batch, capacity, dtype="fp32"):
+    return shard_target_cache(self.inner.init_cache(batch, capacity, dtype), self.plan)
+
+  def cache_nbytes(self, batch, capacity, dtype="fp32", verify_width=1):
+    return self.inner.cache_nbytes(batch, capacity, dtype, verify_width)
+
+  def commit(self, cache, n_keep):
+    return self.inner.commit(cache, n_keep)
+
+  def _call(self, params, fn, args, arg_specs, out_specs):
+    """Run fn(local params, local cfg, *args) on every device's block."""
+    p_layout = _layout(self.plan, params, _target_counts(self.inner))
+    cfg_local = local_target_config(self.inner, self.plan)
+
+    def body(p, *a):
+      return fn(_local_params(self.plan, p, p_layout), cfg_local, *a)
+    return shard_call(self.plan, body, (_specs(p_layout), *arg_specs), out_specs)(params, *args)
+
+  def forward(self, params, tokens, *, capture_layers=(), with_logits: bool = True):
+    s = self.plan.rules.slots
+    problems: dict = {}
+    _leaf(self.plan, tokens, ("slots", None), "tokens", {}, problems, stored=False)
+    _raise_problems(problems)
+
+    def fn(p, lc, t):
+      return qwen3.forward(p, lc, t, capture_layers=capture_layers, with_logits=with_logits)
+    logits = P(s, None, _head_axis(self.plan, params.lm_head)) if with_logits else None
+    return self._call(params, fn, (tokens,), (P(s),), (logits, P(s, None, None)))
+
+  def prefill(self, params, cache, tokens, n_valid, *, capture_layers=(), impl: str = "xla"):
+    s, c = self.plan.rules.slots, _specs(_layout(self.plan, cache))
+
+    def fn(p, lc, cache, t, n):
+      return qwen3.prefill(p, lc, cache, t, n, capture_layers=capture_layers, impl=impl)
+    n_valid = jnp.broadcast_to(jnp.asarray(n_valid, jnp.int32), (tokens.shape[0],))
+    return self._call(params, fn, (cache, tokens, n_valid), (c, P(s), P(s)),
+                      (c, P(s, None, None)))
+
+  def verify(self, params, cache, tokens, *, capture_layers=(), impl: str = "xla"):
+    s, c = self.plan.rules.slots, _specs(_layout(self.plan, cache))
+
+    def fn(p, lc, cache, t):
+      return qwen3.verify(p, lc, cache, t, capture_layers=capture_layers, impl=impl)
+    return self._call(params, fn, (cache, tokens), (c, P(s)),
+                      (c, P(s, None, _head_axis(self.plan, params.lm_head)), P(s, None, None)))
 
 
 def shard_models(models, plan: Plan | Mesh):
-  """`decode.Models` on the mesh, carrying the plan: decode's rounds then run sharded."""
+  """`decode.Models` on the mesh: weights placed, the target a `ShardedTarget` and the
+  drafter's calls a `MeshRun`, so decode's rounds run sharded with no change to the loop."""
   plan = as_plan(plan)
   drafter = None if models.drafter is None else shard_params(models.drafter, plan)
   d2t = None if models.d2t is None else jax.device_put(models.d2t, NamedSharding(plan.mesh, P()))
   return models.replace(target=shard_target(models.target, models.target_cfg, plan),
-                        drafter=drafter, d2t=d2t, plan=plan)
+                        drafter=drafter, d2t=d2t, target_cfg=ShardedTarget(models.target_cfg, plan),
+                        run=MeshRun(plan))
 
 
 # --- inside the map ----------------------------------------------------------------------------
@@ -409,8 +504,10 @@ def local_target_config(cfg: qwen3.TargetConfig, plan: Plan) -> qwen3.TargetConf
       intermediate_size=cfg.intermediate_size // plan.size("ffn"))
 
 
-def _smap(plan: Plan, body, in_specs, out_specs):
-  return jax.shard_map(body, mesh=plan.mesh, in_specs=in_specs, out_specs=out_specs,
+def shard_call(plan: Plan, fn, in_specs, out_specs):
+  """fn run on every device's block (`jax.shard_map` over the plan's mesh; check_vma=False:
+  the Pallas kernels carry no varying-axes rules). The one wrapper every entry point uses."""
+  return jax.shard_map(fn, mesh=plan.mesh, in_specs=in_specs, out_specs=out_specs,
                        check_vma=False)
 
 
@@ -441,8 +538,8 @@ def _drafter_call(plan: Plan, params: DrafterParams, ring: step.RingState, fn, a
     lp = _local_params(plan, p, p_layout).replace(cfg=cfg_local)
     return fn(lp, r, *a)
   r_specs = _specs(r_layout)
-  return _smap(plan, body, (_specs(p_layout), r_specs, *arg_specs),
-               (r_specs, *out_extra_specs))(params, ring, *args)
+  return shard_call(plan, body, (_specs(p_layout), r_specs, *arg_specs),
+                    (r_specs, *out_extra_specs))(params, ring, *args)
 
 
 def _features_spec(plan: Plan, lead: tuple) -> P:
@@ -511,61 +608,10 @@ def inject_slots(plan: Plan, params: DrafterParams, ring: step.RingState, featur
   return ring
 
 
-def _target_call(plan: Plan, params: qwen3.TargetParams, cfg: qwen3.TargetConfig, fn, args,
-                 arg_specs, out_specs):
-  """Run fn(local params, local cfg, *args) on every device's block."""
-  p_layout = _layout(plan, params, _target_counts(cfg))
-  cfg_local = local_target_config(cfg, plan)
-
-  def body(p, *a):
-    return fn(_local_params(plan, p, p_layout), cfg_local, *a)
-  return _smap(plan, body, (_specs(p_layout), *arg_specs), out_specs)(params, *args)
-
-
-def forward(plan: Plan, params: qwen3.TargetParams, cfg: qwen3.TargetConfig, tokens, *,
-            capture_layers=(), with_logits: bool = True):
-  """`qwen3.forward` on the mesh (batch over slots, TP) -> (logits [B, T, V] or None,
-  features [B, T, F])."""
-  s = plan.rules.slots
-  problems: dict = {}
-  _leaf(plan, tokens, ("slots", None), "tokens", {}, problems, stored=False)
-  _raise_problems(problems)
-
-  def fn(p, lc, t):
-    return qwen3.forward(p, lc, t, capture_layers=capture_layers, with_logits=with_logits)
-  logits = P(s, None, _head_axis(plan, params.lm_head)) if with_logits else None
-  return _target_call(plan, params, cfg, fn, (tokens,), (P(s),), (logits, P(s, None, None)))
-
-
-def prefill(plan: Plan, params: qwen3.TargetParams, cfg: qwen3.TargetConfig, cache, tokens,
-            n_valid, *, capture_layers=(), impl: str = "xla"):
-  """`qwen3.prefill` on the mesh -> (cache, features [B, T, F]). n_valid: scalar or [B]."""
-  s, c = plan.rules.slots, _specs(_layout(plan, cache))
-
-  def fn(p, lc, cache, t, n):
-    return qwen3.prefill(p, lc, cache, t, n, capture_layers=capture_layers, impl=impl)
-  n_valid = jnp.broadcast_to(jnp.asarray(n_valid, jnp.int32), (tokens.shape[0],))
-  return _target_call(plan, params, cfg, fn, (cache, tokens, n_valid), (c, P(s), P(s)),
-                      (c, P(s, None, None)))
-
-
-def verify(plan: Plan, params: qwen3.TargetParams, cfg: qwen3.TargetConfig, cache, tokens, *,
-           capture_layers=(), impl: str = "xla"):
-  """`qwen3.verify` on the mesh -> (cache, logits [B, w, V] vocab-sharded, features)."""
-  s, c = plan.rules.slots, _specs(_layout(plan, cache))
-
-  def fn(p, lc, cache, t):
-    return qwen3.verify(p, lc, cache, t, capture_layers=capture_layers, impl=impl)
-  return _target_call(plan, params, cfg, fn, (cache, tokens), (c, P(s)),
-                      (c, P(s, None, _head_axis(plan, params.lm_head)), P(s, None, None)))
-
-
 # Jitted entry points; the ring / cache is donated wherever it is returned.
 block_step_jit = jax.jit(block_step, static_argnames=("plan", "width", "impl"))
 draft_round_jit = jax.jit(draft_round, static_argnames=("plan", "width", "impl"),
                           donate_argnames=("ring",))
 draft_round_slots_jit = jax.jit(draft_round_slots, static_argnames=("plan", "width", "impl"),
                                 donate_argnames=("ring",))
-forward_jit = jax.jit(forward, static_argnames=("plan", "cfg", "capture_layers", "with_logits"))
-verify_jit = jax.jit(verify, static_argnames=("plan", "cfg", "capture_layers", "impl"),
-                     donate_argnames=("cache",))
+

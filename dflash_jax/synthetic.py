@@ -1,6 +1,7 @@
 """Random drafters for demos, tests and benchmarks (the embedded default)."""
 from __future__ import annotations
 
+import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -42,11 +43,17 @@ def synthetic_drafter(cfg: DFlashConfig, seed: int = 0, n_vocab: int = 512,
 
   Matrices are N(0, 1/fan_in); the residual branches (attn_output, ffn_down) are further
   scaled by 1/sqrt(2 n_layer), so activations stay O(1) through every layer at any size.
-  Norm weights are 1 + 0.1 N(0, 1), stored raw as in the GGUF.
+  Norm weights are 1 + 0.1 N(0, 1), stored raw as in the GGUF. The family tensors (their
+  target-vocab-sized tables have `n_vocab` rows too) are scaled so that each addition moves
+  the drafts without swamping the backbone; see `_family_tensor`.
   """
   if with_target and cfg.mask_token_id >= n_vocab:
     raise ValueError(f"mask_token_id {cfg.mask_token_id} does not fit n_vocab {n_vocab}")
-  shapes = dict(drafter_tensor_shapes(cfg))
+  if cfg.family == "dflash2" and cfg.dflash2.selector_top_k > n_vocab:
+    raise ValueError(f"selector_top_k {cfg.dflash2.selector_top_k} exceeds n_vocab {n_vocab}")
+  shapes = dict(drafter_tensor_shapes(cfg, n_vocab))
+  family = set(shapes) - set(drafter_tensor_shapes(dataclasses.replace(
+      cfg, family="dflash", family_fields=None)))
   if with_target:
     shapes.update(tok_embd=(n_vocab, cfg.n_embd), lm_head=(n_vocab, cfg.n_embd))
   branch = 1.0 / np.sqrt(2.0 * cfg.n_layer)
@@ -54,7 +61,9 @@ def synthetic_drafter(cfg: DFlashConfig, seed: int = 0, n_vocab: int = 512,
   with host_pool() as pool:
     for name, shape in shapes.items():
       seq = np.random.SeedSequence([seed, *name.encode()])
-      if len(shape) == 1:
+      if name in family:
+        w[name] = _family_tensor(pool, seq, name, shape)
+      elif len(shape) == 1:
         w[name] = 1.0 + _normal(pool, seq, shape, 0.1)
       elif name == "tok_embd":
         w[name] = _normal(pool, seq, shape)
@@ -66,6 +75,32 @@ def synthetic_drafter(cfg: DFlashConfig, seed: int = 0, n_vocab: int = 512,
           scale *= branch
         w[name] = _normal(pool, seq, shape, scale)
   return w
+
+
+def _family_tensor(pool: ThreadPoolExecutor, seq: np.random.SeedSequence, name: str,
+                   shape: tuple[int, ...]) -> np.ndarray:
+  """One DFlash2 / DSpark tensor.
+
+  Convolution base kernels are near the identity (tap 0 about 1, later taps about 0.1) and
+  the coefficient projections add about 0.1 per coefficient, so each convolution mixes the
+  previous rows in without blowing up the residual stream. The selector codebooks are
+  N(0, R^-1/2), so an edge score (a sum of R products with an O(1) hidden projection) is about
+  N(0, 1): comparable to the gaps between the top logits. W1 rows are O(1) like an embedding and
+  W2 is N(0, 1/R), so the Markov correction is about N(0, 1) per token. Biases are N(0, 0.01).
+  """
+  if name.endswith(".bias"):
+    return _normal(pool, seq, shape, 0.1)
+  if name.endswith("_conv_base"):
+    base = _normal(pool, seq, shape, 0.1)
+    base[:, 0] += 1.0
+    return base
+  if name.endswith("_conv_proj"):
+    return _normal(pool, seq, shape, 0.1 / np.sqrt(shape[1]))
+  if name in ("selector_predecessor", "selector_successor"):
+    return _normal(pool, seq, shape, shape[1] ** -0.25)
+  if name == "markov_w1":
+    return _normal(pool, seq, shape)
+  return _normal(pool, seq, shape, 1.0 / np.sqrt(shape[1]))   # the remaining projections
 
 
 def synthetic_features(cfg: DFlashConfig, n_rows: int, seed: int = 1) -> np.ndarray:

@@ -1,6 +1,7 @@
 """Helpers shared by the kernel modules."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import jax
@@ -8,6 +9,16 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
+
+
+@dataclasses.dataclass(frozen=True)
+class KnobsBase:
+  """What each kernel module's `Knobs` (a frozen dataclass of its launch knobs, the value its
+  `default_knobs` returns) shares: the fields are the kernel's keyword arguments."""
+
+  def kwargs(self) -> dict:
+    """The knobs as the kernel's keyword arguments."""
+    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
 def resolve_interpret(interpret: bool | None) -> bool:

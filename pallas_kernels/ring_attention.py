@@ -22,6 +22,7 @@ drafter's T = 16, G = 4, D = 128, S = 2048) run without any mask.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -32,8 +33,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels._common import (check, is_pow2, load_tile, next_pow2, resolve_interpret,
-                                    store_tile)
+from pallas_kernels._common import (KnobsBase, check, is_pow2, load_tile, next_pow2,
+                                    resolve_interpret, store_tile)
 from pallas_kernels.limits import check_head_dim, check_width
 
 # Finite so that fully masked rows, tiles and splits never produce inf - inf = NaN: a row
@@ -271,18 +272,21 @@ def chunking(n_slots: int, splits: int, block_k: int) -> tuple[int, int]:
   return chunk, pl.cdiv(n_slots, chunk)
 
 
-# Launches vmapped over at least this many sequence slots fold the block's own keys into
-# chunk 0's program (`fold_own`; None: never). H200, seed dims, full bf16 rings (RESULTS.md
-# run 19): S = 8 partial + combine 44.3 -> 39.4 us per layer (256 instead of 320 programs),
-# rounds w16 S8 1.892 -> 1.866 ms, w16 S4 1.663 -> 1.647, w8 S8 unchanged; S = 1 11.76 vs
-# 11.73 us, so one sequence keeps the own keys' program.
-FOLD_OWN_MIN_SEQS: int | None = 4
+@dataclasses.dataclass(frozen=True)
+class Knobs(KnobsBase):
+  """The launch knobs `default_knobs` sets (keyword arguments of `ring_attention` and its twin;
+  block_q, num_warps and num_stages keep the kernel's defaults)."""
+  splits: int
+  block_k: int
+  terms: int
+  fold_own: bool = False
 
 
 def default_knobs(capacity: int, window: int | None, ring_dtype, head_dim: int = 128,
-                  n_seqs: int = 1, n_head_kv: int = 8) -> dict:
+                  n_seqs: int = 1, n_head_kv: int = 8, *,
+                  fold_own_min_seqs: int | None) -> Knobs:
   """Launch shape and dot precision for a ring / cache of `capacity` slots (H200 sweeps,
-  benchmarks/RESULTS.md runs 1-2 and 7).
+  benchmarks/RESULTS.md: the attention sweeps and the batched attention knobs).
 
   bf16 ring: 128-slot tiles, 2 bf16 terms per float32 operand (~16 mantissa bits, far finer
   than the bf16 ring itself). fp32 ring: 64-slot tiles (128 spills when fp32 tiles are split
@@ -294,9 +298,8 @@ def default_knobs(capacity: int, window: int | None, ring_dtype, head_dim: int =
 
   A launch vmapped over n_seqs > 1 sequence slots already has n_seqs x n_head_kv x splits
   programs: splits shrink so that about 256 of them run (more only re-read and re-combine
-  partials), and from 8 slots on the tiles are 64 slots (H200, RESULTS.md run 14, seed
-  dims, full bf16 rings, partial + combine: S = 8 44.6 us with 4 x 64 vs 63.8 with 16 x
-  128; S = 32 138.5 with 1 x 64 vs 236.5; S = 2 best at 16 x 128, 15.3 us).
+  partials), and from 8 slots on the tiles are 64 slots. From fold_own_min_seqs slots on
+  (None: never) chunk 0's program also attends the block's own keys (`fold_own`).
   """
   bf16 = jnp.dtype(ring_dtype) == jnp.bfloat16
   cap = (128 if bf16 else 64) // (2 if head_dim > 128 else 1)
@@ -307,10 +310,8 @@ def default_knobs(capacity: int, window: int | None, ring_dtype, head_dim: int =
   splits = max(1, min(16 if window is not None else 32, pl.cdiv(capacity, block_k)))
   if n_seqs > 1:
     splits = max(1, min(splits, 256 // (n_seqs * n_head_kv)))
-  knobs = dict(splits=splits, block_k=block_k, terms=2 if bf16 else 3)
-  if FOLD_OWN_MIN_SEQS is not None and n_seqs >= FOLD_OWN_MIN_SEQS:
-    knobs["fold_own"] = True
-  return knobs
+  fold_own = fold_own_min_seqs is not None and n_seqs >= fold_own_min_seqs
+  return Knobs(splits=splits, block_k=block_k, terms=2 if bf16 else 3, fold_own=fold_own)
 
 
 def _default_block_q(rows: int, dp: int) -> int:

@@ -18,6 +18,7 @@ check the wrapper and lower the kernel for the GPU.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -26,58 +27,54 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import ring_attention as RA
-from pallas_kernels._common import bf16_parts, hopper_available, smem_transforms
+from pallas_kernels._common import KnobsBase, bf16_parts, smem_transforms
 
 ROWS = 64        # one wgmma M: the packed query rows of one (slot, kv head)
 BLOCK_K = 64     # ring slots per compute warpgroup and pipeline step
 
 
-# The step (one sequence) and the batched step run this kernel for launches of
-# MIN_SEQS..MAX_SEQS sequence slots in about 128 programs (the compute warpgroup's registers
-# allow one per SM), the Triton kernel otherwise (H200, seed dims, full bf16 rings, us per
-# layer, partial + combine, Triton with its own knobs; RESULTS.md run 25, the operands' parts
-# from qk_norm_rope's launch): S = 1 11.6 vs 10.3 here (16 chunks), S = 2 15.6 vs 12.7 (8),
-# S = 3 27.5 vs 17.6 (4); run 19 (with an XLA split): S = 4 31.8 vs 23.1 (4), S = 8 39.3 vs
-# 36.5 (2), S = 16 65.5 vs 60.5 (1), S = 32 110.6 vs 120.7.
-MIN_SEQS, MAX_SEQS = 1, 16
-# Compute warpgroups per program (each a wgmma chain over its 64 slots of a 64 x wgs tile).
-# Two measured slower (H200, RESULTS.md run 19: w16 S8 round 1.817 vs 1.804 ms).
-COMPUTE_WGS = 1
+PROGRAMS = 128   # the launch's programs: one per SM (the compute warpgroup's registers allow one)
 
 
-def batched_knobs(n_seqs: int, n_head_kv: int, rows: int, t: int, d: int, n_slots: int,
-                  ring_dtype) -> dict | None:
-  """The launch knobs (splits, wgs) for the batched step's n_seqs slots, or None where the
-  Triton kernel runs it (outside MIN_SEQS..MAX_SEQS, a shape `fits` refuses, no Hopper
-  GPU)."""
-  if not (MIN_SEQS <= n_seqs <= MAX_SEQS) or not hopper_available():
-    return None
-  splits = max(1, 128 // (n_seqs * n_head_kv))
-  ok = fits(rows, t, d, n_slots, ring_dtype, splits, COMPUTE_WGS)
-  return dict(splits=splits, wgs=COMPUTE_WGS) if ok else None
+@dataclasses.dataclass(frozen=True)
+class Knobs(KnobsBase):
+  """The launch knobs of `ring_attention_batched` (its keyword arguments)."""
+  splits: int
+  steps: int = 2
 
 
-def smem_bytes(t: int, d: int, steps: int, wgs: int) -> int:
-  """Shared memory of one program: the query parts (aliased by the partials' buffers), the
+def default_knobs(n_seqs: int, n_head_kv: int, rows: int, t: int, d: int, n_slots: int,
+                  ring_dtype) -> Knobs | None:
+  """The launch knobs for n_seqs sequence slots: the ring cut into as many chunks as make
+  about PROGRAMS programs (the best chunk count at every slot count measured, one to three
+  slots included; 2 pipeline steps beat 1 and equal 3: benchmarks/RESULTS.md, "The
+  one-sequence step now runs the Mosaic GPU attention partials"); None for a shape `fits`
+  refuses. Whether this kernel runs at all is the caller's routing
+  (`dflash_jax.dispatch.attention`)."""
+  splits = max(1, PROGRAMS // (n_seqs * n_head_kv))
+  return Knobs(splits=splits) if fits(rows, t, d, n_slots, ring_dtype, splits) else None
+
+
+def smem_bytes(t: int, d: int, steps: int) -> int:
+  """Shared memory of one program: the query parts (aliased by the partial's buffers), the
   own keys' parts and `steps` pipeline stages of K, V and position tiles."""
-  q_or_out = max(2 * ROWS * d * 2, wgs * ROWS * (d + 2) * 4)
-  return q_or_out + 4 * t * d * 2 + steps * wgs * BLOCK_K * (2 * d * 2 + 4)
+  q_or_out = max(2 * ROWS * d * 2, ROWS * (d + 2) * 4)
+  return q_or_out + 4 * t * d * 2 + steps * BLOCK_K * (2 * d * 2 + 4)
 
 
 SMEM_LIMIT = 232448 - 1024   # the H200's per-block shared memory, less barriers' room
 
 
-def fits(rows: int, t: int, d: int, n_slots: int, ring_dtype, splits: int,
-         wgs: int = 1) -> bool:
+def fits(rows: int, t: int, d: int, n_slots: int, ring_dtype, splits: int) -> bool:
   """Whether this kernel takes the shape: see the module docstring."""
-  chunk, n_chunks = RA.chunking(n_slots, splits, BLOCK_K * wgs)
+  chunk, n_chunks = RA.chunking(n_slots, splits, BLOCK_K)
   return (rows == ROWS and t % 16 == 0 and d in (64, 128)
           and jnp.dtype(ring_dtype) == jnp.bfloat16 and chunk * n_chunks == n_slots)
 
 
-@functools.partial(jax.jit, static_argnames=("layer", "window", "chunk", "steps", "wgs"))
+@functools.partial(jax.jit, static_argnames=("layer", "window", "chunk", "steps"))
 def _partials(q0, q1, k0, k1, v0, v1, ring_k, ring_v, ring_pos, n_past, *, layer, window,
-              chunk, steps, wgs):
+              chunk, steps):
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -94,13 +91,12 @@ def _partials(q0, q1, k0, k1, v0, v1, ring_k, ring_v, ring_pos, n_past, *, layer
 
   def kernel(n_past_gmem, pos_gmem, q0_gmem, q1_gmem, k0_gmem, k1_gmem, v0_gmem, v1_gmem,
              rk_gmem, rv_gmem, o_gmem, m_gmem, l_gmem, *scratch):
-    # The partials' buffers reuse the query parts' memory once every warpgroup has read them.
+    # The partial's buffers reuse the query parts' memory once they have been read.
     ((q0, q1), (o_smem, m_smem, l_smem)), ko0, ko1, vo0, vo1, bars, done = scratch
     # Each bf16 part in a buffer of its own (a constant index into a stacked buffer does not
     # lower inside the MMA's state scope).
     q_smem = (q0, q1)
     b, h, c = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("c")
-    wg = lax.axis_index("wg")   # compute warpgroup wg takes slots wg*64.. of each step's tile
     n_past = n_past_gmem[b]
 
     def update(carry, s, v_parts):
@@ -131,11 +127,8 @@ def _partials(q0, q1, k0, k1, v0, v1, ring_k, ring_v, ring_pos, n_past, *, layer
     def compute_context(run_pipeline):
       copies = ((q0_gmem, q0), (q1_gmem, q1), (k0_gmem, ko0), (k1_gmem, ko1), (v0_gmem, vo0),
                 (v1_gmem, vo1))
-      @pl.when(wg == 0)
-      def _():
-        for i, (src, dst) in enumerate(copies):
-          plgpu.copy_gmem_to_smem(src.at[b, h], dst, bars.at[i])
-
+      for i, (src, dst) in enumerate(copies):
+        plgpu.copy_gmem_to_smem(src.at[b, h], dst, bars.at[i])
       for i in range(len(copies)):
         plgpu.barrier_wait(bars.at[i])
       acc = plgpu.layout_cast(jnp.zeros((rows, d), jnp.float32), plgpu.Layout.WGMMA)
@@ -143,29 +136,26 @@ def _partials(q0, q1, k0, k1, v0, v1, ring_k, ring_v, ring_pos, n_past, *, layer
                             plgpu.Layout.WGMMA.reduce(1))
       l = plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
       # The block's own keys (float32, so both operands in parts: 3 products), visible to
-      # chunk 0's first warpgroup only: the others mask them out and skip no branch.
+      # chunk 0's program only: the others mask them out and skip no branch.
       s = scores(((0, ko1), (1, ko0), (0, ko0)), t)
       key = plgpu.broadcasted_iota(jnp.int32, (rows, t), 1, layout=plgpu.Layout.WGMMA)
-      own_lim = jnp.where((c == 0) & (wg == 0), t, 0)
+      own_lim = jnp.where(c == 0, t, 0)
       s = jnp.where(key < own_lim, s, mask)
       carry = update((acc, m, l), s,
                      ((0, vo1), (1, vo0), (0, vo0)))
       acc, m, l = run_pipeline(carry)
       plgpu.barrier_arrive(done)   # the query parts are read: their memory is free
       plgpu.barrier_wait(done)
-      part = c * wgs + wg
-      o_smem.at[wg][...] = acc
-      m_smem.at[wg][...] = m
-      l_smem.at[wg][...] = l
+      o_smem[...] = acc
+      m_smem[...] = m
+      l_smem[...] = l
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[b, h, part])
-      plgpu.copy_smem_to_gmem(m_smem.at[wg], m_gmem.at[b, h, part])
-      plgpu.copy_smem_to_gmem(l_smem.at[wg], l_gmem.at[b, h, part])
+      plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[b, h, c])
+      plgpu.copy_smem_to_gmem(m_smem, m_gmem.at[b, h, c])
+      plgpu.copy_smem_to_gmem(l_smem, l_gmem.at[b, h, c])
       plgpu.wait_smem_to_gmem(0)
 
-    def body(_, k_tile, v_tile, pos_tile, carry):
-      mine = pl.ds(wg * BLOCK_K, BLOCK_K)
-      k_smem, v_smem, pos_smem = k_tile.at[mine], v_tile.at[mine], pos_tile.at[mine]
+    def body(_, k_smem, v_smem, pos_smem, carry):
       s = scores(((1, k_smem), (0, k_smem)), BLOCK_K)
       pos = lax.broadcast_in_dim(plgpu.load(pos_smem, layout=plgpu.Layout.WGMMA.reduce(0)),
                                  s.shape, [1])
@@ -176,30 +166,31 @@ def _partials(q0, q1, k0, k1, v0, v1, ring_k, ring_v, ring_pos, n_past, *, layer
       return update(carry, jnp.where(vis, s, mask), ((1, v_smem), (0, v_smem)))
 
     sl = pl.ds(c * chunk, chunk)
-    tile = BLOCK_K * wgs
-    kv_spec = plgpu.BlockSpec((tile, d), lambda i: (i, 0), transforms=bf16_t)
+    kv_spec = plgpu.BlockSpec((BLOCK_K, d), lambda i: (i, 0), transforms=bf16_t)
     pipeline = plgpu.emit_pipeline_warp_specialized(
-        body, grid=(chunk // tile,), memory_registers=40,
-        in_specs=[kv_spec, kv_spec, plgpu.BlockSpec((tile,), lambda i: (i,))],
-        wg_axis="wg", num_compute_wgs=wgs, max_concurrent_steps=steps,
+        body, grid=(chunk // BLOCK_K,), memory_registers=40,
+        in_specs=[kv_spec, kv_spec, plgpu.BlockSpec((BLOCK_K,), lambda i: (i,))],
+        wg_axis="wg", num_compute_wgs=1, max_concurrent_steps=steps,
         compute_context=compute_context)
     pipeline(rk_gmem.at[b, layer, h, sl], rv_gmem.at[b, layer, h, sl], pos_gmem.at[b, sl])
 
   q_parts = (plgpu.SMEM((rows, d), jnp.bfloat16, transforms=bf16_t),) * 2
-  out_bufs = (plgpu.SMEM((wgs, rows, d), jnp.float32, transforms=f32_t),
-              plgpu.SMEM((wgs, rows), jnp.float32), plgpu.SMEM((wgs, rows), jnp.float32))
-  n_part = n_chunks * wgs
+  out_bufs = (plgpu.SMEM((rows, d), jnp.float32, transforms=f32_t),
+              plgpu.SMEM((rows,), jnp.float32), plgpu.SMEM((rows,), jnp.float32))
   f = plgpu.kernel(
       kernel,
-      out_type=(jax.ShapeDtypeStruct((b_n, hkv, n_part, rows, d), jnp.float32),
-                jax.ShapeDtypeStruct((b_n, hkv, n_part, rows), jnp.float32),
-                jax.ShapeDtypeStruct((b_n, hkv, n_part, rows), jnp.float32)),
-      grid=(b_n, hkv, n_chunks), grid_names=("b", "h", "c"), num_threads=wgs + 1,
+      out_type=(jax.ShapeDtypeStruct((b_n, hkv, n_chunks, rows, d), jnp.float32),
+                jax.ShapeDtypeStruct((b_n, hkv, n_chunks, rows), jnp.float32),
+                jax.ShapeDtypeStruct((b_n, hkv, n_chunks, rows), jnp.float32)),
+      # One compute warpgroup and the memory warpgroup: two compute warpgroups over halves of
+      # each tile were slower (benchmarks/RESULTS.md, "New kernel
+      # pallas_kernels/ring_attention_mgpu.py").
+      grid=(b_n, hkv, n_chunks), grid_names=("b", "h", "c"), num_threads=2,
       thread_name="wg", kernel_name="ring_attn_mgpu_partial",
       scratch_types=[plgpu.RefUnion(q_parts, out_bufs),
                      *[plgpu.SMEM((t, d), jnp.bfloat16, transforms=bf16_t)] * 2,
                      *[plgpu.SMEM((t, d), jnp.bfloat16, transforms=own_v_t)] * 2,
-                     plgpu.Barrier(num_barriers=6), plgpu.Barrier(num_arrivals=wgs)],
+                     plgpu.Barrier(num_barriers=6), plgpu.Barrier(num_arrivals=1)],
       compiler_params=plgpu.CompilerParams(
           approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
   return f(n_past, ring_pos, q0, q1, k0, k1, v0, v1, ring_k, ring_v)
@@ -213,20 +204,18 @@ def split_operands(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array,
   return (*bf16_parts(q), *bf16_parts(k), *bf16_parts(v))
 
 
-@functools.partial(jax.jit, static_argnames=("layer", "window", "splits", "steps", "wgs",
-                                             "out_dtype"))
+@functools.partial(jax.jit, static_argnames=("layer", "window", "splits", "steps", "out_dtype"))
 def ring_attention_batched(q0: jax.Array, q1: jax.Array, k0: jax.Array, k1: jax.Array,
                            v0: jax.Array, v1: jax.Array, ring_k: jax.Array, ring_v: jax.Array,
                            ring_pos: jax.Array, n_past: jax.Array, *, layer: int,
                            window: int | None, splits: int = 4, steps: int = 2,
-                           wgs: int = 1, out_dtype=jnp.float32) -> jax.Array:
+                           out_dtype=jnp.float32) -> jax.Array:
   """`ring_attention` of B sequences at once, from the bf16 parts of its float32 operands
   (`split_operands`: q pre-scaled by 1/sqrt(D)): q0, q1 [B, Hkv, T*G, D], k0, k1, v0, v1
   [B, Hkv, T, D]; ring_k, ring_v [B, L, Hkv, S, D] bf16; ring_pos [B, S] int32; n_past [B]
   int32. Returns [B, T, Hq*D] as out_dtype. The ring is cut into `splits` chunks
-  (`RA.chunking` with tiles of 64 x `wgs` slots), `steps` tiles in flight; `wgs` compute
-  warpgroups per program each attend their 64 slots of every tile and write a partial of
-  their own. GPU only; shapes as `fits` says."""
+  (`RA.chunking` with tiles of 64 slots), `steps` tiles in flight. GPU only; shapes as `fits`
+  says."""
   name = "ring_attention_batched"
   b_n, hkv, rows, d = q0.shape
   t = k0.shape[2]
@@ -244,15 +233,14 @@ def ring_attention_batched(q0: jax.Array, q1: jax.Array, k0: jax.Array, k1: jax.
   RA._check_shapes(name, view(q0, jnp.float32), view(k0, jnp.float32), view(v0, jnp.float32),
                    view(ring_k), view(ring_v), view(ring_pos), view(n_past), layer, window)
   n_slots = ring_k.shape[3]
-  RA.check(wgs in (1, 2), name, "wgs (compute warpgroups) must be 1 or 2", wgs)
-  RA.check(smem_bytes(t, d, steps, wgs) <= SMEM_LIMIT, name,
-           "steps x wgs tiles exceed shared memory", (steps, wgs, smem_bytes(t, d, steps, wgs)))
-  RA.check(fits(rows, t, d, n_slots, ring_k.dtype, splits, wgs), name,
+  RA.check(smem_bytes(t, d, steps) <= SMEM_LIMIT, name,
+           "steps tiles exceed shared memory", (steps, smem_bytes(t, d, steps)))
+  RA.check(fits(rows, t, d, n_slots, ring_k.dtype, splits), name,
            "shape outside this kernel (64 packed rows, T % 16, D 64 / 128, bf16 ring of whole "
-           "chunks of 64 x wgs slot tiles)", (rows, t, d, n_slots, ring_k.dtype, splits, wgs))
-  chunk, _ = RA.chunking(n_slots, splits, BLOCK_K * wgs)
+           "chunks of 64-slot tiles)", (rows, t, d, n_slots, ring_k.dtype, splits))
+  chunk, _ = RA.chunking(n_slots, splits, BLOCK_K)
   o, m, l = _partials(*parts, ring_k, ring_v, ring_pos, n_past, layer=layer, window=window,
-                      chunk=chunk, steps=steps, wgs=wgs)
+                      chunk=chunk, steps=steps)
   combine = functools.partial(RA.combine_partials, t=t, d=d, fold_own=True,
                               out_dtype=out_dtype, interpret=False)
   return jax.vmap(combine)(o, m, l)

@@ -17,10 +17,11 @@ the accumulation is float32, so the kernel matches `skinny_matmul_reference` up 
 summation order.
 
 q8_0 dequantizes in registers: the int8 tile widened to float32, times its [block_n,
-block_k / 32] scales, rounded to bfloat16, one dot per K tile (1.7x faster on the H200 than
-an exact formulation with one K=32 dot per block and float32-scaled partials, RESULTS.md). So every format computes a
-bf16 GEMM on round_bf16(dequantized weights): the quantized drafter equals the bf16 drafter
-on the dequantized weights (for fp8 with power-of-two row scales the rounding is exact).
+block_k / 32] scales, rounded to bfloat16, one dot per K tile (faster on the H200 than an
+exact formulation with one K=32 dot per block and float32-scaled partials, RESULTS.md). So
+every format computes a bf16 GEMM on round_bf16(dequantized weights): the quantized drafter
+equals the bf16 drafter on the dequantized weights (for fp8 with power-of-two row scales the
+rounding is exact).
 The int8 -> float32 widening is inline PTX on the GPU (byte permutes and one float subtract,
 `_int8_to_f32`): the hardware int -> float convert issues at 16 per clock per SM on Hopper,
 below the rate the weight stream delivers bytes.
@@ -36,6 +37,7 @@ unmasked kernel.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -44,7 +46,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels._common import check, is_pow2, resolve_interpret
+from pallas_kernels._common import KnobsBase, check, is_pow2, resolve_interpret
 
 FORMATS = ("bf16", "fp8", "q8_0")
 Q8_0_BLOCK = 32
@@ -61,26 +63,35 @@ def _default_block_m(m: int) -> int:
   return min(max(16, pl.next_power_of_2(m)), MAX_DEFAULT_BLOCK_M)
 
 
-def default_knobs(fmt: str, n: int, k: int, gate_up: bool = False, m: int = 16) -> dict:
-  """Tiles for an [M, K] x [N, K]^T GEMM (n: the rows of one weight stream, n_ff for the fused
-  gate+up), from the H200 sweeps (benchmarks/RESULTS.md, runs 2-5, 7, 9, 10, 15): 128-wide K
-  tiles (256 for q8_0 and for a long K of 1-byte weights), 32-row N tiles for q8_0 and for the
-  fused gate+up (two accumulators), and K split when N / block_n alone cannot fill the 132
-  SMs: 5 ways for a long K (the down projection: 39.6 vs 42.8 us fp8, 53.4 vs 61.9 us q8_0
-  split 4 ways), else 4. bf16 takes fp8's tiles (the best of four tile sets in the bf16 step,
-  run 10) except two measured in the bf16 step (run 15, seed dims, 3 interleaved repeats): a
-  long K keeps 128-wide K tiles (down 326.6 -> 315.3 us per step) and K <= 4096 splits 2 ways
-  where that still fills the 132 SMs 1.5 times (o: 1.2 us faster and 2 us less for XLA to add
-  up; the step 1.2987 -> 1.2836 ms with both; fp8 got slower with either). A dimension the
-  tile does not divide keeps the tile and masks its last one (no smaller tiles, whose extra
-  loop trips cost more than one partly used tile); a dimension smaller than the tile gets the
-  power of 2 covering it (>= 16, >= 32 for q8_0's K).
+@dataclasses.dataclass(frozen=True)
+class Knobs(KnobsBase):
+  """The launch knobs of `skinny_matmul` / `skinny_matmul_gate_up` (their keyword arguments)."""
+  block_n: int
+  block_k: int
+  split_k: int
+  num_stages: int = 3
+  block_m: int | None = None
+  swap_ab: bool = False
+  num_warps: int = 4
 
-  fp8 with more than one block of rows (m > 16, a batched step): the swapped MMA (swap_ab)
-  over one M tile of up to 128 rows and 64-row N tiles, 8 warps for a 128-row tile (run 13:
-  at 64-256 rows 1.05-1.57x faster than the 64-row-tile default for qkv, down and gate+up;
-  at 16 rows the plain tiles stay ahead). Other formats keep block_m None (`skinny_matmul`'s
-  rule).
+
+def default_knobs(fmt: str, n: int, k: int, gate_up: bool = False, m: int = BLOCK_ROWS, *,
+                  swap_ab_min_m: int) -> Knobs:
+  """Tiles for an [M, K] x [N, K]^T GEMM (n: the rows of one weight stream, n_ff for the fused
+  gate+up), from the H200 sweeps (benchmarks/RESULTS.md): 128-wide K tiles (256 for q8_0 and
+  for a long K of 1-byte weights), 32-row N tiles for q8_0 and for the fused gate+up (two
+  accumulators), and K split when N / block_n alone cannot fill the 132 SMs: 5 ways for a long
+  K (the down projection), else 4. bf16 takes fp8's tiles except two measured in the bf16
+  step: a long K keeps 128-wide K tiles and K <= 4096 splits 2 ways where that still fills the
+  132 SMs 1.5 times (o: fewer partials for XLA to add up; fp8 got slower with either). A
+  dimension the tile does not divide keeps the tile and masks its last one (no smaller tiles,
+  whose extra loop trips cost more than one partly used tile); a dimension smaller than the
+  tile gets the power of 2 covering it (>= 16, >= 32 for q8_0's K).
+
+  fp8 from swap_ab_min_m rows on (more than one block of rows: a batched step): the swapped
+  MMA (swap_ab) over one M tile of up to 128 rows and 64-row N tiles, 8 warps for a 128-row
+  tile (faster than the 64-row-tile default past one block of rows; at one block the plain
+  tiles stay ahead). Other formats keep block_m None (`skinny_matmul`'s rule).
   """
   long_k = not gate_up and k >= 16384
   block_k = 256 if fmt == "q8_0" or (long_k and fmt != "bf16") else 128
@@ -94,12 +105,12 @@ def default_knobs(fmt: str, n: int, k: int, gate_up: bool = False, m: int = 16) 
     # programs per SM (the seed's o projection; qkv and the LM head keep 4).
     if fmt == "bf16" and k <= 4096 and 2 * pl.cdiv(n, block_n) >= 1.5 * N_SMS:
       split_k = 2
-  knobs = dict(block_n=block_n, block_k=block_k, split_k=split_k, num_stages=3)
-  if fmt == "fp8" and m > BLOCK_ROWS:
+  if fmt == "fp8" and m >= swap_ab_min_m:
     block_m = min(128, pl.next_power_of_2(m))
-    knobs.update(block_m=block_m, block_n=min(64, max(16, pl.next_power_of_2(n))),
-                 swap_ab=True, num_warps=8 if block_m > 64 else 4)
-  return knobs
+    return Knobs(block_n=min(64, max(16, pl.next_power_of_2(n))), block_k=block_k,
+                 split_k=split_k, block_m=block_m, swap_ab=True,
+                 num_warps=8 if block_m > 64 else 4)
+  return Knobs(block_n=block_n, block_k=block_k, split_k=split_k)
 
 
 def _silu_mul(g: jax.Array, u: jax.Array) -> jax.Array:

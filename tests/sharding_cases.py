@@ -5,6 +5,7 @@ Run by tests/test_sharding.py in a subprocess with XLA_FLAGS=--xla_force_host_pl
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m pytest tests/sharding_cases.py
 """
 import dataclasses
+import functools
 
 import chex
 import jax
@@ -17,7 +18,7 @@ import dflash_jax as dfj
 import tiny_models as TM
 from dflash_jax import decode as D
 from dflash_jax import sharding as SH
-from dflash_jax import step as S
+from dflash_jax.drafter import step as S
 from dflash_jax.config import FULL, SLIDING
 from dflash_jax.models import qwen3 as Q
 from test_step import BF16_TOL, FP32_TOL, _assert_drafts_match
@@ -168,16 +169,17 @@ def test_target_forward_and_verify_equal_unsharded():
   capture = (0, 1)
   tokens = jax.random.randint(jax.random.key(5), (2, 6), 0, tcfg.vocab_size)
   plan2 = SH.make_plan(tp=2)
-  lg_s, ft_s = SH.forward_jit(plan2, SH.shard_target(tparams, tcfg, plan2), tcfg, tokens,
-                              capture_layers=capture)
+  lg_s, ft_s = jax.jit(functools.partial(SH.ShardedTarget(tcfg, plan2).forward,
+                                          capture_layers=capture))(
+      SH.shard_target(tparams, tcfg, plan2), tokens)
   lg_u, ft_u = Q.forward_jit(tparams, tcfg, tokens, capture_layers=capture)
   assert lg_s.sharding.shard_shape(lg_s.shape) == (2, 6, tcfg.vocab_size // 2)
   chex.assert_trees_all_close(_host((lg_s, ft_s)), _host((lg_u, ft_u)), **FP32_TOL)
   plan = SH.make_plan(tp=2, dp=2)
   cache = Q.init_cache(tcfg, 2, 16, "fp32").replace(length=jnp.array([0, 3], jnp.int32))
-  c_s, lg_s, fv_s = SH.verify_jit(plan, SH.shard_target(tparams, tcfg, plan), tcfg,
-                                  SH.shard_target_cache(cache, plan), tokens,
-                                  capture_layers=capture)
+  st = SH.ShardedTarget(tcfg, plan)
+  c_s, lg_s, fv_s = jax.jit(functools.partial(st.verify, capture_layers=capture))(
+      SH.shard_target(tparams, tcfg, plan), SH.shard_target_cache(cache, plan), tokens)
   c_u, lg_u, fv_u = Q.verify_jit(tparams, tcfg, cache, tokens, capture_layers=capture)
   assert c_s.k[0].sharding.shard_shape(c_s.k[0].shape)[:2] == (1, tcfg.num_key_value_heads // 2)
   np.testing.assert_array_equal(np.asarray(c_s.length), np.asarray(c_u.length))

@@ -11,7 +11,8 @@ import pytest
 
 import dflash_jax as dfj
 from benchmarks.common import count_compiles, random_params
-from dflash_jax import step as S
+from dflash_jax.dispatch import KernelPolicy
+from dflash_jax.drafter import step as S
 from reference import DFlashRef
 from test_step import (BF16_TOL, CFG, FP32_TOL, VOCAB, _assert_drafts_match, _pallas_calls,
                        _weights)
@@ -179,19 +180,20 @@ def _launches(fn, *args):
 def test_one_launch_per_kernel_for_all_slots(dtype):
   """The batched round traces to the unbatched round's launches, whatever S: every GEMM takes
   all S x w rows in one launch and each per-sequence kernel runs once with the slot as a grid
-  axis (no loop over slots). Past SKINNY_MAX_M rows the bf16 GEMMs move to XLA's GEMM; fp8
-  weights stay on the skinny kernel at any row count where there is no batched GEMM (a CPU)."""
-  from dflash_jax.params import SKINNY_MAX_M
+  axis (no loop over slots). Past the policy's skinny_max_m rows the bf16 GEMMs move to XLA's
+  GEMM; fp8 weights stay on the skinny kernel at any row count where there is no batched GEMM
+  (a CPU)."""
   mixed = dataclasses.replace(CFG, layer_types=(SLIDE, FULL))
   params = dfj.prepare_weights(mixed, _weights(mixed), dtype)
+  skinny_max_m = params.policy.skinny_max_m
   one = dfj.init_ring(mixed, capacity=64)
   feats = jnp.zeros((R, mixed.n_embd_fc), jnp.float32)
   unbatched = _launches(lambda p, r: S.draft_round(p, r, feats, 3, 1, 20, width=WIDTH), params,
                         one)
   assert unbatched.count("inject") == 2 and unbatched.count("ring_attn_partial") == 2
-  # S slots within SKINNY_MAX_M rows both for the step (S w) and for encode + inject (S R),
+  # S slots within skinny_max_m rows both for the step (S w) and for encode + inject (S R),
   # and S slots past it for both.
-  all_skinny, none_skinny = SKINNY_MAX_M // max(WIDTH, R), SKINNY_MAX_M // min(WIDTH, R) + 1
+  all_skinny, none_skinny = skinny_max_m // max(WIDTH, R), skinny_max_m // min(WIDTH, R) + 1
   assert all_skinny >= 2
   for n in (1, all_skinny, none_skinny):
     ring = S.init_batched_ring(mixed, n, capacity=64)
@@ -445,7 +447,7 @@ def seed_case_fp8():
     ("bf16", 1, 16), ("bf16", 4, 16), ("bf16", 8, 16), ("bf16", 8, 8),
     ("fp8", 2, 16), ("fp8", 8, 16), ("fp8", 16, 16)])
 def test_gpu_batched_round_equals_unbatched(request, dtype, n_slots, width):
-  """Real dims: S = 1's 16 rows run on the skinny GEMM, bf16 past SKINNY_MAX_M on XLA's or the
+  """Real dims: S = 1's 16 rows run on the skinny GEMM, bf16 past skinny_max_m on XLA's or the
   batched GEMM, fp8 at 32 and 128 rows on the batched GEMM's K-split warpgroups and at 256 on
   its row-split ones; every slot equals its unbatched round (S = 1: the same launches, so to
   float32 rounding at most), drafts on clear margins."""
@@ -516,6 +518,9 @@ def test_gpu_batched_round_aliases_ring_without_copy(seed_case):
 # 64, a 128-slot window of two 64-slot chunks at 4 slots x 1 kv head).
 MGPU_CFG = dataclasses.replace(dfj.TINY_CONFIG, n_layer=2, n_head=4, n_head_kv=1, head_dim=64,
                                block_size=16, window=128)
+# The shipped routing with the Mosaic GPU kernels claimed for the attention only (the batched
+# GEMM, which has no CPU path either, stays off).
+MGPU_ATTENTION = KernelPolicy(mosaic_gpu=True, batched_bf16_rows=None, batched_fp8_rows=None)
 
 
 def _fake_mosaic_attention(calls: list):
@@ -525,9 +530,9 @@ def _fake_mosaic_attention(calls: list):
   from pallas_kernels import ring_attention as RA
 
   def fake(q0, q1, k0, k1, v0, v1, ring_k, ring_v, ring_pos, n_past, *, layer, window, splits,
-           wgs, out_dtype):
-    calls.append(dict(layer=layer, window=window, splits=splits, wgs=wgs, out_dtype=out_dtype,
-                      slots=(q0.shape[0], ring_k.shape[0], n_past.shape[0])))
+           steps, out_dtype):
+    calls.append(dict(layer=layer, window=window, splits=splits, steps=steps,
+                      out_dtype=out_dtype, slots=(q0.shape[0], ring_k.shape[0], n_past.shape[0])))
     f32 = lambda a, b: a.astype(jnp.float32) + b.astype(jnp.float32)
     q = f32(q0, q1) * np.sqrt(q0.shape[-1])
     twin = functools.partial(RA.ring_attention_reference, layer=layer, window=window,
@@ -538,10 +543,11 @@ def _fake_mosaic_attention(calls: list):
 
 
 def test_batched_step_routes_attention_to_mosaic_gpu_kernel(monkeypatch):
-  """The routing and the wiring of the Mosaic GPU attention, on the CPU: with a Hopper GPU
-  pretended, 4 slots take ring_attention_mgpu with qk_norm_rope's bf16 parts. The kernel is
-  replaced by the jnp twin on the parts' sum (q / sqrt(D) scaled back), so a wrong operand
-  order, scale, layer or window shows against the Triton kernels' round (interpret mode)."""
+  """The routing and the wiring of the Mosaic GPU attention, on the CPU: under a policy that
+  claims the Mosaic GPU kernels, 4 slots take ring_attention_mgpu with qk_norm_rope's bf16
+  parts. The kernel is replaced by the jnp twin on the parts' sum (q / sqrt(D) scaled back; the
+  kernel has no CPU path), so a wrong operand order, scale, layer or window shows against the
+  Triton kernels' round (interpret mode)."""
   from pallas_kernels import ring_attention_mgpu as AM
   cfg = MGPU_CFG
   params = dfj.prepare_weights(cfg, dfj.synthetic_drafter(cfg, seed=4, n_vocab=VOCAB), "bf16")
@@ -554,7 +560,7 @@ def test_batched_step_routes_attention_to_mosaic_gpu_kernel(monkeypatch):
   calls = []
   fake = _fake_mosaic_attention(calls)
 
-  def rounds():
+  def rounds(params):
     ring = S.init_batched_ring(cfg, n, ring_dtype="bf16")
     outs = []
     for r in range(3):   # 150+ positions per slot: the 128-slot ring wraps
@@ -564,32 +570,30 @@ def test_batched_step_routes_attention_to_mosaic_gpu_kernel(monkeypatch):
       outs.append(np.asarray(logits))
     return outs
 
-  want = rounds()                   # no Hopper GPU: the Triton kernels (interpret mode)
-  assert not calls
-  monkeypatch.setattr(AM, "hopper_available", lambda: True)
   monkeypatch.setattr(AM, "ring_attention_batched", fake)
-  got = rounds()
+  # No Mosaic GPU kernels: the Triton kernels (interpret mode).
+  want = rounds(params.replace(policy=KernelPolicy(mosaic_gpu=False)))
+  assert not calls
+  got = rounds(params.replace(policy=MGPU_ATTENTION))
   assert len(calls) == 3 * cfg.n_layer
   assert [c["layer"] for c in calls[:cfg.n_layer]] == list(range(cfg.n_layer))
   assert all(c["window"] == cfg.window and c["splits"] == 128 // (n * cfg.n_head_kv)
-             and c["wgs"] == AM.COMPUTE_WGS and c["out_dtype"] == jnp.bfloat16
+             and c["steps"] == 2 and c["out_dtype"] == jnp.bfloat16
              and c["slots"] == (n, n, n) for c in calls)
   for g, w in zip(got, want, strict=True):
     chex.assert_trees_all_close(g, w, **BF16_TOL)
-  # The routing's bounds: 1-16 slots; 32 slots, 48 packed rows, an fp32 ring stay on Triton.
-  assert AM.batched_knobs(4, 1, 64, 16, 64, 128, jnp.bfloat16) == dict(splits=32, wgs=1)
-  assert AM.batched_knobs(1, 8, 64, 16, 128, 2048, jnp.bfloat16) == dict(splits=16, wgs=1)
-  assert AM.batched_knobs(2, 8, 64, 16, 128, 2048, jnp.bfloat16) == dict(splits=8, wgs=1)
-  assert AM.batched_knobs(32, 8, 64, 16, 128, 2048, jnp.bfloat16) is None
-  assert AM.batched_knobs(8, 8, 48, 16, 128, 2048, jnp.bfloat16) is None
-  assert AM.batched_knobs(8, 8, 64, 16, 128, 2048, jnp.float32) is None
-  assert AM.batched_knobs(8, 8, 64, 16, 128, 2048, jnp.bfloat16) == dict(splits=2, wgs=1)
+  # The policy's slot range: past it (or with none) the Triton kernels run again.
+  calls.clear()
+  rounds(params.replace(policy=dataclasses.replace(MGPU_ATTENTION, mgpu_attention_seqs=(1, 3))))
+  rounds(params.replace(policy=dataclasses.replace(MGPU_ATTENTION, mgpu_attention_seqs=None)))
+  assert not calls
 
 
 def test_one_sequence_step_routes_attention_to_mosaic_gpu_kernel(monkeypatch):
   """The unbatched step's wiring of the Mosaic GPU attention (a batch of one slot), on the
-  CPU: with a Hopper GPU pretended and the kernel replaced by the jnp twin on the parts' sum,
-  three draft rounds (the ring wraps) match the Triton kernels' rounds (interpret mode)."""
+  CPU: under a policy that claims the Mosaic GPU kernels and the kernel replaced by the jnp
+  twin on the parts' sum, three draft rounds (the ring wraps) match the Triton kernels' rounds
+  (interpret mode)."""
   from pallas_kernels import ring_attention_mgpu as AM
   cfg = MGPU_CFG
   params = dfj.prepare_weights(cfg, dfj.synthetic_drafter(cfg, seed=5, n_vocab=VOCAB), "bf16")
@@ -598,7 +602,7 @@ def test_one_sequence_step_routes_attention_to_mosaic_gpu_kernel(monkeypatch):
   calls = []
   fake = _fake_mosaic_attention(calls)
 
-  def rounds():
+  def rounds(params):
     ring = S.init_ring(cfg, ring_dtype="bf16")
     outs = []
     for r in range(3):
@@ -608,13 +612,12 @@ def test_one_sequence_step_routes_attention_to_mosaic_gpu_kernel(monkeypatch):
       outs.append(np.asarray(logits))
     return outs
 
-  rng = np.random.default_rng(8)
-  want = rounds()
-  assert not calls
-  monkeypatch.setattr(AM, "hopper_available", lambda: True)
   monkeypatch.setattr(AM, "ring_attention_batched", fake)
   rng = np.random.default_rng(8)
-  got = rounds()
+  want = rounds(params.replace(policy=KernelPolicy(mosaic_gpu=False)))
+  assert not calls
+  rng = np.random.default_rng(8)
+  got = rounds(params.replace(policy=MGPU_ATTENTION))
   assert [c["layer"] for c in calls] == list(range(cfg.n_layer)) * 3
   assert all(c["window"] == cfg.window and c["splits"] == 128 // cfg.n_head_kv
              and c["out_dtype"] == jnp.bfloat16 and c["slots"] == (1, 1, 1) for c in calls)

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from dflash_jax import decode as D
-from dflash_jax import step as S
+from dflash_jax.drafter import step as S
 from dflash_jax.models import qwen3 as Q
 import tiny_models as TM
+from benchmarks.oracle import Oracle
 
 PROMPT_LENGTHS = (1, 2, 3, 7, 12, 20)
 MAX_NEW = 24
@@ -45,9 +46,10 @@ def reference(pair, prompts):
   return g.tokens, eos, ge.tokens
 
 
-def _noisy_oracle(prompts, continuations, seed, vocab=97):
-  """The target's own continuation with ~1/4 of its tokens replaced: every acceptance length
-  occurs, with corrections after partial accepts and bonus tokens after full ones."""
+def _noisy_oracle(prompts, continuations, seed, vocab=97, length=128):
+  """start()'s keywords for the oracle proposer: the target's own continuation with ~1/4 of
+  its tokens replaced, so every acceptance length occurs, with corrections after partial
+  accepts and bonus tokens after full ones."""
   rng = np.random.default_rng(seed)
   out = []
   for p, c in zip(prompts, continuations):
@@ -55,7 +57,7 @@ def _noisy_oracle(prompts, continuations, seed, vocab=97):
     bad = rng.random(len(c)) < 0.25
     c[bad] = (c[bad] + 1 + rng.integers(0, vocab - 2, bad.sum())) % vocab
     out.append(list(p) + c.tolist())
-  return out
+  return dict(proposer_state=Oracle.state(out, length))
 
 
 @pytest.mark.parametrize("width, oracle", [(8, False), (5, True)], ids=["random-w8", "oracle-w5"])
@@ -63,10 +65,10 @@ def test_greedy_speculative_is_lossless(pair, prompts, reference, width, oracle)
   tcfg, tp, dp = pair
   ref, eos, ref_eos = reference
   m = TM.models(tcfg, tp, dp)
-  dcfg = D.DecodeConfig(width=width, impl="xla")
-  orc = _noisy_oracle(prompts, ref, seed=width) if oracle else None
+  dcfg = D.DecodeConfig(width=width, impl="xla", proposer=Oracle() if oracle else D.Drafter())
+  orc = _noisy_oracle(prompts, ref, seed=width) if oracle else {}
   streamed = {i: [] for i in range(len(prompts))}
-  g = D.generate(m, dcfg, prompts, MAX_NEW, oracle=orc, rounds_per_call=2,
+  g = D.generate(m, dcfg, prompts, MAX_NEW, **orc, rounds_per_call=2,
                  on_tokens=lambda i, t: streamed[i].extend(t))
   assert g.tokens == ref
   assert [streamed[i] for i in range(len(prompts))] == ref
@@ -77,7 +79,7 @@ def test_greedy_speculative_is_lossless(pair, prompts, reference, width, oracle)
   if oracle:
     assert (g.hist[:, 1:].sum() > 0) and g.hist[:, -1].sum() > 0, g.hist   # long accepts, bonus
     assert g.tau > 2
-  ge = D.generate(m, dcfg, prompts, MAX_NEW, oracle=orc, eos_ids=(eos,))
+  ge = D.generate(m, dcfg, prompts, MAX_NEW, **orc, eos_ids=(eos,))
   assert ge.tokens == ref_eos
 
 
@@ -87,24 +89,24 @@ def test_prompt_lookup_is_lossless(pair, prompts, reference):
   tcfg, tp, _ = pair
   ref, eos, ref_eos = reference
   m = D.Models(target=tp, drafter=None, d2t=None, target_cfg=tcfg)
-  dcfg = D.DecodeConfig(width=5, impl="xla", proposer="lookup", max_ngram=2)
+  dcfg = D.DecodeConfig(width=5, impl="xla", proposer=D.Lookup(max_ngram=2))
   g = D.generate(m, dcfg, prompts, MAX_NEW, rounds_per_call=3)
   assert g.tokens == ref
   assert (g.hist.sum(1) == g.rounds).all() and g.hist[:, 1:].sum() > 0, g.hist
   assert D.generate(m, dcfg, prompts, MAX_NEW, eos_ids=(eos,)).tokens == ref_eos
   with pytest.raises(ValueError, match="Models.drafter and Models.d2t must be None"):
     D.check_models(TM.models(tcfg, tp, pair[2]), dcfg)
-  with pytest.raises(ValueError, match="an oracle replaces the drafter's drafts"):
-    D.start(m, dcfg, prompts, 4, oracle=prompts)
-  with pytest.raises(ValueError, match="proposer 'lookup' needs width >= 2"):
-    D.DecodeConfig(width=1, proposer="lookup")
+  with pytest.raises(ValueError, match="proposer_state arrays need a leading slot axis of 6"):
+    D.start(m, dcfg, prompts, 4, proposer_state=np.zeros((2, 9), np.int32))
+  with pytest.raises(ValueError, match="width 1 is target-only decoding"):
+    D.check_models(TM.models(tcfg, tp, pair[2]), D.DecodeConfig(width=1))
   with pytest.raises(ValueError, match="sampled proposals"):
-    D.DecodeConfig(width=4, proposer="lookup",
-                   sampling=D.Sampling(temperature=1.0, proposals="sampled"))
-  with pytest.raises(ValueError, match="proposer must be one of"):
+    D.check_models(m, D.DecodeConfig(width=4, proposer=D.Lookup(),
+                                     sampling=D.Sampling(temperature=1.0, proposals="sampled")))
+  with pytest.raises(ValueError, match="proposer must be a Proposer"):
     D.DecodeConfig(width=4, proposer="ngram")
   with pytest.raises(ValueError, match="max_ngram must be an int >= 1"):
-    D.DecodeConfig(width=4, proposer="lookup", max_ngram=0)
+    D.Lookup(max_ngram=0)
 
 
 def _python_drafts(seq, n_draft, max_ngram):
@@ -162,8 +164,9 @@ def test_ngram_drafts_hand_made_and_plain_statement():
 def test_greedy_pallas_interpret(pair, prompts, reference):
   """The drafter's Pallas kernels (interpret mode) in the loop: still lossless."""
   tcfg, tp, dp = pair
-  g = D.generate(TM.models(tcfg, tp, dp), D.DecodeConfig(width=4, impl="pallas"), prompts[3:4],
-                 6, oracle=_noisy_oracle(prompts[3:4], reference[0][3:4], seed=3))
+  g = D.generate(TM.models(tcfg, tp, dp),
+                 D.DecodeConfig(width=4, impl="pallas", proposer=Oracle()), prompts[3:4], 6,
+                 **_noisy_oracle(prompts[3:4], reference[0][3:4], seed=3))
   assert g.tokens == [reference[0][3][:6]]
 
 
@@ -172,8 +175,8 @@ def test_ring_holds_the_committed_features(pair, prompts, reference):
   committed tokens at positions 0 .. n_past - n_new - 1 (the last round's rows pending)."""
   tcfg, tp, dp = pair
   m = TM.models(tcfg, tp, dp)
-  dcfg = D.DecodeConfig(width=5, impl="xla")
-  st = D.start(m, dcfg, prompts, MAX_NEW, oracle=_noisy_oracle(prompts, reference[0], seed=5))
+  dcfg = D.DecodeConfig(width=5, impl="xla", proposer=Oracle())
+  st = D.start(m, dcfg, prompts, MAX_NEW, **_noisy_oracle(prompts, reference[0], seed=5))
   st = D.run_rounds(m, dcfg, st, jnp.int32(4))
   n_past, n_new = np.asarray(st.n_past), np.asarray(st.n_new)
   np.testing.assert_array_equal(st.cache.length, n_past)
@@ -237,9 +240,9 @@ def test_reduced_draft_vocab_equals_restricted_full_vocab(pair, prompts):
   restricted = logits[:, 1:6][..., d2t]
   keys = jax.random.split(jax.random.key(3), len(prompts))
   dcfg = D.DecodeConfig(width=6, impl="xla")
-  ring, drafts, q = jax.jit(D._propose, static_argnames="dcfg")(reduced, dcfg, st, keys)
-  np.testing.assert_array_equal(drafts, d2t[np.argmax(restricted, -1)])   # target ids
-  assert q is None
+  ring, proposal = jax.jit(dcfg.proposer.propose, static_argnums=1)(reduced, dcfg, st, keys)
+  np.testing.assert_array_equal(proposal.drafts, d2t[np.argmax(restricted, -1)])   # target ids
+  assert proposal.q is None
   # Sampled proposals over a reduced vocab (q scattered to target ids) are checked for
   # losslessness statistically in test_sampling.py.
 
@@ -388,7 +391,7 @@ def test_greedy_lossless_1b_class_gpu():
   prompts = [rng.integers(0, tcfg.vocab_size, n).tolist() for n in (5, 40, 100)]
   ref = D.generate_target_only(tp, tcfg, prompts, 64).tokens
   for width in (16, 5):
-    g = D.generate(m, D.DecodeConfig(width=width), prompts, 64,
-                   oracle=_noisy_oracle(prompts, ref, seed=width, vocab=tcfg.vocab_size))
+    g = D.generate(m, D.DecodeConfig(width=width, proposer=Oracle()), prompts, 64,
+                   **_noisy_oracle(prompts, ref, seed=width, vocab=tcfg.vocab_size, length=512))
     assert g.tokens == ref, width
     assert g.hist[:, 1:].sum() > 0

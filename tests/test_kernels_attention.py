@@ -15,8 +15,16 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 
-from pallas_kernels.ring_attention import (chunking, default_knobs, ring_attention,
+from dflash_jax.dispatch import KernelPolicy
+from pallas_kernels import ring_attention as RA
+from pallas_kernels.ring_attention import (Knobs, chunking, ring_attention,
                                            ring_attention_reference)
+
+
+def default_knobs(*args, **kw) -> Knobs:
+  """The kernel's default knobs under the default policy's threshold."""
+  return RA.default_knobs(*args, fold_own_min_seqs=KernelPolicy().fold_own_min_seqs, **kw)
+
 
 # Interpret mode is float32 with HIGHEST dots; the kernel differs from the twin only by the
 # online-softmax association order, observed <= 1.2e-6 at these sizes (outputs up to ~3).
@@ -251,41 +259,45 @@ def test_twin_takes_shapes_the_kernel_does_not():
 
 
 def test_default_knobs():
-  """The tuned launch shapes (RESULTS.md runs 1-2, 7) at the seed's 2048-slot ring, and the
-  rules of default_knobs' docstring elsewhere; chunking's chunk counts for each."""
+  """The tuned launch shapes (RESULTS.md's attention sweeps) at the seed's 2048-slot ring, and
+  the rules of default_knobs' docstring elsewhere; chunking's chunk counts for each."""
   seed_bf16 = default_knobs(2048, 2048, jnp.bfloat16)
-  assert seed_bf16 == dict(splits=16, block_k=128, terms=2)
+  assert seed_bf16 == Knobs(splits=16, block_k=128, terms=2)
   assert chunking(2048, 16, 128) == (128, 16)
-  assert default_knobs(2048, 2048, jnp.float32) == dict(splits=16, block_k=64, terms=3)
+  assert default_knobs(2048, 2048, jnp.float32) == Knobs(splits=16, block_k=64, terms=3)
   assert chunking(2048, 16, 64) == (128, 16)             # two 64-slot tiles per chunk
   # Window 3000: 16 chunks of 188 slots round up to 2 tiles, so 12 chunks of 256.
-  assert default_knobs(3000, 3000, jnp.bfloat16) == dict(splits=16, block_k=128, terms=2)
+  assert default_knobs(3000, 3000, jnp.bfloat16) == Knobs(splits=16, block_k=128, terms=2)
   assert chunking(3000, 16, 128) == (256, 12)
   # Small rings: a quarter of the ring per tile (>= 16 slots).
-  assert default_knobs(48, 48, jnp.bfloat16) == dict(splits=3, block_k=16, terms=2)
+  assert default_knobs(48, 48, jnp.bfloat16) == Knobs(splits=3, block_k=16, terms=2)
   assert chunking(48, 3, 16) == (16, 3)
-  assert default_knobs(1000, 1000, jnp.bfloat16)["block_k"] == 128
+  assert default_knobs(1000, 1000, jnp.bfloat16).block_k == 128
   assert chunking(1000, 8, 128) == (128, 8)
-  assert default_knobs(1, 1, jnp.float32) == dict(splits=1, block_k=16, terms=3)
+  assert default_knobs(1, 1, jnp.float32) == Knobs(splits=1, block_k=16, terms=3)
   # Full-attention caches take up to 32 chunks.
-  assert default_knobs(40960, None, jnp.bfloat16)["splits"] == 32
+  assert default_knobs(40960, None, jnp.bfloat16).splits == 32
   assert chunking(40960, 32, 128) == (2048, 20)
   assert chunking(8192, 32, 128) == (256, 32)
   # head_dim > 128 halves the tiles (two stages of K and V tiles in shared memory).
-  assert default_knobs(2048, 2048, jnp.bfloat16, head_dim=256)["block_k"] == 64
-  assert default_knobs(2048, 2048, jnp.float32, head_dim=256)["block_k"] == 32
+  assert default_knobs(2048, 2048, jnp.bfloat16, head_dim=256).block_k == 64
+  assert default_knobs(2048, 2048, jnp.float32, head_dim=256).block_k == 32
   # Batched launches (n_seqs slots vmapped): about 256 programs, 64-slot tiles from 8 slots;
   # one sequence and S = 2 keep the unbatched knobs.
   assert default_knobs(2048, 2048, jnp.bfloat16, n_seqs=1) == seed_bf16
   assert default_knobs(2048, 2048, jnp.bfloat16, n_seqs=2) == seed_bf16
-  # From 4 slots the block's own keys fold into chunk 0's program (FOLD_OWN_MIN_SEQS).
-  assert default_knobs(2048, 2048, jnp.bfloat16, n_seqs=8) == dict(splits=4, block_k=64,
-                                                                   terms=2, fold_own=True)
-  assert default_knobs(2048, 2048, jnp.bfloat16, n_seqs=32) == dict(splits=1, block_k=64,
+  # From 4 slots the block's own keys fold into chunk 0's program (fold_own_min_seqs).
+  assert default_knobs(2048, 2048, jnp.bfloat16, n_seqs=8) == Knobs(splits=4, block_k=64,
                                                                     terms=2, fold_own=True)
-  assert "fold_own" not in default_knobs(2048, 2048, jnp.bfloat16, n_seqs=3)
-  assert default_knobs(2048, 2048, jnp.bfloat16, n_seqs=4)["fold_own"]
-  assert default_knobs(2048, 2048, jnp.bfloat16, n_seqs=4, n_head_kv=4)["splits"] == 16
+  assert default_knobs(2048, 2048, jnp.bfloat16, n_seqs=32) == Knobs(splits=1, block_k=64,
+                                                                     terms=2, fold_own=True)
+  assert not default_knobs(2048, 2048, jnp.bfloat16, n_seqs=3).fold_own
+  assert default_knobs(2048, 2048, jnp.bfloat16, n_seqs=4).fold_own
+  assert default_knobs(2048, 2048, jnp.bfloat16, n_seqs=4, n_head_kv=4).splits == 16
+  # The threshold is the caller's (a KernelPolicy's fold_own_min_seqs; None: never).
+  assert not RA.default_knobs(2048, 2048, jnp.bfloat16, n_seqs=32,
+                              fold_own_min_seqs=None).fold_own
+  assert RA.default_knobs(2048, 2048, jnp.bfloat16, n_seqs=2, fold_own_min_seqs=2).fold_own
 
 
 @pytest.mark.parametrize("change,match", [
@@ -382,9 +394,10 @@ def test_gpu_published_shapes(gpu_shape_case, ring_dtype):
   args, twin = cases[ring_dtype]
   s, d = args[3].shape[2], args[0].shape[2]
   knobs = default_knobs(s, window, ring_dtype, head_dim=d)
-  out = np.asarray(ring_attention(*args, layer=1, window=window, interpret=False, **knobs))
+  out = np.asarray(ring_attention(*args, layer=1, window=window, interpret=False,
+                                  **knobs.kwargs()))
   assert np.isfinite(out).all(), name
-  tol = TOL_TWIN if knobs["terms"] == 3 else 2.0 ** -12 * np.abs(twin).max()
+  tol = TOL_TWIN if knobs.terms == 3 else 2.0 ** -12 * np.abs(twin).max()
   np.testing.assert_allclose(out, twin, rtol=tol, atol=tol, err_msg=name)
 
 

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dflash_jax.dispatch import KernelPolicy
 from pallas_kernels import ring_attention as RA
 from pallas_kernels import ring_attention_mgpu as M
 from tests.test_kernels_attention import make_inputs, ring_pos_after
@@ -46,11 +47,24 @@ def test_fits():
   assert not M.fits(64, 16, 96, 2048, jnp.bfloat16, 4)      # head_dim 96
   assert not M.fits(64, 16, 128, 2048, jnp.float32, 4)      # fp32 ring
   assert not M.fits(64, 16, 128, 3000, jnp.bfloat16, 4)     # ragged chunks
-  assert M.fits(64, 16, 128, 2048, jnp.bfloat16, 16, wgs=2)  # 16 chunks of one 128-slot tile
-  # Shared memory: 2 warpgroups' tiles fit 2 stages, not 3 (Mosaic GPU's count at 3: 284776
-  # bytes, over the H200's 232448).
-  assert M.smem_bytes(16, 128, 2, 2) <= M.SMEM_LIMIT < M.smem_bytes(16, 128, 3, 2)
-  assert M.smem_bytes(16, 128, 4, 1) <= M.SMEM_LIMIT
+  assert M.fits(64, 16, 128, 2048, jnp.bfloat16, 32)        # 32 chunks of one 64-slot tile
+  # Shared memory: up to 5 pipeline stages of 64-slot K, V and position tiles.
+  assert M.smem_bytes(16, 128, 5) <= M.SMEM_LIMIT < M.smem_bytes(16, 128, 6)
+
+
+def test_default_knobs_aim_at_128_programs():
+  """The chunk count makes about PROGRAMS programs of slots x kv heads x chunks; None where
+  the shape is not the kernel's (48 packed rows, an fp32 ring). Whether the kernel runs at
+  all is dispatch's (test_batch's routing tests)."""
+  assert M.default_knobs(1, 8, 64, 16, 128, 2048, jnp.bfloat16) == M.Knobs(splits=16, steps=2)
+  assert M.default_knobs(2, 8, 64, 16, 128, 2048, jnp.bfloat16) == M.Knobs(splits=8)
+  assert M.default_knobs(8, 8, 64, 16, 128, 2048, jnp.bfloat16) == M.Knobs(splits=2)
+  assert M.default_knobs(32, 8, 64, 16, 128, 2048, jnp.bfloat16) == M.Knobs(splits=1)
+  # 32 splits of a 128-slot ring: two chunks of one 64-slot tile.
+  assert M.default_knobs(4, 1, 64, 16, 64, 128, jnp.bfloat16) == M.Knobs(splits=32)
+  assert M.default_knobs(4, 1, 64, 16, 64, 3000, jnp.bfloat16) is None   # ragged chunks
+  assert M.default_knobs(8, 8, 48, 16, 128, 2048, jnp.bfloat16) is None
+  assert M.default_knobs(8, 8, 64, 16, 128, 2048, jnp.float32) is None
 
 
 def test_rejects_shapes_outside_the_kernel():
@@ -61,7 +75,7 @@ def test_rejects_shapes_outside_the_kernel():
     batched(args[:6] + (args[6][:1],), layer=0, window=64)
   parts = M.split_operands(*args[:3])
   with pytest.raises(ValueError, match="exceed shared memory"):
-    batched(args, layer=0, window=64, splits=1, steps=3, wgs=2)
+    batched(args, layer=0, window=64, splits=1, steps=6)
   with pytest.raises(ValueError, match="the parts must be bf16"):
     M.ring_attention_batched(*parts[:5], parts[5].astype(jnp.float32), *args[3:], layer=0,
                              window=64)
@@ -82,10 +96,9 @@ def test_parts_keep_16_bits_under_jit():
   assert np.abs(np.asarray(lo, np.float32)).max() > 0
 
 
-@pytest.mark.parametrize("window,splits,steps,wgs", [(2048, 4, 2, 1), (2048, 2, 3, 1),
-                                                    (None, 8, 2, 1), (2048, 2, 2, 2),
-                                                    (None, 4, 2, 2)])
-def test_lowers_for_hopper_on_cpu(window, splits, steps, wgs):
+@pytest.mark.parametrize("window,splits,steps", [(2048, 4, 2), (2048, 2, 3), (None, 8, 2),
+                                                (2048, 16, 2)])
+def test_lowers_for_hopper_on_cpu(window, splits, steps):
   """Mosaic GPU lowers the partial kernel for sm90 at the seed's dims without a GPU (layouts,
   the register A operand of p.v, the own values' 32-byte swizzle, the aliased buffers)."""
   sd = jax.ShapeDtypeStruct
@@ -93,8 +106,8 @@ def test_lowers_for_hopper_on_cpu(window, splits, steps, wgs):
   args = (*[sd((b, HKV, T * G, D), jnp.bfloat16)] * 2, *[sd((b, HKV, T, D), jnp.bfloat16)] * 4,
           sd((b, 5, HKV, s, D), jnp.bfloat16),
           sd((b, 5, HKV, s, D), jnp.bfloat16), sd((b, s), jnp.int32), sd((b,), jnp.int32))
-  chunk, _ = RA.chunking(s, splits, M.BLOCK_K * wgs)
-  f = lambda *a: M._partials(*a, layer=3, window=window, chunk=chunk, steps=steps, wgs=wgs)
+  chunk, _ = RA.chunking(s, splits, M.BLOCK_K)
+  f = lambda *a: M._partials(*a, layer=3, window=window, chunk=chunk, steps=steps)
   text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
 
@@ -112,11 +125,10 @@ def seed_batch():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("splits,steps,wgs", [(4, 2, 1), (2, 2, 1), (8, 3, 1), (1, 2, 1),
-                                              (2, 2, 2), (4, 2, 2), (1, 2, 2)])
-def test_gpu_matches_twin(seed_batch, splits, steps, wgs):
+@pytest.mark.parametrize("splits,steps", [(4, 2), (2, 2), (8, 3), (1, 2), (16, 2), (32, 5)])
+def test_gpu_matches_twin(seed_batch, splits, steps):
   args, ref = seed_batch
-  out = np.asarray(batched(args, layer=2, window=2048, splits=splits, steps=steps, wgs=wgs))
+  out = np.asarray(batched(args, layer=2, window=2048, splits=splits, steps=steps))
   assert np.isfinite(out).all()
   tol = 2.0 ** -12 * np.abs(ref).max()
   np.testing.assert_allclose(out, ref, rtol=tol, atol=tol)
@@ -128,10 +140,10 @@ def test_gpu_full_cache_and_bf16_out():
   rounded float32 one."""
   args = batch_inputs(30, [(4000, 3990), (4096, 4096), (10, 3)], s=4096, window=None)
   ref = twin(args, layer=1, window=None)
-  out = np.asarray(batched(args, layer=1, window=None, splits=8, wgs=2))
+  out = np.asarray(batched(args, layer=1, window=None, splits=8))
   tol = 2.0 ** -12 * np.abs(ref).max()
   np.testing.assert_allclose(out, ref, rtol=tol, atol=tol)
-  b = batched(args, layer=1, window=None, splits=8, wgs=2, out_dtype=jnp.bfloat16)
+  b = batched(args, layer=1, window=None, splits=8, out_dtype=jnp.bfloat16)
   assert b.dtype == jnp.bfloat16
   np.testing.assert_array_equal(np.asarray(b), out.astype(jnp.bfloat16))
 
@@ -140,8 +152,9 @@ def test_gpu_full_cache_and_bf16_out():
 def test_gpu_agrees_with_triton_kernel(seed_batch):
   """Same arithmetic as the Triton partial at two terms: the two agree to rounding."""
   args, ref = seed_batch
-  kn = RA.default_knobs(2048, 2048, jnp.bfloat16, n_seqs=len(CASES))
-  tri = jax.vmap(lambda *a: RA.ring_attention(*a, layer=2, window=2048, **kn))(*args)
-  out = batched(args, layer=2, window=2048, splits=kn["splits"])
+  kn = RA.default_knobs(2048, 2048, jnp.bfloat16, n_seqs=len(CASES),
+                        fold_own_min_seqs=KernelPolicy().fold_own_min_seqs)
+  tri = jax.vmap(lambda *a: RA.ring_attention(*a, layer=2, window=2048, **kn.kwargs()))(*args)
+  out = batched(args, layer=2, window=2048, splits=kn.splits)
   tol = 2.0 ** -12 * np.abs(ref).max()
   np.testing.assert_allclose(np.asarray(out), np.asarray(tri), rtol=tol, atol=tol)

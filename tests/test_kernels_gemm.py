@@ -14,8 +14,16 @@ import numpy as np
 import pytest
 
 from dflash_jax.quant import dequantize_fp8, dequantize_q8_0, quantize_fp8, quantize_q8_0
-from pallas_kernels.skinny_gemm import (default_knobs, skinny_matmul, skinny_matmul_gate_up,
+from dflash_jax.dispatch import KernelPolicy
+from pallas_kernels import skinny_gemm as G
+from pallas_kernels.skinny_gemm import (Knobs, skinny_matmul, skinny_matmul_gate_up,
                                         skinny_matmul_gate_up_reference, skinny_matmul_reference)
+
+
+def default_knobs(*args, **kw) -> dict:
+  """The kernel's default tiles under the default policy's threshold, as keyword arguments."""
+  return G.default_knobs(*args, swap_ab_min_m=KernelPolicy().skinny_fp8_swap_min_m,
+                         **kw).kwargs()
 
 # float32 accumulation in a different order: the error of a K-term sum is a small multiple of
 # eps_f32 * sum_k |x_k w_k|; 1e-5 leaves room for K up to ~20k (the GPU sizes) without
@@ -146,13 +154,16 @@ def test_fp8_round_trip_error_bound():
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "q8_0", "bf16"])
-def test_quantizers_in_row_blocks_equal_one_block(fmt, monkeypatch):
-  """Big matrices are converted in blocks of rows on threads: the same bytes as one block
-  (blocks of 3 rows here, uneven at the end; bf16 over two parts written as one matrix), q8_0
-  still gguf's own bytes."""
+def test_quantizers_in_row_blocks_equal_one_block(fmt):
+  """Big matrices are converted in blocks of rows on threads: the same bytes as one block (the
+  row conversion on the whole matrix; rows long enough that a block holds 14 of the 16, so the
+  last block is uneven; bf16 over two parts written as one matrix), q8_0 still gguf's own
+  bytes."""
   from dflash_jax import quant
   rng = np.random.default_rng(4)
-  w = random_weights(rng, 16, 256)
+  k = (quant._BLOCK_VALUES // 15 // 32 + 1) * 32          # 15 rows are over one block
+  assert quant._BLOCK_VALUES // k == 14
+  w = random_weights(rng, 16, k)
   w[5] = 0.0
   if fmt == "bf16":
     def fn(a):
@@ -160,16 +171,15 @@ def test_quantizers_in_row_blocks_equal_one_block(fmt, monkeypatch):
     whole = (w.astype(ml_dtypes.bfloat16),)
   else:
     fn = quant.quantize_fp8 if fmt == "fp8" else quant.quantize_q8_0
-    whole = fn(w)
-  monkeypatch.setattr(quant, "_BLOCK_VALUES", 3 * 256)
+    whole = (quant._fp8_rows if fmt == "fp8" else quant._q8_0_rows)(w)
   blocked = fn(w)
   for a, b in zip(whole, blocked, strict=True):
     assert a.dtype == b.dtype and a.shape == b.shape
     np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
   if fmt == "q8_0":
-    packed = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0).reshape(16, 8, 34)
-    np.testing.assert_array_equal(blocked[0], packed[..., 2:].copy().view(np.int8).reshape(16, 256))
-    w[14, :32] = 70000.0 * 127                             # d overflows float16, in the last block
+    packed = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0).reshape(16, k // 32, 34)
+    np.testing.assert_array_equal(blocked[0], packed[..., 2:].copy().view(np.int8).reshape(16, k))
+    w[15, :32] = 70000.0 * 127                             # d overflows float16, in the last block
     with pytest.raises(ValueError, match="must fit float16"):
       fn(w)
 
@@ -386,8 +396,9 @@ def test_keep_splits_with_a_k_tail():
 
 
 def test_default_knobs():
-  """The tuned tiles (RESULTS.md runs 2-5, 7, 9, 10, 15) at the seed's shapes, and the
-  docstring's rules for shapes no tuned tile divides."""
+  """The tuned tiles (RESULTS.md's GEMM sweeps) at the seed's shapes, and the docstring's
+  rules for shapes no tuned tile divides; the fp8 swapped MMA from the caller's row
+  threshold."""
   seed = {  # (fmt, n, k, gate_up): (block_n, block_k, split_k)
       ("bf16", 6144, 6656, False): (64, 128, 4), ("fp8", 6656, 4096, False): (64, 128, 4),
       ("fp8", 6656, 19968, False): (64, 256, 5), ("q8_0", 6656, 19968, False): (64, 256, 5),
@@ -400,17 +411,16 @@ def test_default_knobs():
       ("bf16", 4096, 4096, False): (64, 128, 4),
   }
   for (fmt, n, k, gu), (bn, bk, sk) in seed.items():
-    assert default_knobs(fmt, n, k, gu) == dict(block_n=bn, block_k=bk, split_k=sk,
-                                                num_stages=3), (fmt, n, k, gu)
+    assert default_knobs(fmt, n, k, gu) == Knobs(block_n=bn, block_k=bk, split_k=sk,
+                                                 num_stages=3).kwargs(), (fmt, n, k, gu)
   # A vocab of 1000 and K = 6656 + 40 keep the tuned tiles (masked last tiles) ...
-  assert default_knobs("fp8", 1000, 6696) == dict(block_n=64, block_k=128, split_k=4,
-                                                  num_stages=3)
+  assert default_knobs("fp8", 1000, 6696) == Knobs(block_n=64, block_k=128,
+                                                   split_k=4).kwargs()
   # ... small dimensions get the power of 2 covering them.
-  assert default_knobs("bf16", 10, 40) == dict(block_n=16, block_k=64, split_k=1,
-                                               num_stages=3)
+  assert default_knobs("bf16", 10, 40) == Knobs(block_n=16, block_k=64, split_k=1).kwargs()
   assert default_knobs("q8_0", 50, 32)["block_k"] == 32
-  # Batched rows: fp8 swaps the MMA over one M tile of up to 128 rows (run 13); one block of
-  # rows and the other formats keep the tuned tiles.
+  # Batched rows: fp8 swaps the MMA over one M tile of up to 128 rows; one block of rows and
+  # the other formats keep the tuned tiles.
   assert default_knobs("fp8", 6656, 19968, m=16) == default_knobs("fp8", 6656, 19968)
   assert default_knobs("fp8", 6656, 19968, m=128) == dict(
       block_n=64, block_k=256, split_k=5, num_stages=3, block_m=128, swap_ab=True, num_warps=8)
@@ -419,6 +429,9 @@ def test_default_knobs():
   assert default_knobs("fp8", 6144, 6656, m=512)["block_m"] == 128
   for fmt in ("bf16", "q8_0"):
     assert default_knobs(fmt, 6144, 6656, m=128) == default_knobs(fmt, 6144, 6656)
+  # The row threshold is the caller's (a KernelPolicy's skinny_fp8_swap_min_m).
+  assert G.default_knobs("fp8", 6144, 6656, m=16, swap_ab_min_m=16).swap_ab
+  assert not G.default_knobs("fp8", 6144, 6656, m=64, swap_ab_min_m=65).swap_ab
 
 
 # ---------------------------------------------------------------------------------------------

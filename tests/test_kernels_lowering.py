@@ -25,6 +25,7 @@ from jax import export
 from jax._src.pallas.triton import lowering as triton_lowering
 from jax._src.pallas.triton import pallas_call_registration as triton_registration
 
+from dflash_jax.dispatch import KernelPolicy
 from pallas_kernels import inject as I
 from pallas_kernels import norm_rope as N
 from pallas_kernels import ring_attention as R
@@ -33,6 +34,7 @@ from pallas_kernels import skinny_gemm as G
 S = jax.ShapeDtypeStruct
 F32, BF16, I32 = jnp.float32, jnp.bfloat16, jnp.int32
 W_DTYPE = {"bf16": BF16, "fp8": jnp.float8_e4m3fn, "q8_0": jnp.int8}
+POLICY = KernelPolicy()   # the default knobs' thresholds
 
 
 def _gemm(fmt: str, n: int, k: int, gate_up: bool, knobs: dict):
@@ -160,7 +162,8 @@ def _published_cases() -> dict:
       (8, 10, 4, 96, 48, 48, BF16),        # block 10, head_dim 96, window 48
       (4, 16, 4, 256, 40960, None, BF16),  # head_dim 256, full cache: combine groups
       (2, 2, 16, 256, 256, None, F32)):    # a token's 16 heads in two combine programs
-    kn = R.default_knobs(s, window, dt, head_dim=d)
+    kn = R.default_knobs(s, window, dt, head_dim=d,
+                         fold_own_min_seqs=POLICY.fold_own_min_seqs).kwargs()
     cases[f"ring_attention_t{t}_g{g}_d{d}_s{s}"] = (
         functools.partial(R.ring_attention, layer=1, window=window, interpret=False, **kn),
         (S((hkv, t * g, d), F32), S((hkv, t, d), F32), S((hkv, t, d), F32),
@@ -183,7 +186,8 @@ def _published_cases() -> dict:
     k_odd = 6752 if fmt == "q8_0" else 6696
     for nm, n, k, gate_up in (("lm_head1000", 1000, 6656, False), ("k_tail", 6144, k_odd, False),
                               ("gate_up_ragged", 20008, 6656, True)):
-      kn = {key: v for key, v in G.default_knobs(fmt, n, k, gate_up).items()
+      kn = {key: v for key, v in G.default_knobs(
+                fmt, n, k, gate_up, swap_ab_min_m=POLICY.skinny_fp8_swap_min_m).kwargs().items()
             if key != "num_stages"}
       cases[f"gemm_{fmt}_{nm}"] = _gemm(fmt, 2 * n if gate_up else n, k, gate_up, kn)
   return cases

@@ -6,7 +6,6 @@ unwritten row or a lane past a power-of-2 tile's masked end would miss the toler
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -74,25 +73,31 @@ def test_gpu_seed_width(m, rows, num_warps):
   _check(m, 6656, rows, num_warps, seed=m + rows)
 
 
-def test_gemm_input_norm_routes_with_the_batched_gemm(monkeypatch):
-  """params.gemm_input_norm: the Pallas norm (bf16 out, interpret mode here) exactly where the
-  batched GEMM would run the consuming product, XLA's float32 norm elsewhere or with
-  NORM_KERNEL off; both round to the same bf16 GEMM input up to one rounding step."""
-  from dflash_jax import params as P
+def test_gemm_input_norm_routes_with_the_batched_gemm():
+  """dispatch.gemm_input_norm: the Pallas norm (bf16 out, interpret mode here) exactly where the
+  batched GEMM would run the consuming product (a policy that claims the Mosaic GPU kernels,
+  at its bf16 row range), XLA's float32 norm elsewhere; both round to the same bf16 GEMM input
+  up to one rounding step."""
+  from dflash_jax import dispatch as P
   k, n = 256, 128
   rng = np.random.default_rng(3)
   w = jnp.asarray(rng.standard_normal((n, k)), jnp.bfloat16)
   wn = jnp.asarray(rng.standard_normal(k) + 1, jnp.float32)
-  monkeypatch.setattr(P, "hopper_available", lambda: True)
-  lo, hi = P.BATCHED_ROWS["bf16"]
+  policy = P.KernelPolicy(mosaic_gpu=True)
+  lo, hi = policy.batched_bf16_rows
   for rows, kernel in ((lo - 1, False), (lo, True), (hi, True), (hi + 1, False)):
     x = jnp.asarray(rng.standard_normal((rows, k)), jnp.float32)
-    got = P.gemm_input_norm(x, wn, EPS, w)
+    got = P.gemm_input_norm(x, wn, EPS, w, policy=policy)
     assert got.dtype == (jnp.bfloat16 if kernel else jnp.float32), rows
     xla = P.rms_norm(x, wn, EPS)
     assert P.gemm_input_norm(x, wn, EPS, w, impl="xla").dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(got, np.float32),
                                np.asarray(xla.astype(jnp.bfloat16), np.float32),
                                rtol=2 * BF16_EPS, atol=1e-30)
-  monkeypatch.setattr(P, "NORM_KERNEL", False)
-  assert P.gemm_input_norm(x[:hi], wn, EPS, w).dtype == jnp.float32
+  # No Mosaic GPU kernels (mosaic_gpu=False, or no batched rows for bf16): XLA's norm.
+  for off in (P.KernelPolicy(mosaic_gpu=False),
+              P.KernelPolicy(mosaic_gpu=True, batched_bf16_rows=None)):
+    assert P.gemm_input_norm(x[:hi], wn, EPS, w, policy=off).dtype == jnp.float32
+  with pytest.raises(ValueError, match="gemm_input_norm: impl='pallas' routes by a "
+                                       "KernelPolicy; pass policy="):
+    P.gemm_input_norm(x, wn, EPS, w)

@@ -13,7 +13,7 @@ import pytest
 
 import dflash_jax as dfj
 from benchmarks import profile as P
-from dflash_jax import step as S
+from dflash_jax.drafter import step as S
 
 MIXED = dataclasses.replace(dfj.TINY_CONFIG, n_layer=2, window=16,
                             layer_types=("sliding_attention", "full_attention"))

@@ -7,6 +7,7 @@ That subprocess (and the benchmark's smoke run) inherits conftest.py's XLA flags
 optimization level 0 on CPU). On the GPU: the sharded code on a mesh of one (the one H200) is the unsharded code.
 """
 import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -20,7 +21,7 @@ import pytest
 
 import dflash_jax as dfj
 from dflash_jax import sharding as SH
-from dflash_jax import step as S
+from dflash_jax.drafter import step as S
 from dflash_jax.config import FULL, SLIDING
 from dflash_jax.models import qwen3 as Q
 
@@ -105,8 +106,8 @@ def test_gpu_mesh_of_one_target_verify_equals_unsharded():
   tokens = jax.random.randint(jax.random.key(1), (1, 16), 0, cfg.vocab_size)
   cache = Q.init_cache(cfg, 1, 256, "bf16").replace(length=jnp.array([100], jnp.int32))
   plan = SH.make_plan(devices=jax.devices()[:1])
-  got = SH.verify_jit(plan, SH.shard_target(params, cfg, plan), cfg,
-                      SH.shard_target_cache(cache, plan), tokens, capture_layers=(1, 2),
-                      impl="pallas")
+  st = SH.ShardedTarget(cfg, plan)
+  got = jax.jit(functools.partial(st.verify, capture_layers=(1, 2), impl="pallas"))(
+      SH.shard_target(params, cfg, plan), SH.shard_target_cache(cache, plan), tokens)
   want = Q.verify_jit(params, cfg, cache, tokens, capture_layers=(1, 2), impl="pallas")
   chex.assert_trees_all_equal(jax.tree.map(np.asarray, got), jax.tree.map(np.asarray, want))

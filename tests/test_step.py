@@ -1,5 +1,6 @@
 """The jitted drafter (functional core + DFlashDrafter) against the float32 reference."""
 import dataclasses
+import functools
 import glob
 import os
 import subprocess
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 import dflash_jax as dfj
-from dflash_jax import step as S
+from dflash_jax.drafter import step as S
 from reference import DFlashRef
 
 CFG = dataclasses.replace(dfj.TINY_CONFIG, window=32)
@@ -95,7 +96,7 @@ def test_pallas_and_xla_paths_agree():
   chex.assert_trees_all_close(np.asarray(a.step(5, 45)), np.asarray(b.step(5, 45)), **BF16_TOL)
 
 
-def check_draft_round_equals_inject_then_step(cfg, w, dtype, n_prefill):
+def check_draft_round_equals_inject_then_step(cfg, w, dtype, n_prefill, exact_ring=True):
   params = dfj.prepare_weights(cfg, w, dtype)
   ring = dfj.init_ring(cfg, ring_dtype=dtype)
   feats = jnp.asarray(dfj.synthetic_features(cfg, n_prefill, seed=3))
@@ -109,9 +110,16 @@ def check_draft_round_equals_inject_then_step(cfg, w, dtype, n_prefill):
   positions = n_prefill + jnp.arange(cfg.block_size, dtype=jnp.int32)
   ring_b = S.inject_jit(params, ring_copy, dfj.encode(params, new), positions, n_new)
   logits_b = S.block_step_jit(params, ring_b, id_last, n_past)
-  chex.assert_trees_all_equal(jax.tree.map(np.asarray, ring_a), jax.tree.map(np.asarray, ring_b))
   # Two XLA modules (one fused round, two separate calls) may fuse and autotune differently.
-  chex.assert_trees_all_close(np.asarray(logits), np.asarray(logits_b), atol=1e-6, rtol=1e-6)
+  # The GPU runs the inject kernel in both and stores the same K/V bitwise; XLA's CPU code for
+  # the jnp twin differs by an ulp between the two modules on some CPUs (AVX-512).
+  rings = jax.tree.map(np.asarray, ring_a), jax.tree.map(np.asarray, ring_b)
+  if exact_ring:
+    chex.assert_trees_all_equal(*rings)
+  else:
+    chex.assert_trees_all_close(*rings, atol=1e-6, rtol=1e-6)
+  tol = 1e-6 if exact_ring else 2e-5   # an ulp of stored K/V moves logits of ~8 by ~1e-6
+  chex.assert_trees_all_close(np.asarray(logits), np.asarray(logits_b), atol=tol, rtol=tol)
   np.testing.assert_array_equal(np.asarray(drafts), np.asarray(S.greedy_drafts(logits_b)))
   # Injecting only the n_new rows runs the projections as GEMMs of another row count, whose
   # summation order a GPU may pick differently (H200: one of 10.5M stored bf16 K values one
@@ -131,7 +139,7 @@ def check_draft_round_equals_inject_then_step(cfg, w, dtype, n_prefill):
 
 
 def test_draft_round_equals_inject_then_step():
-  check_draft_round_equals_inject_then_step(CFG, _weights(), "fp32", 20)
+  check_draft_round_equals_inject_then_step(CFG, _weights(), "fp32", 20, exact_ring=False)
 
 
 def check_replay_bitwise(m, id_last, n_past, replays=100):
@@ -430,10 +438,10 @@ def test_kernel_limits_are_checked_at_construction():
 
 def test_fp8_lm_head_of_any_vocab():
   """The skinny GEMM takes any N: a 500-token vocab's fp8 lm_head runs on it (no limit)."""
-  from dflash_jax.params import linear
+  from dflash_jax.dispatch import linear
   p = dfj.prepare_weights(CFG, dfj.synthetic_drafter(CFG, n_vocab=500), "fp8")
   x = jnp.asarray(np.random.default_rng(5).standard_normal((16, CFG.n_embd)), jnp.float32)
-  np.testing.assert_allclose(np.asarray(linear(x, p.lm_head)),
+  np.testing.assert_allclose(np.asarray(linear(x, p.lm_head, policy=p.policy)),
                              np.asarray(linear(x, p.lm_head, impl="xla")), rtol=1e-5, atol=1e-5)
 
 
@@ -496,7 +504,9 @@ def test_linear_partials_and_out_dtype(fmt):
   """linear(partials=True) gives [S, M, N] float32 parts summing to the plain result (K split
   4 ways here for the skinny GEMM: K // block_k >= 16); out_dtype rounds the result once."""
   from dflash_jax import quant
-  from dflash_jax.params import QuantWeight, gemm_knobs, linear
+  from dflash_jax.dispatch import KernelPolicy, QuantWeight, gemm_knobs
+  policy = KernelPolicy()
+  linear = functools.partial(dfj.linear, policy=policy)
   rng = np.random.default_rng(3)
   a = rng.standard_normal((64, 4096)).astype(np.float32) / 64
   if fmt == "fp8":
@@ -508,7 +518,7 @@ def test_linear_partials_and_out_dtype(fmt):
   x = jnp.asarray(rng.standard_normal((16, 4096)), jnp.float32)
   y = linear(x, wq)
   parts = linear(x, wq, partials=True)
-  n_split = gemm_knobs(fmt, 64, 4096)["split_k"] if fmt != "fp32" else 1
+  n_split = gemm_knobs(fmt, 64, 4096, policy=policy).split_k if fmt != "fp32" else 1
   assert parts.shape == (n_split, 16, 64) and parts.dtype == jnp.float32
   assert fmt == "fp32" or n_split == 4
   np.testing.assert_allclose(np.asarray(parts).sum(0), np.asarray(y), rtol=1e-5, atol=1e-5)
@@ -529,12 +539,15 @@ def test_linear_partials_and_out_dtype(fmt):
 
 def test_linear_bf16_runs_skinny_up_to_skinny_max_m_rows():
   """Dense bf16 weights: the Pallas skinny GEMM for block-sized row counts whatever the shape
-  (a vocab of 100 rows, K = 200), XLA's GEMM for prefill-sized row counts; every case agrees
-  with the jnp path to float32 summation order."""
-  from dflash_jax.params import SKINNY_MAX_M, linear
+  (a vocab of 100 rows, K = 200), XLA's GEMM for prefill-sized row counts (past the policy's
+  skinny_max_m); every case agrees with the jnp path to float32 summation order."""
+  from dflash_jax.dispatch import KernelPolicy
+  policy = KernelPolicy()
+  skinny_max_m = policy.skinny_max_m
+  linear = functools.partial(dfj.linear, policy=policy)
   rng = np.random.default_rng(4)
-  for (n, k), m, kernel in (((96, 256), 7, True), ((96, 256), SKINNY_MAX_M, True),
-                            ((96, 256), SKINNY_MAX_M + 1, False), ((100, 256), 16, True),
+  for (n, k), m, kernel in (((96, 256), 7, True), ((96, 256), skinny_max_m, True),
+                            ((96, 256), skinny_max_m + 1, False), ((100, 256), 16, True),
                             ((96, 200), 16, True), ((96, 256), 2048, False)):
     w = jnp.asarray(rng.standard_normal((n, k)) / 16, jnp.bfloat16)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
@@ -647,7 +660,7 @@ def test_gpu_step_runs_as_one_command_buffer(tmp_path):
   """XLA records the whole draft round, Pallas kernels included, into one command buffer."""
   script = textwrap.dedent("""
       import dataclasses, jax, jax.numpy as jnp, dflash_jax as dfj
-      from dflash_jax import step as S
+      from dflash_jax.drafter import step as S
       cfg = dataclasses.replace(dfj.SEED_CONFIG, n_layer=2)
       params = dfj.prepare_weights(cfg, dfj.synthetic_drafter(cfg, n_vocab=8192), "bf16")
       ring = dfj.init_ring(cfg, ring_dtype="bf16")

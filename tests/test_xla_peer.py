@@ -10,8 +10,8 @@ import pytest
 
 import dflash_jax as dfj
 from benchmarks import xla_peer as X
-from dflash_jax import step as S
-from dflash_jax.params import linear
+from dflash_jax.drafter import step as S
+from dflash_jax.dispatch import linear
 
 FP32_TOL = 1e-4
 BF16_TOL = 5e-2   # test_step's BF16_TOL: one flipped bf16 rounding moves logits by up to ~3e-2

@@ -75,7 +75,7 @@ def _load(args):
 
   import dflash_jax as dfj
   from dflash_jax.models import qwen3
-  from dflash_jax.params import prepare_weights
+  from dflash_jax.drafter.weights import prepare_weights
 
   try:
     tcfg, tparams = qwen3.load_target(args.target, dtype=args.dtype)

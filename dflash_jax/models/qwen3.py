@@ -18,7 +18,7 @@ HF `hidden_states` index: i < n_layers is the residual stream entering layer i (
 embeddings); i = n_layers is HF's last hidden state, after the final norm. A drafter's
 `cfg.target_layers` is passed as is; rows are the concatenation in `capture_layers` order.
 
-Layout: matrices stay HF's (out, in) and every product is `dflash_jax.params.linear`
+Layout: matrices stay HF's (out, in) and every product is `dflash_jax.dispatch.linear`
 (y = x @ W^T; bf16 weights take bf16-rounded activations with float32 accumulation; fp32 is
 full precision). q/k/v are one `[(Hq + 2 Hkv) D, E]` matrix and gate/up one `[2 F, E]`, so a
 layer is four GEMMs. All other arithmetic is float32. The layers are a tuple (one pytree per
@@ -42,7 +42,7 @@ from jax import lax
 from dflash_jax import atomic, safetensors_io
 from dflash_jax.config import rope_inv_freq
 from dflash_jax.models import base
-from dflash_jax.params import linear, resolve_dtype, rms_norm
+from dflash_jax.dispatch import KernelPolicy, linear, resolve_dtype, rms_norm
 
 MODEL_TYPES = {"qwen3": True, "llama": False}   # HF model_type -> per-head q/k norm
 _ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
@@ -250,11 +250,13 @@ class TargetLayer:
 
 @flax.struct.dataclass
 class TargetParams:
-  """Device weights: matrices in the weight dtype, (out, in); norms float32."""
+  """Device weights: matrices in the weight dtype, (out, in); norms float32. policy: the
+  kernel routing of impl="pallas" (static: part of every jit key)."""
   embed: jax.Array              # [V, E]
   layers: tuple[TargetLayer, ...]
   final_norm: jax.Array         # [E] f32
   lm_head: jax.Array | None     # [V, E]; None when tied to embed
+  policy: KernelPolicy = flax.struct.field(pytree_node=False, default=KernelPolicy())
 
   @property
   def head(self) -> jax.Array:
@@ -343,12 +345,12 @@ def _attention(q: jax.Array, keys: jax.Array, values: jax.Array, visible: jax.Ar
 
 
 def _layer(cfg: TargetConfig, lp: TargetLayer, x: jax.Array, positions: jax.Array,
-           freqs: jax.Array, attend, impl: str):
+           freqs: jax.Array, attend, impl: str, policy: KernelPolicy):
   """One decoder layer on rows x [B T, E] f32 at positions [B, T]. attend(q, k, v) with
   q [B, T, Hq, D], k/v [B, T, Hkv, D] returns (o [B, T, Hq D], whatever the path keeps)."""
   b, t = positions.shape
   eps, d = cfg.rms_norm_eps, cfg.head_dim
-  qkv = linear(rms_norm(x, lp.attn_norm, eps), lp.wqkv, impl=impl)
+  qkv = linear(rms_norm(x, lp.attn_norm, eps), lp.wqkv, policy=policy, impl=impl)
   q = qkv[:, :cfg.q_dim].reshape(b, t, cfg.num_attention_heads, d)
   k = qkv[:, cfg.q_dim:cfg.q_dim + cfg.kv_dim].reshape(b, t, cfg.num_key_value_heads, d)
   v = qkv[:, cfg.q_dim + cfg.kv_dim:].reshape(b, t, cfg.num_key_value_heads, d)
@@ -356,9 +358,9 @@ def _layer(cfg: TargetConfig, lp: TargetLayer, x: jax.Array, positions: jax.Arra
     q, k = rms_norm(q, lp.q_norm, eps), rms_norm(k, lp.k_norm, eps)
   q, k = _rope(q, positions, freqs), _rope(k, positions, freqs)
   o, kept = attend(q, k, v)
-  x = x + linear(o.reshape(b * t, cfg.q_dim), lp.wo, impl=impl)
-  hidden = linear(rms_norm(x, lp.ffn_norm, eps), lp.wgu, impl=impl, gate_up=True)
-  return x + linear(hidden, lp.wd, impl=impl), kept
+  x = x + linear(o.reshape(b * t, cfg.q_dim), lp.wo, policy=policy, impl=impl)
+  hidden = linear(rms_norm(x, lp.ffn_norm, eps), lp.wgu, policy=policy, impl=impl, gate_up=True)
+  return x + linear(hidden, lp.wd, policy=policy, impl=impl), kept
 
 
 def _trunk(params: TargetParams, cfg: TargetConfig, tokens: jax.Array, positions: jax.Array,
@@ -373,7 +375,7 @@ def _trunk(params: TargetParams, cfg: TargetConfig, tokens: jax.Array, positions
   for l, lp in enumerate(params.layers):
     if l in capture:
       seen[l] = x
-    x, k = _layer(cfg, lp, x, positions, freqs, attend_layer(l), impl)
+    x, k = _layer(cfg, lp, x, positions, freqs, attend_layer(l), impl, params.policy)
     kept.append(k)
   h = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
   seen[cfg.num_hidden_layers] = h
@@ -383,7 +385,7 @@ def _trunk(params: TargetParams, cfg: TargetConfig, tokens: jax.Array, positions
 
 
 def _logits(params: TargetParams, h: jax.Array, shape, impl: str) -> jax.Array:
-  return linear(h, params.head, impl=impl).reshape(*shape, -1)
+  return linear(h, params.head, policy=params.policy, impl=impl).reshape(*shape, -1)
 
 
 def forward(params: TargetParams, cfg: TargetConfig, tokens: jax.Array, *,
@@ -478,8 +480,9 @@ def verify(params: TargetParams, cfg: TargetConfig, cache: TargetCache, tokens: 
            capture_layers=(), impl: str = "xla"):
   """Run tokens [B, w] at positions length.. -> (cache, logits [B, w, V] f32, features
   [B, w, F] f32). Nothing is committed: the rows' K/V sit past the length until `commit`
-  keeps some of them. impl="pallas" sends bf16 GEMMs of up to `SKINNY_MAX_M` rows through
-  the Pallas skinny GEMM (params.linear); "xla" keeps XLA's GEMMs."""
+  keeps some of them. impl="pallas" routes the GEMMs by params.policy (dispatch.linear: bf16
+  GEMMs of up to `policy.skinny_max_m` rows on the Pallas skinny GEMM); "xla" keeps XLA's
+  GEMMs."""
   return _extend(params, cfg, cache, tokens, 0, capture_layers, True, impl)
 
 

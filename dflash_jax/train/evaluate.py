@@ -6,8 +6,8 @@ the timed seconds are the decoding rounds after prefill, and each configuration 
 untimed first so compiles are excluded. tau = mean tokens committed per round (accepted drafts
 plus the target's own token).
 
-Prompt lookup is decode's loop with `DecodeConfig(proposer="lookup")` (`decode.ngram_drafts`):
-the same verify, accept and commit as the drafters' rounds; only the proposer differs.
+Prompt lookup is decode's loop with `DecodeConfig(proposer=Lookup(max_ngram))`
+(`decode.ngram_drafts`): the same verify, accept and commit as the drafters' rounds; only the proposer differs.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import numpy as np
 
 from dflash_jax import decode
 from dflash_jax.models import qwen3
-from dflash_jax.params import DrafterParams
+from dflash_jax.drafter.weights import DrafterParams
 
 
 @dataclasses.dataclass
@@ -82,8 +82,8 @@ def evaluate(target: qwen3.TargetParams, tcfg: qwen3.TargetConfig,
   if lookup:
     models = decode.Models(target=target, drafter=None, d2t=None, target_cfg=tcfg)
     for w in widths:
-      dcfg = decode.DecodeConfig(width=w, impl=impl, target_impl=target_impl, proposer="lookup",
-                                 max_ngram=max_ngram)
+      dcfg = decode.DecodeConfig(width=w, impl=impl, target_impl=target_impl,
+                                 proposer=decode.Lookup(max_ngram))
       gens = _run_each(lambda ps: decode.generate(models, dcfg, ps, max_new, **kw), prompts)
       rows.append(_row(f"prompt lookup (n <= {max_ngram})", w, gens, ref))
       out(f"prompt lookup width {w}: tau {rows[-1].tau:.2f}, {rows[-1].tokens_per_s:.1f} tok/s")

@@ -7,7 +7,7 @@ window rule (sliding: `(a_j + i) - p < W`; full: every `p < a_j`), plus all B ke
 block (bidirectional). All anchors of all sequences run in one jnp forward with an explicit
 mask; nothing loops over anchors.
 
-The layer math is the inference step's: `params.rms_norm`, `params.linear` (its XLA path:
+The layer math is the inference step's: `dispatch.rms_norm`, `dispatch.linear` (its XLA path:
 fp32 HIGHEST, or bf16 operands with float32 accumulation), the per-head RMS norm + NEOX rope of
 `pallas_kernels.norm_rope.rms_rope_halves` (what the step's qk_norm_rope and inject kernels
 use), the silu-gated FFN of `linear(..., gate_up=True)`, and context K/V as SPEC section 3's
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.config import DFlashConfig, drafter_tensor_shapes, rope_inv_freq
-from dflash_jax.params import linear, resolve_dtype, rms_norm
+from dflash_jax.dispatch import linear, resolve_dtype, rms_norm
 from dflash_jax.synthetic import synthetic_drafter
 from pallas_kernels.norm_rope import rms_rope_halves
 

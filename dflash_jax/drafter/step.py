@@ -1,8 +1,10 @@
 """The functional drafter: pure, jittable functions over (params, ring).
 
-`impl="pallas"` runs the fused Pallas kernels; `impl="xla"` runs their pure-jnp twins (the same
+`impl="pallas"` runs the fused Pallas kernels, routed by the params' kernel policy
+(`params.policy`, `dflash_jax.dispatch`); `impl="xla"` runs their pure-jnp twins (the same
 step in plain XLA, used as a peer in benchmarks and as a second opinion in tests). Jitted entry
-points donate the ring, so under XLA the inject kernels update it in place.
+points donate the ring, so under XLA the inject kernels update it in place. The block step is
+composed of the pieces of the config's drafter family (`Family`, `FAMILIES`).
 
 Batches (SPEC.md section 6): the `*_batched` functions and `reset_slot` / `inject_slot` run S
 independent sequences ("slots") in one call over a batched ring (`init_batched_ring`: every
@@ -26,8 +28,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from dflash_jax import dispatch
 from dflash_jax.config import FULL, SLIDING, DFlashConfig
-from dflash_jax.params import DrafterParams, gemm_input_norm, linear, resolve_dtype, rms_norm
+from dflash_jax.dispatch import gemm_input_norm, linear, resolve_dtype, rms_norm
+from dflash_jax.drafter.weights import DrafterParams, LayerParams
 from pallas_kernels import accept as accept_k
 from pallas_kernels import inject as inject_k
 from pallas_kernels import norm_rope as norm_rope_k
@@ -154,26 +158,14 @@ def kernels(impl: str) -> Kernels:
                  attn_k.ring_attention_reference, accept_k.accept_reference)
 
 
-def attention_knobs(cache: KVCache, impl: str = "pallas") -> dict:
-  """The ring attention's static arguments for one cache (of one ring, or of a batched ring:
-  its leading slot axis is the vmapped launch's sequence count): its `window` and, for the
-  Pallas kernel, the launch knobs `ring_attention.default_knobs` picks for its slots, dtype
-  and sequence count."""
-  if impl == "xla":
-    return dict(window=cache.window)
-  n_seqs = int(cache.k.shape[0]) if cache.k.ndim == 5 else 1
-  return dict(attn_k.default_knobs(cache.slots, cache.window, cache.k.dtype,
-                                   head_dim=int(cache.k.shape[-1]), n_seqs=n_seqs,
-                                   n_head_kv=int(cache.k.shape[-3])), window=cache.window)
-
-
 def encode(params: DrafterParams, features: jax.Array, *,
            impl: str = "pallas") -> jax.Array:
   """features [..., n_target_layers n_embd] -> h [..., n_embd] float32 (fc, then RMS norm):
   rows [T] or slots x rows [S, T], every row through one GEMM."""
   x = features.reshape(-1, features.shape[-1])   # no-op for [T, F]
   with jax.named_scope("encode"):
-    h = rms_norm(linear(x, params.fc, impl=impl), params.enc_norm, params.cfg.eps)
+    h = rms_norm(linear(x, params.fc, policy=params.policy, impl=impl), params.enc_norm,
+                 params.cfg.eps)
   return h.reshape(*features.shape[:-1], h.shape[-1])
 
 
@@ -191,8 +183,8 @@ def _inject(params: DrafterParams, ring: RingState, h: jax.Array, positions: jax
   for ip in params.inject:
     cache = ring.cache(ip.kind)
     with jax.named_scope(f"inject/{ip.kind}/kv"):
-      kv = linear(h, ip.w, impl=impl).reshape(lead + (t, ip.k_norm.shape[0], 2, cfg.n_head_kv,
-                                                      cfg.head_dim))
+      kv = linear(h, ip.w, policy=params.policy, impl=impl).reshape(
+          lead + (t, ip.k_norm.shape[0], 2, cfg.n_head_kv, cfg.head_dim))
     write = functools.partial(ops.inject, eps=cfg.eps, wrap=ip.kind == SLIDING)
     if n_slots is not None:
       write = jax.vmap(write, in_axes=(0, 0, 0, 0, None, 0, 0, None))
@@ -218,89 +210,207 @@ def inject(params: DrafterParams, ring: RingState, h: jax.Array, positions: jax.
   return _inject(params, ring, h, positions, n_valid, impl, None)
 
 
-def _block(params: DrafterParams, ring: RingState, id_last: jax.Array, n_past: jax.Array,
-           w: int, impl: str, n_slots: int | None) -> jax.Array:
-  """Logits [rows, n_vocab] of the block step: one block of w rows (n_slots None: id_last
-  and n_past scalars, one ring), or n_slots blocks slot-major (id_last, n_past [n_slots], a
-  batched ring) with every GEMM over all n_slots w rows and the per-sequence kernels vmapped
-  over the slot axis."""
-  cfg = params.cfg
-  ops = kernels(impl)
-  with jax.named_scope("embed"):
-    if n_slots is None:
-      tokens = jnp.full((w,), cfg.mask_token_id, jnp.int32).at[0].set(id_last)
-    else:
-      tokens = jnp.full((n_slots, w), cfg.mask_token_id, jnp.int32).at[:, 0].set(id_last)
-      tokens = tokens.reshape(n_slots * w)
-    x = params.tok_embd[tokens].astype(jnp.float32)
-  knobs = {kind: attention_knobs(ring.cache(kind), impl) for kind, _ in cfg.kind_groups}
-  # The Mosaic GPU partials where they measured faster (None: Triton's), for one sequence too.
-  mgpu_knobs = {
-      kind: None if impl != "pallas" else attn_mgpu.batched_knobs(
-          n_slots or 1, cfg.n_head_kv, w * cfg.group, w, cfg.head_dim, ring.cache(kind).slots,
-          ring.cache(kind).k.dtype)
-      for kind, _ in cfg.kind_groups}
-  # GEMM inputs are rounded to bf16 unless the weights are fp32; the attention and the gate+up
-  # epilogue round when they store (one launch fewer than rounding in the next GEMM's prologue).
-  act_dtype = jnp.float32 if params.weight_format == "fp32" else jnp.bfloat16
+# ------------------------------------------------------------------ the block step, in pieces
+# A drafter family's block step is a `Family` of pieces: `embed` (the block's tokens -> rows
+# x), `layer` (one decoder layer: here an attention sublayer and an MLP sublayer), `head` (the
+# final norm and the LM head -> logits and the normed hidden state h) and `readout` (logits, h
+# -> drafts). `_block` runs them in that order; `FAMILIES` maps `DFlashConfig.family` to its
+# pieces. A new family (DFlash2's per-sublayer convolutions, a head after the LM head) adds its
+# own functions, composed from the shared ones below (`sublayer_norm`, `project`, `attend`),
+# and an entry in FAMILIES; it does not branch inside another family's pieces.
 
-  def norm_rope(qkv, n_past, lp, parts=False):
+
+class Block(NamedTuple):
+  """What every piece of one block step reads. n_slots None: one block of w rows, n_past a
+  scalar, one ring; else n_slots blocks slot-major (rows s w + j), n_past [n_slots], a batched
+  ring. attention: per attention kind, the launch `dispatch.attention` routes; act_dtype: the
+  dtype GEMM inputs are rounded to (bf16 unless the weights are fp32: the attention and the
+  gate+up epilogue round when they store, one launch fewer than rounding in the next GEMM's
+  prologue)."""
+  params: DrafterParams
+  ring: RingState
+  n_past: jax.Array
+  w: int
+  n_slots: int | None
+  impl: str
+  attention: dict[str, dispatch.Attention]
+  act_dtype: Any
+
+  @property
+  def cfg(self) -> DFlashConfig:
+    return self.params.cfg
+
+
+class Family(NamedTuple):
+  """A drafter family's block step: embed(blk, tokens [rows]) -> x [rows, E] float32;
+  layer(blk, l, x) -> x; head(blk, x) -> (logits [rows, V], h [rows, E]); readout(logits
+  [..., w, V], h [..., w, E]) -> drafts [..., w-1]."""
+  embed: Callable
+  layer: Callable
+  head: Callable
+  readout: Callable
+
+
+def _context(params: DrafterParams, ring: RingState, n_past: jax.Array, w: int, impl: str,
+             n_slots: int | None) -> Block:
+  """The Block of one block step: each attention kind's launch routed by params.policy."""
+  cfg = params.cfg
+  attention = {}
+  for kind, _ in cfg.kind_groups:
+    cache = ring.cache(kind)
+    attention[kind] = dispatch.attention(
+        n_seqs=n_slots or 1, n_head_kv=cfg.n_head_kv, t=w, group=cfg.group,
+        head_dim=cfg.head_dim, slots=cache.slots, window=cache.window, ring_dtype=cache.k.dtype,
+        impl=impl, policy=params.policy)
+  act_dtype = jnp.float32 if params.weight_format == "fp32" else jnp.bfloat16
+  return Block(params, ring, n_past, w, n_slots, impl, attention, act_dtype)
+
+
+def block_tokens(cfg: DFlashConfig, id_last: jax.Array, w: int,
+                 n_slots: int | None) -> jax.Array:
+  """The block's tokens [id_last, mask x (w-1)] (n_slots of them, slot-major, when batched)."""
+  if n_slots is None:
+    return jnp.full((w,), cfg.mask_token_id, jnp.int32).at[0].set(id_last)
+  tokens = jnp.full((n_slots, w), cfg.mask_token_id, jnp.int32).at[:, 0].set(id_last)
+  return tokens.reshape(n_slots * w)
+
+
+def project(blk: Block, x: jax.Array, w, **kw) -> jax.Array:
+  """`dispatch.linear` under the step's policy and impl (kw: gate_up, partials, residual,
+  out_dtype): with residual=x the add is the GEMM's epilogue where the batched GEMM runs it."""
+  return linear(x, w, policy=blk.params.policy, impl=blk.impl, **kw)
+
+
+def sublayer_norm(blk: Block, x: jax.Array, w_norm: jax.Array, w, gate_up: bool = False
+                  ) -> jax.Array:
+  """The RMS norm in front of the GEMM by w (`dispatch.gemm_input_norm`)."""
+  return gemm_input_norm(x, w_norm, blk.cfg.eps, w, policy=blk.params.policy, impl=blk.impl,
+                         gate_up=gate_up)
+
+
+def attend(blk: Block, l: int, qkv: jax.Array) -> jax.Array:
+  """Layer l's qk norm + rope and ring attention of the fused q/k/v projection (its split-K
+  partials [P, rows, (Hq + 2 Hkv) D], summed inside qk_norm_rope: no extra launch) -> o
+  [rows, Hq D] in blk.act_dtype."""
+  cfg, params, lp = blk.cfg, blk.params, blk.params.layers[l]
+  ops = kernels(blk.impl)
+  kind = cfg.kinds[l]
+  cache = blk.ring.cache(kind)
+  route = blk.attention[kind]
+  knobs = route.knobs.kwargs() if route.kernel == "triton" else {}
+  attend_one = functools.partial(ops.ring_attention, layer=cfg.index_in_kind(l),
+                                 window=cache.window, out_dtype=blk.act_dtype, **knobs)
+
+  def norm_rope(qkv, n_past, parts=False):
     kw = dict(parts=True) if parts else {}   # the jnp twin (impl "xla") takes no parts
     return ops.qk_norm_rope(qkv, lp.q_norm, lp.k_norm, n_past, params.inv_freq,
                             n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, eps=cfg.eps, **kw)
 
-  for l, lp in enumerate(params.layers):
-    kind = cfg.kinds[l]
-    cache = ring.cache(kind)
-    attend = functools.partial(ops.ring_attention, layer=cfg.index_in_kind(l),
-                               out_dtype=act_dtype, **knobs[kind])
-    with jax.named_scope(f"layer{l}"):
-      with jax.named_scope("attn_norm"):
-        xn = gemm_input_norm(x, lp.attn_norm, cfg.eps, lp.wqkv, impl=impl)
-      with jax.named_scope("qkv"):
-        # The split-K partials are summed inside qk_norm_rope (no extra launch).
-        qkv = linear(xn, lp.wqkv, impl=impl, partials=True)
-      if n_slots is None and mgpu_knobs[kind] is None:
-        with jax.named_scope("norm_rope"):
-          q, k, v = norm_rope(qkv, n_past, lp)
-        with jax.named_scope("attention"):
-          o = attend(q, k, v, cache.k, cache.v, cache.pos, n_past)
-      else:
-        # A batch, or one sequence on the Mosaic GPU partials as a batch of one slot (leading
-        # unit axes: no copies). Splitting the partials [P, n w, N] into [P, n, w, heads, D]
-        # is free, and vmapping over that axis 1 hands each slot's programs their rows: no
-        # transpose (a reshape under vmap would move the slot axis to the front first,
-        # copying them). The Mosaic GPU attention takes its operands' bf16 parts, emitted by
-        # qk_norm_rope.
-        n = n_slots or 1
-        ring_k, ring_v, ring_pos, past = (cache.k, cache.v, cache.pos, n_past)
-        if n_slots is None:
-          ring_k, ring_v, ring_pos, past = (a[None] for a in (ring_k, ring_v, ring_pos, past))
-        mgpu = mgpu_knobs[kind] is not None
-        with jax.named_scope("norm_rope"):
-          heads = qkv.reshape(qkv.shape[0], n, w, cfg.n_head + 2 * cfg.n_head_kv, cfg.head_dim)
-          operands = jax.vmap(functools.partial(norm_rope, lp=lp, parts=mgpu),
-                              in_axes=(1, 0))(heads, past)
-        with jax.named_scope("attention"):
-          if mgpu:
-            o = attn_mgpu.ring_attention_batched(
-                *operands, ring_k, ring_v, ring_pos, past, layer=cfg.index_in_kind(l),
-                window=cache.window, out_dtype=act_dtype, **mgpu_knobs[kind])
-          else:
-            o = jax.vmap(attend)(*operands, ring_k, ring_v, ring_pos, past)
-          o = o.reshape(n * w, o.shape[-1])
-      with jax.named_scope("o"):
-        x = linear(o, lp.wo, impl=impl, residual=x)
-      with jax.named_scope("ffn/norm"):
-        xn = gemm_input_norm(x, lp.ffn_norm, cfg.eps, lp.wgu, impl=impl, gate_up=True)
-      with jax.named_scope("ffn/gate_up"):
-        hidden = linear(xn, lp.wgu, impl=impl, gate_up=True, out_dtype=act_dtype)
-      with jax.named_scope("ffn/down"):
-        x = linear(hidden, lp.wd, impl=impl, residual=x)
+  n_slots, w = blk.n_slots, blk.w
+  if n_slots is None and route.kernel != "mgpu":
+    with jax.named_scope("norm_rope"):
+      q, k, v = norm_rope(qkv, blk.n_past)
+    with jax.named_scope("attention"):
+      return attend_one(q, k, v, cache.k, cache.v, cache.pos, blk.n_past)
+  # A batch, or one sequence on the Mosaic GPU partials as a batch of one slot (leading unit
+  # axes: no copies). Splitting the partials [P, n w, N] into [P, n, w, heads, D] is free, and
+  # vmapping over that axis 1 hands each slot's programs their rows: no transpose (a reshape
+  # under vmap would move the slot axis to the front first, copying them). The Mosaic GPU
+  # attention takes its operands' bf16 parts, emitted by qk_norm_rope.
+  n = n_slots or 1
+  ring_k, ring_v, ring_pos, past = (cache.k, cache.v, cache.pos, blk.n_past)
+  if n_slots is None:
+    ring_k, ring_v, ring_pos, past = (a[None] for a in (ring_k, ring_v, ring_pos, past))
+  mgpu = route.kernel == "mgpu"
+  with jax.named_scope("norm_rope"):
+    heads = qkv.reshape(qkv.shape[0], n, w, cfg.n_head + 2 * cfg.n_head_kv, cfg.head_dim)
+    operands = jax.vmap(functools.partial(norm_rope, parts=mgpu), in_axes=(1, 0))(heads, past)
+  with jax.named_scope("attention"):
+    if mgpu:
+      o = attn_mgpu.ring_attention_batched(
+          *operands, ring_k, ring_v, ring_pos, past, layer=cfg.index_in_kind(l),
+          window=cache.window, out_dtype=blk.act_dtype, **route.knobs.kwargs())
+    else:
+      o = jax.vmap(attend_one)(*operands, ring_k, ring_v, ring_pos, past)
+    return o.reshape(n * w, o.shape[-1])
+
+
+def attention_sublayer(blk: Block, l: int, x: jax.Array) -> jax.Array:
+  """Norm, the fused q/k/v projection, qk norm + rope and attention, the o projection with
+  the residual added in its epilogue."""
+  lp = blk.params.layers[l]
+  with jax.named_scope("attn_norm"):
+    xn = sublayer_norm(blk, x, lp.attn_norm, lp.wqkv)
+  with jax.named_scope("qkv"):
+    qkv = project(blk, xn, lp.wqkv, partials=True)
+  o = attend(blk, l, qkv)
+  with jax.named_scope("o"):
+    return project(blk, o, lp.wo, residual=x)
+
+
+def mlp_sublayer(blk: Block, l: int, x: jax.Array) -> jax.Array:
+  """Norm, gate+up (silu(gate) * up in the GEMM's epilogue), down with the residual added in
+  its epilogue."""
+  lp: LayerParams = blk.params.layers[l]
+  with jax.named_scope("ffn/norm"):
+    xn = sublayer_norm(blk, x, lp.ffn_norm, lp.wgu, gate_up=True)
+  with jax.named_scope("ffn/gate_up"):
+    hidden = project(blk, xn, lp.wgu, gate_up=True, out_dtype=blk.act_dtype)
+  with jax.named_scope("ffn/down"):
+    return project(blk, hidden, lp.wd, residual=x)
+
+
+def dflash_embed(blk: Block, tokens: jax.Array) -> jax.Array:
+  """The target's token embedding of the block's tokens, float32."""
+  return blk.params.tok_embd[tokens].astype(jnp.float32)
+
+
+def dflash_layer(blk: Block, l: int, x: jax.Array) -> jax.Array:
+  return mlp_sublayer(blk, l, attention_sublayer(blk, l, x))
+
+
+def dflash_head(blk: Block, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The final RMS norm and the LM head: (logits float32, h the normed rows as the head reads
+  them: bf16 where the batched GEMM runs the head, else float32)."""
+  params = blk.params
   with jax.named_scope("out_norm"):
-    xn = gemm_input_norm(x, params.out_norm, cfg.eps, params.lm_head, impl=impl)
+    h = sublayer_norm(blk, x, params.out_norm, params.lm_head)
   with jax.named_scope("lm_head"):
-    return linear(xn, params.lm_head, impl=impl)
+    return project(blk, h, params.lm_head), h
+
+
+def dflash_readout(logits: jax.Array, h: jax.Array) -> jax.Array:
+  """DFlash v1 drafts greedily: the argmax of block rows 1..w-1 (`greedy_drafts`)."""
+  del h
+  return greedy_drafts(logits)
+
+
+FAMILIES = {"dflash": Family(embed=dflash_embed, layer=dflash_layer, head=dflash_head,
+                             readout=dflash_readout)}
+
+
+def family(cfg: DFlashConfig) -> Family:
+  """The pieces of cfg.family's block step."""
+  if cfg.family not in FAMILIES:
+    raise ValueError(f"DFlashConfig.family {cfg.family!r} has no block step; known families: "
+                     f"{sorted(FAMILIES)}")
+  return FAMILIES[cfg.family]
+
+
+def _block(params: DrafterParams, ring: RingState, id_last: jax.Array, n_past: jax.Array,
+           w: int, impl: str, n_slots: int | None) -> tuple[jax.Array, jax.Array]:
+  """(logits [rows, n_vocab], h [rows, n_embd]) of the block step: one block of w rows
+  (n_slots None: id_last and n_past scalars, one ring), or n_slots blocks slot-major
+  (id_last, n_past [n_slots], a batched ring) with every GEMM over all n_slots w rows and the
+  per-sequence kernels vmapped over the slot axis. The pieces are cfg.family's."""
+  fam = family(params.cfg)
+  blk = _context(params, ring, n_past, w, impl, n_slots)
+  with jax.named_scope("embed"):
+    x = fam.embed(blk, block_tokens(params.cfg, id_last, w, n_slots))
+  for l in range(params.cfg.n_layer):
+    with jax.named_scope(f"layer{l}"):
+      x = fam.layer(blk, l, x)
+  return fam.head(blk, x)
 
 
 def block_step(params: DrafterParams, ring: RingState, id_last: jax.Array, n_past: jax.Array,
@@ -313,8 +423,9 @@ def block_step(params: DrafterParams, ring: RingState, id_last: jax.Array, n_pas
   < n_past); the ring is never written.
   """
   w = params.cfg.resolve_width(width)
-  return _block(params, ring, jnp.asarray(id_last, jnp.int32), jnp.asarray(n_past, jnp.int32),
-                w, impl, None)
+  logits, _ = _block(params, ring, jnp.asarray(id_last, jnp.int32),
+                     jnp.asarray(n_past, jnp.int32), w, impl, None)
+  return logits
 
 
 def greedy_drafts(logits: jax.Array) -> jax.Array:
@@ -347,8 +458,9 @@ def draft_round(params: DrafterParams, ring: RingState, new_features: jax.Array,
   positions = n_past - n_new + jnp.arange(new_features.shape[0], dtype=jnp.int32)
   ring = inject(params, ring, encode(params, new_features, impl=impl), positions, n_new,
                 impl=impl)
-  logits = block_step(params, ring, id_last, n_past, width=width, impl=impl)
-  return ring, greedy_drafts(logits), logits
+  logits, h = _block(params, ring, jnp.asarray(id_last, jnp.int32), n_past,
+                     params.cfg.resolve_width(width), impl, None)
+  return ring, family(params.cfg).readout(logits, h), logits
 
 
 # ------------------------------------------------------------------ batches of sequences
@@ -432,7 +544,8 @@ def block_step_batched(params: DrafterParams, ring: RingState, id_last: jax.Arra
   n = _slots_of(ring, "block_step_batched", id_last=id_last, n_past=n_past, active=active)
   w = params.cfg.resolve_width(width)
   id_last, n_past = _empty_inactive(params.cfg, active, id_last, n_past)
-  return _block(params, ring, id_last, n_past, w, impl, n).reshape(n, w, -1)
+  logits, _ = _block(params, ring, id_last, n_past, w, impl, n)
+  return logits.reshape(n, w, -1)
 
 
 def draft_round_batched(params: DrafterParams, ring: RingState, new_features: jax.Array,
@@ -460,8 +573,9 @@ def draft_round_batched(params: DrafterParams, ring: RingState, new_features: ja
   positions = (n_past - n_new)[:, None] + jnp.arange(r, dtype=jnp.int32)
   h = encode(params, new_features.reshape(n * r, new_features.shape[2]), impl=impl)
   ring = _inject(params, ring, h, positions, n_new, impl, n)
-  logits = _block(params, ring, id_last, n_past, w, impl, n).reshape(n, w, -1)
-  return ring, greedy_drafts(logits), logits
+  logits, h = _block(params, ring, id_last, n_past, w, impl, n)
+  logits, h = logits.reshape(n, w, -1), h.reshape(n, w, -1)
+  return ring, family(cfg).readout(logits, h), logits
 
 
 # Jitted entry points. The ring is donated wherever it is returned.

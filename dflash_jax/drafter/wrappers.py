@@ -16,9 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax import step as S
 from dflash_jax.config import FULL, DFlashConfig
-from dflash_jax.params import prepare_weights
+from dflash_jax.dispatch import KernelPolicy
+from dflash_jax.drafter import step as S
+from dflash_jax.drafter.weights import prepare_weights
 from pallas_kernels import limits
 
 _INT32_MAX = np.iinfo(np.int32).max
@@ -67,7 +68,7 @@ class _Drafter:
 
   def __init__(self, cfg: DFlashConfig, w: dict[str, np.ndarray], dtype: Any, ring_dtype: Any,
                window: int | None, impl: str, q8_0_blocks: dict | None, check_finite: bool,
-               capacity: int | None, n_slots: int | None):
+               capacity: int | None, n_slots: int | None, policy: KernelPolicy):
     S.kernels(impl)   # rejects an unknown impl before any work
     self.cfg = cfg
     self.impl = impl
@@ -79,7 +80,7 @@ class _Drafter:
       limits.check_drafter(n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, head_dim=cfg.head_dim,
                            width=cfg.block_size,
                            ring_slots=[c.slots for c in self._ring.caches()])
-    self.params = prepare_weights(cfg, w, dtype, q8_0_blocks)
+    self.params = prepare_weights(cfg, w, dtype, q8_0_blocks, policy)
     self.n_vocab = self.params.n_vocab
     # The highest position a step may start at: its w <= block_size rows stay int32.
     self.max_n_past = _INT32_MAX - cfg.block_size
@@ -184,7 +185,8 @@ class DFlashDrafter(_Drafter):
   ring size (default the file's, else 2048); capacity: positions the full-attention layers'
   cache holds (default cfg.context_length, else 8192; injecting past it is an error);
   check_finite=False skips the NaN/Inf check of features (a device reduction and host sync
-  per call). Usage:
+  per call); policy: the kernel routing (`dflash_jax.dispatch.KernelPolicy`, default the
+  shipped one). Usage:
 
     m = DFlashDrafter(cfg, w, dtype="bf16", ring_dtype="bf16")
     m.inject(m.encode(features), positions)
@@ -196,9 +198,9 @@ class DFlashDrafter(_Drafter):
   def __init__(self, cfg: DFlashConfig, w: dict[str, np.ndarray], dtype: Any = "fp32",
                ring_dtype: Any = "fp32", window: int | None = None, impl: str = "pallas",
                q8_0_blocks: dict | None = None, check_finite: bool = True,
-               capacity: int | None = None):
+               capacity: int | None = None, policy: KernelPolicy = KernelPolicy()):
     super().__init__(cfg, w, dtype, ring_dtype, window, impl, q8_0_blocks, check_finite,
-                     capacity, None)
+                     capacity, None, policy)
     self.max_position = -1   # highest position injected so far (host bookkeeping)
 
   def inject(self, h, positions) -> None:
@@ -297,9 +299,9 @@ class BatchedDrafter(_Drafter):
   def __init__(self, cfg: DFlashConfig, w: dict[str, np.ndarray], max_batch: int,
                dtype: Any = "fp32", ring_dtype: Any = "fp32", window: int | None = None,
                impl: str = "pallas", q8_0_blocks: dict | None = None, check_finite: bool = True,
-               capacity: int | None = None):
+               capacity: int | None = None, policy: KernelPolicy = KernelPolicy()):
     super().__init__(cfg, w, dtype, ring_dtype, window, impl, q8_0_blocks, check_finite,
-                     capacity, max_batch)
+                     capacity, max_batch, policy)
     self.max_batch = self._ring.batch_slots
     self._active = np.zeros(self.max_batch, bool)
     self._max_position = np.full(self.max_batch, -1, np.int64)

@@ -1,0 +1,49 @@
+"""An oracle proposer for benchmarks and tests: drafts are known tokens, not the drafter's.
+
+`Oracle()` is a `decode.Proposer`: each round it proposes, for every slot, the tokens that
+its per-slot sequence holds after the current position (`decode.start(...,
+proposer_state=Oracle.state(sequences, length))`). With `run_drafter=True` (the default)
+the drafter still runs its round (inject + block step) and its drafts are discarded, so a
+timed round costs what a real one does while the acceptance is the oracle's: the target's
+own greedy continuation gives every draft accepted, a perturbed one any acceptance length.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from dflash_jax import decode as D
+
+
+@dataclasses.dataclass(frozen=True)
+class Oracle:
+  run_drafter: bool = True
+
+  @staticmethod
+  def state(sequences: Sequence[Sequence[int]], length: int) -> np.ndarray:
+    """[S, length] int32: slot s's sequence (prompt then continuation), zero-padded; rows
+    longer than length are cut (their tail is never proposed within `length` positions)."""
+    out = np.zeros((len(sequences), length), np.int32)
+    for i, seq in enumerate(sequences):
+      seq = np.asarray(seq, np.int64)[:length]
+      out[i, :len(seq)] = seq
+    return out
+
+  def check(self, models, dcfg):
+    if self.run_drafter and models.drafter is None:
+      raise ValueError("Oracle(run_drafter=True) times the drafter's round: Models.drafter "
+                       "is None (use Oracle(run_drafter=False))")
+
+  def propose(self, models, dcfg, st, key):
+    ring = st.ring
+    if self.run_drafter:
+      ring, _ = D.Drafter().propose(models, dcfg, st, key)
+    n = dcfg.width - 1
+    drafts = jax.vmap(lambda b, p: lax.dynamic_slice(b, (p,), (n,)))(
+        st.proposer_state, st.n_past + 1)
+    return ring, D.Proposal(drafts.astype(jnp.int32))

@@ -1,0 +1,339 @@
+"""Kernel dispatch: which kernel runs each GEMM, GEMM-input norm and ring-attention launch of
+the drafter step and the target, and with which knobs.
+
+`KernelPolicy` holds every routing threshold: a frozen record that the prepared params carry
+as a static field (`DrafterParams.policy`, `qwen3.TargetParams.policy`), so it is part of
+every jit key, and two policies compile two programs. `linear`, `gemm_input_norm` and
+`attention` read their arguments and the policy, nothing else; where the policy leaves the
+Mosaic GPU kernels to the backend (`mosaic_gpu=None`), they ask `hopper_available()`. Each
+kernel module's `default_knobs` keeps its tile tables (from that kernel's sweeps) and takes the
+policy's thresholds as arguments. The weight formats these functions take (`QuantWeight`,
+`Reduced`, `matrix_format`, `resolve_dtype`, `resolve_weight_format`) live here too.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import batched_gemm, skinny_gemm
+from pallas_kernels import ring_attention as attn_k
+from pallas_kernels import ring_attention_mgpu as attn_mgpu
+from pallas_kernels import rms_norm as norm_k
+from pallas_kernels._common import hopper_available
+
+
+def _row_range(v, name: str) -> None:
+  if v is not None and not (isinstance(v, tuple) and len(v) == 2
+                            and all(isinstance(x, int) and x >= 0 for x in v)):
+    raise ValueError(f"KernelPolicy.{name} must be None or a (min, max) pair of ints >= 0, "
+                     f"got {v!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelPolicy:
+  """Every routing threshold of the drafter step and the target's GEMMs (module docstring).
+
+  The default is the shipped routing. Another policy is a different program: pass it to
+  `prepare_weights(..., policy=)` or `params.replace(policy=...)` (benchmarks A/B policies
+  that way). Each field's comment names the section of benchmarks/RESULTS.md whose
+  measurements set it. Row counts are a GEMM's rows (S x w for a batch of S blocks of w).
+  """
+  # RESULTS.md sections are quoted by their titles (a long one by its start, ... its end).
+  # bf16 GEMMs of up to this many rows: the skinny GEMM ("GPU suite, batches, decoding, eval")
+  skinny_max_m: int = 16
+  # bf16 rows on the Mosaic GPU batched GEMM, None: never ("New kernel ...batched_gemm.py")
+  batched_bf16_rows: tuple[int, int] | None = (33, 128)
+  # fp8 rows on the batched GEMM, None: never ("fp8 on the batched GEMM (kept; last call)")
+  batched_fp8_rows: tuple[int, int] | None = (32, 512)
+  # fp8 matrices of fewer elements... ("The hand-over in the pipeline's memory", its fp8_ab)
+  fp8_small_weights: int = 100_000_000
+  # ...take the batched GEMM from this many rows, the skinny GEMM below (the same section)
+  fp8_small_min_rows: int = 33
+  # the batched GEMM's fp8 "k" split takes up to 6 stages from this K (the same section)
+  fp8_deep_k: int = 16384
+  # fp8 "k" split up to these rows, twice off gate_up ('wg_split "k" for one accumulator ...')
+  fp8_k_split_max_m: int = 128
+  # skinny fp8 GEMMs: the swapped MMA from this many rows ("... batched-row GEMM probes")
+  skinny_fp8_swap_min_m: int = 17
+  # slot counts on the Mosaic GPU attention, None: never ("The one-sequence step now runs ...")
+  mgpu_attention_seqs: tuple[int, int] | None = (1, 16)
+  # the Triton attention folds the own keys from this many slots ("The block's own keys ...")
+  fold_own_min_seqs: int | None = 4
+  # Mosaic GPU kernels: None where the backend is a Hopper GPU; True / False force it (tests)
+  mosaic_gpu: bool | None = None
+
+  def __post_init__(self):
+    for name in ("skinny_max_m", "fp8_small_weights", "fp8_small_min_rows", "fp8_deep_k",
+                 "fp8_k_split_max_m", "skinny_fp8_swap_min_m"):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ValueError(f"KernelPolicy.{name} must be an int >= 0, got {v!r}")
+    for name in ("batched_bf16_rows", "batched_fp8_rows", "mgpu_attention_seqs"):
+      _row_range(getattr(self, name), name)
+    v = self.fold_own_min_seqs
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+      raise ValueError(f"KernelPolicy.fold_own_min_seqs must be None or an int >= 1, got {v!r}")
+    if self.mosaic_gpu not in (None, True, False):
+      raise ValueError(f"KernelPolicy.mosaic_gpu must be None, True or False, got "
+                       f"{self.mosaic_gpu!r}")
+
+  @property
+  def mosaic(self) -> bool:
+    """Whether the Mosaic GPU kernels may run (`mosaic_gpu`, else the backend's answer)."""
+    return hopper_available() if self.mosaic_gpu is None else self.mosaic_gpu
+
+
+_DTYPE_NAMES = {"fp32": jnp.float32, "float32": jnp.float32, "f32": jnp.float32,
+                "bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16}
+
+
+def resolve_dtype(dtype: Any, what: str = "dtype") -> jnp.dtype:
+  """'fp32'/'bf16' or a jnp/numpy dtype -> jnp.float32 / jnp.bfloat16."""
+  if isinstance(dtype, str):
+    if dtype.lower() not in _DTYPE_NAMES:
+      raise ValueError(f"{what} must be 'fp32' or 'bf16', got {dtype!r}")
+    return jnp.dtype(_DTYPE_NAMES[dtype.lower()])
+  try:
+    d = jnp.dtype(dtype)
+  except TypeError as e:
+    raise ValueError(f"{what} must be 'fp32' or 'bf16', got {dtype!r}") from e
+  if d not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+    raise ValueError(f"{what} must be float32 or bfloat16, got {d}")
+  return d
+
+
+WEIGHT_FORMATS = ("fp32", "bf16", "fp8", "q8_0")
+
+
+def resolve_weight_format(dtype: Any) -> str:
+  """'fp32' | 'bf16' (or their jnp dtypes) | 'fp8' | 'q8_0' -> the canonical name."""
+  if isinstance(dtype, str) and dtype.lower() in ("fp8", "q8_0"):
+    return dtype.lower()
+  try:
+    d = resolve_dtype(dtype)
+  except ValueError:
+    raise ValueError(f"dtype must be one of {WEIGHT_FORMATS} (or jnp.float32/bfloat16), "
+                     f"got {dtype!r}") from None
+  return "bf16" if d == jnp.bfloat16 else "fp32"
+
+
+@flax.struct.dataclass
+class QuantWeight:
+  """A 1-byte weight matrix in (out, in) layout, K contiguous, with its float32 scales.
+
+  fp8: float8_e4m3fn data and [N] power-of-two row scales; q8_0: int8 data and [N, K/32]
+  block scales (llama.cpp's Q8_0). Both compute as bf16 weights round_bf16(dequantized)
+  against bf16 activations with float32 accumulation, so a quantized step is the bf16 step
+  on the dequantized weights (for fp8 the rounding is exact: 4 significant bits times 2^k).
+  """
+  data: jax.Array
+  scale: jax.Array
+  fmt: str = flax.struct.field(pytree_node=False)
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return tuple(self.data.shape)
+
+
+@flax.struct.dataclass
+class Reduced:
+  """A weight whose in (K) axis is split over the mesh axis `axis`, as `dflash_jax.sharding`
+  hands it to the code inside `jax.shard_map`: each device holds a block of its columns, so
+  its product is a partial sum, and `linear` adds the devices' partials (one float32 psum)."""
+  w: Any
+  axis: str = flax.struct.field(pytree_node=False)
+
+
+def matrix_format(w) -> str:
+  """A weight matrix's format: a QuantWeight's fmt, else 'bf16' or 'fp32' by dtype."""
+  if isinstance(w, QuantWeight):
+    return w.fmt
+  return "bf16" if w.dtype == jnp.bfloat16 else "fp32"
+
+
+def _bf16_skinny(x: jax.Array, w: jax.Array, policy: KernelPolicy) -> bool:
+  """Dense bf16 runs on the skinny GEMM for block-sized row counts (any N and K); prefill
+  row counts on XLA's GEMM."""
+  return w.dtype == jnp.bfloat16 and x.ndim == 2 and x.shape[0] <= policy.skinny_max_m
+
+
+def batched_gemm_runs(fmt: str, rows: int, policy: KernelPolicy,
+                      n_weights: int | None = None) -> bool:
+  """Whether a weight of this format and element count (None: a large one) at this row count
+  goes to the batched GEMM (shapes that fit its tiles; `_batched_knobs` checks those)."""
+  rows_range = {"bf16": policy.batched_bf16_rows, "fp8": policy.batched_fp8_rows}.get(fmt)
+  if rows_range is None:   # q8_0's 32-wide block scales have no path there
+    return False
+  lo, hi = rows_range
+  if fmt == "fp8" and n_weights is not None and n_weights < policy.fp8_small_weights:
+    lo = max(lo, policy.fp8_small_min_rows)
+  return lo <= rows <= hi and policy.mosaic
+
+
+def _batched_knobs(x: jax.Array, w, gate_up: bool, out_dtype,
+                   policy: KernelPolicy) -> batched_gemm.Knobs | None:
+  """The batched GEMM's tiles when it runs this product, else None."""
+  fmt = matrix_format(w)
+  n, k = w.shape
+  if x.ndim != 2 or not batched_gemm_runs(fmt, x.shape[0], policy, n * k):
+    return None
+  return batched_gemm.default_knobs(x.shape[0], n // 2 if gate_up else n, k,
+                                    "gate_up" if gate_up else "none", out_dtype, fmt,
+                                    deep_k=policy.fp8_deep_k,
+                                    k_split_max_m=policy.fp8_k_split_max_m)
+
+
+def _batched_operands(w) -> tuple[jax.Array, jax.Array | None]:
+  return (w.data, w.scale) if isinstance(w, QuantWeight) else (w, None)
+
+
+def gemm_knobs(fmt: str, n: int, k: int, gate_up: bool = False, m: int = 16, *,
+               policy: KernelPolicy) -> skinny_gemm.Knobs:
+  """The skinny GEMM's tiles for this weight at m rows (`skinny_gemm.default_knobs`)."""
+  return skinny_gemm.default_knobs(fmt, n, k, gate_up, m,
+                                   swap_ab_min_m=policy.skinny_fp8_swap_min_m)
+
+
+def _routing_policy(policy: KernelPolicy | None, impl: str, what: str) -> KernelPolicy | None:
+  if impl != "xla" and not isinstance(policy, KernelPolicy):
+    raise ValueError(f"{what}: impl={impl!r} routes by a KernelPolicy; pass policy= (the "
+                     f"prepared params' .policy), got {policy!r}")
+  return policy
+
+
+def linear(x: jax.Array, w, *, policy: KernelPolicy | None = None, impl: str = "pallas",
+           gate_up: bool = False, partials: bool = False, residual: jax.Array | None = None,
+           out_dtype=jnp.float32) -> jax.Array:
+  """y = x @ w^T for a weight in (out, in) layout: THE GEMM entry point of the step.
+
+  Dense bf16 weights: the activation is rounded to bf16 (the rounding SPEC.md section 5 names)
+  and the product accumulates in float32; up to policy.skinny_max_m rows the Pallas skinny
+  GEMM streams the weights (in the bf16 step it beats XLA's GEMMs, mostly by needing no
+  split-K reduce or convert launches), whatever N and K; beyond that (prefill and large-batch
+  row counts, where a GEMM that reads the weights once per 64-row tile loses), XLA's GEMM,
+  except that at the row counts the policy gives a format (`batched_gemm_runs`) the Mosaic GPU
+  batched GEMM runs where the shape fits its tiles. Dense fp32: XLA, full-precision float32
+  (HIGHEST, so GPUs do not silently use TF32). QuantWeight: the Pallas skinny GEMM streams the
+  1-byte weights at every other row count (impl="xla": its jnp twin, which dequantizes in
+  XLA). gate_up: w holds gate rows then up rows and the result is silu(gate) * up (fused into
+  the GEMM's epilogue). The result is out_dtype, or with partials=True the float32 split-K
+  partial sums [S, M, N] (S = 1 unless the skinny GEMM split K), left for the consuming kernel
+  to add up (qk_norm_rope). residual (float32 [M, N], plain projections only): the result is
+  residual + x @ w^T in float32, the add inside the batched GEMM's epilogue where that runs. A
+  `Reduced` weight (inside a sharded call) is the product over this device's columns, psummed
+  over its axis. policy: the KernelPolicy that routes the product (impl="xla" reads none).
+  """
+  policy = _routing_policy(policy, impl, "linear")
+  if partials and gate_up:
+    raise ValueError("linear: partials=True is for plain projections, not gate_up")
+  if residual is not None:
+    if partials or gate_up:
+      raise ValueError("linear: a residual is for plain projections (no partials, no gate_up)")
+    n_out = (w.w if isinstance(w, Reduced) else w).shape[0]
+    if tuple(residual.shape) != tuple(x.shape[:-1]) + (n_out,):
+      raise ValueError(f"linear: residual must be {tuple(x.shape[:-1]) + (n_out,)} (the "
+                       f"product's shape), got {tuple(residual.shape)}")
+    if impl != "xla" and not isinstance(w, Reduced):
+      knobs = _batched_knobs(x, w, False, jnp.float32, policy)
+      if knobs is not None:
+        data, scale = _batched_operands(w)
+        return batched_gemm.batched_matmul(x.astype(jnp.bfloat16), data,
+                                           residual.astype(jnp.float32), scale=scale,
+                                           epilogue="residual", **knobs.kwargs())
+    return residual.astype(jnp.float32) + linear(x, w, policy=policy, impl=impl)
+  if isinstance(w, Reduced):
+    if partials or gate_up:
+      raise ValueError("linear: a Reduced (column-split) weight takes neither partials nor "
+                       "gate_up (its partial sums must be added before any epilogue)")
+    return jax.lax.psum(linear(x, w.w, policy=policy, impl=impl), w.axis).astype(out_dtype)
+  knobs = None if impl == "xla" else _batched_knobs(x, w, gate_up, out_dtype, policy)
+  if knobs is not None:
+    data, scale = _batched_operands(w)
+    y = batched_gemm.batched_matmul(x.astype(jnp.bfloat16), data, scale=scale,
+                                    epilogue="gate_up" if gate_up else "none",
+                                    out_dtype=out_dtype, **knobs.kwargs())
+    return y[None] if partials else y.astype(out_dtype)
+  if impl != "xla" and (isinstance(w, QuantWeight) or _bf16_skinny(x, w, policy)):
+    data, scale, fmt = (w.data, w.scale, w.fmt) if isinstance(w, QuantWeight) else (w, None, "bf16")
+    n, k = data.shape
+    knobs = gemm_knobs(fmt, n // 2 if gate_up else n, k, gate_up, x.shape[0], policy=policy)
+    if gate_up:
+      return skinny_gemm.skinny_matmul_gate_up(x, data, scale, fmt=fmt, out_dtype=out_dtype,
+                                               **knobs.kwargs())
+    return skinny_gemm.skinny_matmul(x, data, scale, fmt=fmt, out_dtype=out_dtype,
+                                     keep_splits=partials, **knobs.kwargs())
+  if isinstance(w, QuantWeight):
+    fn = (skinny_gemm.skinny_matmul_gate_up_reference if gate_up
+          else skinny_gemm.skinny_matmul_reference)
+    y = fn(x, w.data, w.scale, fmt=w.fmt)
+  else:
+    dims = (((x.ndim - 1,), (1,)), ((), ()))
+    if w.dtype == jnp.bfloat16:
+      y = jax.lax.dot_general(x.astype(jnp.bfloat16), w, dims,
+                              preferred_element_type=jnp.float32)
+    else:
+      y = jax.lax.dot_general(x.astype(jnp.float32), w, dims,
+                              precision=jax.lax.Precision.HIGHEST,
+                              preferred_element_type=jnp.float32)
+    if gate_up:
+      n_ff = y.shape[-1] // 2
+      y = jax.nn.silu(y[..., :n_ff]) * y[..., n_ff:]
+  # Unsplit here: one "partial" for a consumer that expects [S, M, N].
+  return y[None] if partials else y.astype(out_dtype)
+
+
+def gemm_input_norm(x: jax.Array, w_norm: jax.Array, eps: float, w, *,
+                    policy: KernelPolicy | None = None, impl: str = "pallas",
+                    gate_up: bool = False) -> jax.Array:
+  """rms_norm(x, w_norm, eps) as the input of `linear(., w, gate_up=gate_up)`: where the
+  batched GEMM runs that product (it takes bf16 rows), the Pallas row norm writes them in bf16
+  in one launch, the value linear would round them to (XLA's fusions of the same norm were
+  slower: benchmarks/RESULTS.md, "Pallas RMS norm in front of batched-GEMM products (kept)");
+  elsewhere XLA's norm in float32."""
+  policy = _routing_policy(policy, impl, "gemm_input_norm")
+  inner = w.w if isinstance(w, Reduced) else w
+  if (impl != "xla" and x.ndim == 2
+      and _batched_knobs(x, inner, gate_up, jnp.bfloat16 if gate_up else jnp.float32, policy)):
+    return norm_k.rms_norm(x.astype(jnp.float32), w_norm, eps=eps, out_dtype=jnp.bfloat16)
+  return rms_norm(x, w_norm, eps)
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+  x = x.astype(jnp.float32)
+  return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+@dataclasses.dataclass(frozen=True)
+class Attention:
+  """How one ring-attention launch runs: kernel "mgpu" (the Mosaic GPU partials,
+  `ring_attention_mgpu.ring_attention_batched`, a batch of slots, one sequence a batch of
+  one), "triton" (`ring_attention.ring_attention`, vmapped over a batch's slots) or "xla" (its
+  jnp twin), with that kernel's knobs (None for "xla")."""
+  kernel: str
+  knobs: Any = None
+
+
+def attention(*, n_seqs: int, n_head_kv: int, t: int, group: int, head_dim: int, slots: int,
+              window: int | None, ring_dtype, impl: str,
+              policy: KernelPolicy | None) -> Attention:
+  """The ring attention of t block rows (group query heads per kv head) of n_seqs sequences
+  over caches of `slots` slots (window: the sliding window, None for full attention): the
+  Mosaic GPU partials for policy.mgpu_attention_seqs slot counts where the shape fits them and
+  the policy allows Mosaic GPU kernels, else the Triton kernel with its default knobs (impl
+  "xla": the jnp twin)."""
+  policy = _routing_policy(policy, impl, "attention")
+  if impl == "xla":
+    return Attention("xla")
+  seqs = policy.mgpu_attention_seqs
+  if seqs is not None and seqs[0] <= n_seqs <= seqs[1] and policy.mosaic:
+    knobs = attn_mgpu.default_knobs(n_seqs, n_head_kv, t * group, t, head_dim, slots,
+                                    ring_dtype)
+    if knobs is not None:
+      return Attention("mgpu", knobs)
+  return Attention("triton", attn_k.default_knobs(
+      slots, window, ring_dtype, head_dim=head_dim, n_seqs=n_seqs, n_head_kv=n_head_kv,
+      fold_own_min_seqs=policy.fold_own_min_seqs))
