@@ -49,6 +49,7 @@ from jax import lax
 
 import dflash_jax as dfj
 from benchmarks import common as C
+from benchmarks.oracle import Oracle
 from dflash_jax import decode as D
 from dflash_jax.config import FULL
 from dflash_jax.models import qwen3_5 as M
@@ -217,13 +218,17 @@ def floors(res: dict) -> None:
 def oracle_run(su: Setup, models, prompt, oracle, base_tps, k, kw, max_refine: int = 12) -> dict:
   """Section 4 for one k: a warm-up run compiles, then runs refine the oracle to the loop's
   own output until every draft is accepted (see benchmarks/decode.py); the last is kept."""
-  dcfg = D.DecodeConfig(width=k + 1, impl=su.drafter_impl, target_impl=su.target_impl)
+  dcfg = D.DecodeConfig(width=k + 1, impl=su.drafter_impl, target_impl=su.target_impl,
+                        proposer=Oracle())
+  length = len(oracle[0]) + k + 1
   t0 = time.perf_counter()
-  D.generate(models, dcfg, [prompt], 4, oracle=oracle, rounds_per_call=su.sync_every, **kw)
+  D.generate(models, dcfg, [prompt], 4, proposer_state=Oracle.state(oracle, length),
+             rounds_per_call=su.sync_every, **kw)
   warm = time.perf_counter() - t0
   for runs in range(1, max_refine + 1):
-    g = D.generate(models, dcfg, [prompt], su.max_new, oracle=oracle,
-                   rounds_per_call=su.sync_every, **kw)
+    g = D.generate(models, dcfg, [prompt], su.max_new,
+                   proposer_state=Oracle.state(oracle, length), rounds_per_call=su.sync_every,
+                   **kw)
     fixed = list(g.tokens[0]) == list(oracle[0][len(prompt):len(prompt) + g.n_tokens])
     if fixed:
       break

@@ -13,10 +13,11 @@ import pytest
 import dflash_jax as dfj
 from dflash_jax import decode as D
 from dflash_jax import sampling as SP
+from benchmarks.oracle import Oracle
 from dflash_jax.models import qwen3_5 as M
 from reference.targets import qwen3_5 as R
 from test_decode import _noisy_oracle
-from test_sampling import _chi2_p, _np_probs
+from test_sampling import ALPHA, N_TOK, PROMPT, V, _chi2_p, _draws, _np_probs
 
 L, F = M.LINEAR, M.FULL
 TCFG = M.TargetConfig(
@@ -79,9 +80,9 @@ def test_greedy_speculative_is_lossless(pair, prompts, reference, rollback, widt
   tp, dp = pair
   tcfg = dataclasses.replace(TCFG, rollback=rollback)
   m = D.Models(target=tp, drafter=dp, d2t=None, target_cfg=tcfg)
-  orc = _noisy_oracle(prompts, reference, seed=width, vocab=TCFG.vocab_size) if oracle else None
-  g = D.generate(m, D.DecodeConfig(width=width, impl="xla"), prompts, MAX_NEW, oracle=orc,
-                 rounds_per_call=3)
+  kw = _noisy_oracle(prompts, reference, seed=width, vocab=TCFG.vocab_size) if oracle else {}
+  dcfg = D.DecodeConfig(width=width, impl="xla", proposer=Oracle() if oracle else D.Drafter())
+  g = D.generate(m, dcfg, prompts, MAX_NEW, rounds_per_call=3, **kw)
   assert g.tokens == reference
   assert (g.hist.sum(1) == g.rounds).all()
   if oracle:
@@ -93,16 +94,15 @@ def test_greedy_pallas_kernels(pair, prompts, reference):
   """The target's Pallas kernels (interpret mode here) in the loop: still lossless."""
   tp, dp = pair
   m = D.Models(target=tp, drafter=dp, d2t=None, target_cfg=TCFG)
-  orc = _noisy_oracle(prompts[2:4], reference[2:4], seed=3, vocab=TCFG.vocab_size)
-  g = D.generate(m, D.DecodeConfig(width=4, impl="xla", target_impl="pallas"), prompts[2:4],
-                 10, oracle=orc)
+  kw = _noisy_oracle(prompts[2:4], reference[2:4], seed=3, vocab=TCFG.vocab_size)
+  dcfg = D.DecodeConfig(width=4, impl="xla", target_impl="pallas", proposer=Oracle())
+  g = D.generate(m, dcfg, prompts[2:4], 10, **kw)
   assert g.tokens == [r[:10] for r in reference[2:4]]
 
 
 # --- sampling -----------------------------------------------------------------------------------
 
-V, N_TOK, PROMPT = 8, 2, [3, 1, 4]
-SLOTS, CALLS, ALPHA = 25_000, 4, 1e-3
+CALLS = 4   # of test_sampling's _draws: 25000 slots each
 SMALL = M.TargetConfig(
     vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
     num_attention_heads=2, num_key_value_heads=1, head_dim=16, layer_types=(L, F),
@@ -119,15 +119,6 @@ def _exact(cfg, params, s: SP.Sampling):
     return _np_probs(R.forward(tensors, config, np.array(seq))[1][-1], s)
   p1 = p_next(PROMPT)
   return np.stack([p1[a] * p_next(PROMPT + [a]) for a in range(V)])
-
-
-def _draws(models, dcfg, prefilled, seed):
-  st = jax.tree.map(lambda a: jnp.broadcast_to(a, (SLOTS, *a.shape[1:])),
-                    prefilled.replace(key=None))
-  st = st.replace(key=jax.random.split(jax.random.key(seed), SLOTS))
-  st = D.run_rounds(models, dcfg, st, jnp.int32(N_TOK))
-  assert bool(st.done.all())
-  return np.asarray(st.tokens[:, len(PROMPT):len(PROMPT) + N_TOK]), np.asarray(st.hist)
 
 
 def test_committed_tokens_follow_target_sampling():
@@ -174,7 +165,8 @@ def test_greedy_lossless_gpu(rollback):
   prompts = [rng.integers(0, tcfg.vocab_size, n).tolist() for n in (5, 40, 100)]
   ref = D.generate_target_only(tp, tcfg, prompts, 48, target_impl="pallas").tokens
   for width in (16, 5):
-    g = D.generate(m, D.DecodeConfig(width=width, target_impl="pallas"), prompts, 48,
-                   oracle=_noisy_oracle(prompts, ref, seed=width, vocab=tcfg.vocab_size))
+    dcfg = D.DecodeConfig(width=width, target_impl="pallas", proposer=Oracle())
+    g = D.generate(m, dcfg, prompts, 48,
+                   **_noisy_oracle(prompts, ref, seed=width, vocab=tcfg.vocab_size, length=256))
     assert g.tokens == ref, width
     assert g.hist[:, 1:].sum() > 0

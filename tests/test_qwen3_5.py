@@ -424,8 +424,8 @@ def test_pallas_path_lowers_for_sm90(monkeypatch, rollback):
   import pallas_kernels.gdn as gdn_kernels
   import pallas_kernels.skinny_gemm as skinny
   from test_kernels_lowering import lowered_text
-  for mod in (gdn_kernels, skinny):
-    monkeypatch.setattr(mod, "resolve_interpret", lambda _: False)
+  monkeypatch.setattr(gdn_kernels, "resolve_interpret", lambda _: False)
+  monkeypatch.setattr(skinny, "resolve_interpret", lambda _: False)
   cfg = dataclasses.replace(M.TargetConfig(
       vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
       num_attention_heads=4, num_key_value_heads=2, layer_types=(L, L, F, L),

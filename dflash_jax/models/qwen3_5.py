@@ -32,7 +32,8 @@ config's `rollback` picks how (both kept so that the GPU can decide):
   round: 1 written, 2 read.
 Both keep the verify's pre-conv rows for the conv window. `cache_nbytes` counts each.
 
-Layout: matrices stay HF's (out, in); every product is `dflash_jax.params.linear`. A Gated
+Layout: matrices stay HF's (out, in); every product is `dflash_jax.dispatch.linear`, routed
+by the params' KernelPolicy under impl="pallas". A Gated
 DeltaNet layer's in_proj_qkv, in_proj_z, in_proj_b and in_proj_a are one matrix (Qwen3-Next's
 per-key-head grouped in_proj_qkvz / in_proj_ba are reordered into it at load); an attention
 layer's q (with its gate rows), k and v are one matrix; gate and up are one. Norm weights are
@@ -58,7 +59,7 @@ from jax import lax
 from dflash_jax.config import rope_inv_freq
 from dflash_jax.models import base
 from dflash_jax.models.qwen3 import _attention, _write
-from dflash_jax.params import linear, resolve_dtype, rms_norm
+from dflash_jax.dispatch import KernelPolicy, linear, resolve_dtype, rms_norm
 from pallas_kernels import gdn
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -389,11 +390,13 @@ class AttnLayer:
 
 @flax.struct.dataclass
 class TargetParams:
-  """Device weights: matrices in the weight dtype, (out, in); everything else float32."""
+  """Device weights: matrices in the weight dtype, (out, in); everything else float32.
+  policy: the GEMM routing of impl="pallas" (static: part of every jit key)."""
   embed: jax.Array              # [V, E]
   layers: tuple[GDNLayer | AttnLayer, ...]
   final_norm: jax.Array         # [E] f32, (1 + w)
   lm_head: jax.Array | None     # [V, E]; None when tied to embed
+  policy: KernelPolicy = flax.struct.field(pytree_node=False, default=KernelPolicy())
 
   @property
   def head(self) -> jax.Array:
@@ -489,12 +492,12 @@ def _rope(x: jax.Array, positions: jax.Array, freqs: jax.Array) -> jax.Array:
 
 
 def _attention_mix(cfg: TargetConfig, lp: AttnLayer, h: jax.Array, positions: jax.Array,
-                   freqs: jax.Array, attend, impl: str):
+                   freqs: jax.Array, attend, impl: str, policy: KernelPolicy):
   """Gated attention of normed rows h [B T, E] at positions [B, T]. attend(q, k, v) with
   q [B, T, Hq, D], k/v [B, T, Hkv, D] returns (o [B, T, Hq D], whatever the path keeps)."""
   b, t = positions.shape
   eps, d, hq, hkv = cfg.rms_norm_eps, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-  qkv = linear(h, lp.wqkv, impl=impl)
+  qkv = linear(h, lp.wqkv, policy=policy, impl=impl)
   both = qkv[:, :2 * cfg.q_dim].reshape(b, t, hq, 2, d)    # per head: query, then gate
   q, gate = both[..., 0, :], both[..., 1, :]
   k = qkv[:, 2 * cfg.q_dim:2 * cfg.q_dim + cfg.kv_dim].reshape(b, t, hkv, d)
@@ -502,7 +505,7 @@ def _attention_mix(cfg: TargetConfig, lp: AttnLayer, h: jax.Array, positions: ja
   q, k = _norm1p(q, lp.q_norm, eps), _norm1p(k, lp.k_norm, eps)
   o, kept = attend(_rope(q, positions, freqs), _rope(k, positions, freqs), v)
   o = o.reshape(b * t, cfg.q_dim) * jax.nn.sigmoid(gate.reshape(b * t, cfg.q_dim))
-  return linear(o, lp.wo, impl=impl), kept
+  return linear(o, lp.wo, policy=policy, impl=impl), kept
 
 
 @flax.struct.dataclass
@@ -522,11 +525,11 @@ def _l2(x: jax.Array) -> jax.Array:
 
 
 def _gdn_rows(cfg: TargetConfig, lp: GDNLayer, h: jax.Array, window: jax.Array, shape,
-              impl: str) -> GDNRows:
+              impl: str, policy: KernelPolicy) -> GDNRows:
   """Normed rows h [B T, E] after the conv window [B, K-1, C] -> their GDNRows."""
   b, t = shape
   c, vd, nv, kd = cfg.conv_dim, cfg.value_dim, cfg.nv, cfg.key_dim
-  proj = linear(h, lp.w_in, impl=impl)
+  proj = linear(h, lp.w_in, policy=policy, impl=impl)
   mixed = proj[:, :c].reshape(b, t, c)
   full = jnp.concatenate([window, mixed], axis=1)           # [B, K-1+T, C], oldest first
   conv = full[:, :t] * lp.conv[0]
@@ -542,10 +545,11 @@ def _gdn_rows(cfg: TargetConfig, lp: GDNLayer, h: jax.Array, window: jax.Array, 
                  z=proj[:, c:c + vd].reshape(b, t, nv, cfg.dv))
 
 
-def _gdn_out(cfg: TargetConfig, lp: GDNLayer, o: jax.Array, z: jax.Array, impl: str):
+def _gdn_out(cfg: TargetConfig, lp: GDNLayer, o: jax.Array, z: jax.Array, impl: str,
+             policy: KernelPolicy):
   """The rule's output o [B, T, nv, dv] -> gated norm -> out_proj [B T, E]."""
   o = rms_norm(o, lp.norm, cfg.rms_norm_eps) * jax.nn.silu(z)
-  return linear(o.reshape(-1, cfg.value_dim), lp.w_out, impl=impl)
+  return linear(o.reshape(-1, cfg.value_dim), lp.w_out, policy=policy, impl=impl)
 
 
 def _window_after(full: jax.Array, n: jax.Array, kw: int) -> jax.Array:
@@ -563,6 +567,7 @@ def _trunk(params: TargetParams, cfg: TargetConfig, tokens: jax.Array, positions
   b, t = tokens.shape
   eps = cfg.rms_norm_eps
   freqs = jnp.asarray(rope_inv_freq(cfg.rot, cfg.rope_theta))
+  policy = params.policy
   x = params.embed[tokens.reshape(-1)].astype(jnp.float32)
   seen = {}
   for l, lp in enumerate(params.layers):
@@ -570,12 +575,13 @@ def _trunk(params: TargetParams, cfg: TargetConfig, tokens: jax.Array, positions
       seen[l] = x
     h = _norm1p(x, lp.attn_norm, eps)
     if cfg.layer_types[l] == FULL:
-      y, _ = _attention_mix(cfg, lp, h, positions, freqs, attend_layer(l), impl)
+      y, _ = _attention_mix(cfg, lp, h, positions, freqs, attend_layer(l), impl, policy)
     else:
       y = gdn_layer(l, lp, h)
     x = x + y
-    hidden = linear(_norm1p(x, lp.ffn_norm, eps), lp.wgu, impl=impl, gate_up=True)
-    x = x + linear(hidden, lp.wd, impl=impl)
+    hidden = linear(_norm1p(x, lp.ffn_norm, eps), lp.wgu, policy=policy, impl=impl,
+                    gate_up=True)
+    x = x + linear(hidden, lp.wd, policy=policy, impl=impl)
   h = _norm1p(x, params.final_norm, eps)
   seen[cfg.num_hidden_layers] = h
   feats = (jnp.concatenate([seen[i] for i in capture], axis=-1) if capture
@@ -584,7 +590,7 @@ def _trunk(params: TargetParams, cfg: TargetConfig, tokens: jax.Array, positions
 
 
 def _logits(params: TargetParams, h: jax.Array, shape, impl: str) -> jax.Array:
-  return linear(h, params.head, impl=impl).reshape(*shape, -1)
+  return linear(h, params.head, policy=params.policy, impl=impl).reshape(*shape, -1)
 
 
 def _check_impl(impl: str) -> None:
@@ -612,9 +618,9 @@ def forward(params: TargetParams, cfg: TargetConfig, tokens: jax.Array, *,
     return attend
 
   def gdn_layer(l, lp, h):
-    r = _gdn_rows(cfg, lp, h, window, (b, t), "xla")
+    r = _gdn_rows(cfg, lp, h, window, (b, t), "xla", params.policy)
     o, _ = gdn.chunked_reference(r.q, r.k, r.v, r.g, r.beta, zero_state, 0)
-    return _gdn_out(cfg, lp, o, r.z, "xla")
+    return _gdn_out(cfg, lp, o, r.z, "xla", params.policy)
 
   h, feats = _trunk(params, cfg, tokens, positions, attend_layer, gdn_layer, capture_layers,
                     "xla")
@@ -728,7 +734,7 @@ def _extend(params: TargetParams, cfg: TargetConfig, cache: TargetCache, tokens:
   def gdn_layer(l, lp, h):
     i = slot[l]
     window = cache.conv[:, i]
-    r = _gdn_rows(cfg, lp, h, window, (b, t), impl)
+    r = _gdn_rows(cfg, lp, h, window, (b, t), impl, params.policy)
     args = (r.q, r.k, r.v)
     if n_valid is not None:   # prefill: padding rows become no-ops
       keep = (jnp.arange(t, dtype=jnp.int32)[None, :] < n_valid[:, None])[..., None]
@@ -753,7 +759,7 @@ def _extend(params: TargetParams, cfg: TargetConfig, cache: TargetCache, tokens:
       if snapshot:
         o, held["snaps"] = o
       held["rows"].append(r)
-    return _gdn_out(cfg, lp, o, r.z, impl)
+    return _gdn_out(cfg, lp, o, r.z, impl, params.policy)
 
   h, feats = _trunk(params, cfg, tokens, positions, attend_layer, gdn_layer, capture_layers,
                     impl)
