@@ -95,3 +95,29 @@ def test_load_target_benchmark_smoke_run(tmp_path):
   (run,) = res["runs"]
   assert run["seconds"] > 0 and run["peak_rss"] >= run["rss_before"] > 0
   assert run["dtypes"] == ["bfloat16", "float32"] and run["param_bytes"] > 0
+
+
+def test_gdn_benchmark_smoke_bytes_round(tmp_path):
+  """benchmarks.gdn at tiny dims: the byte floors and the round pieces of both rollbacks."""
+  from benchmarks import gdn
+  assert gdn.main(["--smoke", "--only", "bytes,round", "--out", str(tmp_path)]) == 0
+  res = json.loads((tmp_path / "gdn.json").read_text())
+  b, r = res["bytes"], res["round"]
+  assert res["smoke"] and res["copy_bw_TBps"] > 0 and b["step_floor_ms"] > 0
+  assert b["pending_snapshot_MB_per_slot"] > b["pending_replay_MB_per_slot"] > 0
+  for rb in ("replay", "snapshot"):
+    for key in (f"decode1_{rb}", "verify8_commit_" + rb, f"commit_{rb}",
+                f"decode1_floor_fraction_{rb}"):
+      assert r[key] > 0, key
+  assert (tmp_path / "gdn.md").read_text().startswith("- device:")
+
+
+def test_gdn_benchmark_smoke_decode(tmp_path):
+  """benchmarks.gdn's loop sections (target-only, oracle) at tiny dims; they run the decode
+  loop through the Target protocol."""
+  from benchmarks import gdn
+  assert gdn.main(["--smoke", "--only", "target_only,oracle", "--out", str(tmp_path)]) == 0
+  res = json.loads((tmp_path / "gdn.json").read_text())
+  assert res["target_only"]["tokens_per_s"] > 0
+  (o,) = res["oracle"]
+  assert o["k"] == 3 and sum(o["hist"]) == o["rounds"] and o["tokens"] == 24

@@ -1,7 +1,7 @@
 """Target models: the LLMs that DFlash drafts for (functional JAX, params as pytrees).
 
-One module per target family (`qwen3`: Qwen3 and Llama-3; `muse_glimmer`; `qwen3_moe`); each
-implements the `Target`
+One module per target family (`qwen3`: Qwen3 and Llama-3; `muse_glimmer`; `qwen3_moe`;
+`qwen3_5`: the Gated DeltaNet hybrids); each implements the `Target`
 protocol of `base` and the HF interface that `load_target` / `save_target` use:
 `MODEL_TYPES`, `config_from_hf(config, where)`, `Config.to_hf()`, `hf_tensor_shapes(cfg)`,
 `hf_optional(cfg)`, `hf_ignored(name)`, `params_from_hf(cfg, tensors, dtype)`,
@@ -23,13 +23,13 @@ import numpy as np
 from dflash_jax.io import atomic
 from dflash_jax.io import safetensors as st
 from dflash_jax.io.errors import SafetensorsFormatError, TargetFormatError
-from dflash_jax.models import muse_glimmer, qwen3, qwen3_moe
+from dflash_jax.models import muse_glimmer, qwen3, qwen3_5, qwen3_moe
 from dflash_jax.dispatch import resolve_dtype
 
 __all__ = ["FAMILIES", "TargetFormatError", "family", "load_target", "read_target_config",
            "save_target"]
 
-FAMILIES: tuple[ModuleType, ...] = (qwen3, muse_glimmer, qwen3_moe)
+FAMILIES: tuple[ModuleType, ...] = (qwen3, muse_glimmer, qwen3_moe, qwen3_5)
 CONFIG_FILE = "config.json"
 MAX_CONFIG_BYTES = 4 << 20
 STORED_DTYPES = ("F32", "F16", "BF16")
