@@ -282,7 +282,7 @@ def test_load_target_picks_the_family_and_ignores_buffers(tmp_path):
   (tmp_path / "t" / "config.json").write_text(json.dumps({**c, "model_type": "qwen2"}))
   with pytest.raises(TargetFormatError, match=r"config.json: model_type 'qwen2' is not supported "
                      r"\(supported: \['llama', 'muse_glimmer', 'muse_glimmer_text', 'qwen3', "
-                     r"'qwen3_moe'\]\)"):
+                     r"'qwen3_5', 'qwen3_5_text', 'qwen3_moe', 'qwen3_next'\]\)"):
     load_target(tmp_path / "t")
   with pytest.raises(ValueError, match="dtype must be 'fp32' or 'bf16', got 'int8'"):
     load_target(tmp_path / "nothing", dtype="int8")   # before looking at the folder
