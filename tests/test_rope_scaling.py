@@ -25,7 +25,6 @@ import dflash_jax as dfj
 from dflash_jax import decode as D
 from dflash_jax.__main__ import main
 from dflash_jax.config import RopeScaling, rope_from_hf, rope_inv_freq
-from dflash_jax.drafter import step as S
 from dflash_jax.io import DrafterFormatError, load_drafter, save_drafter
 from dflash_jax.models import load_target, read_target_config, save_target
 from dflash_jax.models import muse_glimmer as MG
