@@ -295,9 +295,15 @@ def _norm_rope_oracle(x, w, positions, inv32, attention):
   return rope_rows(y, positions, inv32, attention)
 
 
+# Interpret mode here; compiled on the H200 (`pytest -m gpu`).
+INTERPRET = [pytest.param(True, id="interpret"),
+             pytest.param(False, id="gpu", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("interpret", INTERPRET)
 @pytest.mark.parametrize("scaling", [YARN, YARN_EXPLICIT], ids=["yarn", "yarn-explicit"])
 @pytest.mark.parametrize("d, n_past", [(16, 5000), (32, 77)])
-def test_qk_norm_rope_kernel_and_twin(scaling, d, n_past):
+def test_qk_norm_rope_kernel_and_twin(scaling, d, n_past, interpret):
   t, hkv, g = 8, 2, 2
   hq = hkv * g
   rng = np.random.default_rng(d + n_past)
@@ -307,7 +313,7 @@ def test_qk_norm_rope_kernel_and_twin(scaling, d, n_past):
   args = (jnp.asarray(qkv), jnp.asarray(qn), jnp.asarray(kn), jnp.int32(n_past),
           jnp.asarray(rope_inv_freq(d, 1e4, scaling)))
   kw = dict(n_head=hq, n_head_kv=hkv, eps=EPS, attention_scaling=scaling.attention_scaling)
-  got = qk_norm_rope(*args, interpret=True, **kw)
+  got = qk_norm_rope(*args, interpret=interpret, **kw)
   twin = qk_norm_rope_reference(*args, **kw)
   heads = qkv.reshape(t, hq + 2 * hkv, d)
   pos = n_past + np.arange(t)
@@ -322,8 +328,9 @@ def test_qk_norm_rope_kernel_and_twin(scaling, d, n_past):
   np.testing.assert_allclose(np.asarray(got[0]), np.asarray(twin[0]), rtol=2e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("interpret", INTERPRET)
 @pytest.mark.parametrize("scaling", [YARN, YARN_EXPLICIT], ids=["yarn", "yarn-explicit"])
-def test_inject_kernel_and_twin(scaling):
+def test_inject_kernel_and_twin(scaling, interpret):
   t, n_layer, hkv, d, s = 16, 2, 2, 32, 16
   rng = np.random.default_rng(3)
   kv = rng.normal(size=(t, n_layer, 2, hkv, d)).astype(np.float32) * 2.0
@@ -335,7 +342,8 @@ def test_inject_kernel_and_twin(scaling):
   args = (jnp.asarray(kv), jnp.asarray(k_norm), jnp.asarray(positions), jnp.int32(t),
           jnp.asarray(rope_inv_freq(d, 1e4, scaling)))
   kw = dict(eps=EPS, attention_scaling=scaling.attention_scaling)
-  outs = [inject(*ring, *args, interpret=True, **kw), inject_reference(*ring, *args, **kw)]
+  outs = [inject(*ring, *args, interpret=interpret, **kw),
+          inject_reference(*ring, *args, **kw)]
   slots = positions % s
   for rk, rv, rp in outs:
     np.testing.assert_array_equal(np.asarray(rp)[slots], positions)
@@ -350,10 +358,12 @@ DRAFTER = dataclasses.replace(dfj.TINY_CONFIG, window=32, rope_scaling=YARN)
 VOCAB = 512
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("impl", ["xla", "pallas", pytest.param("pallas", id="pallas-gpu",
+                                                                 marks=pytest.mark.gpu)])
 def test_drafter_step_matches_reference(impl):
-  """The jitted step (Pallas kernels in interpret mode, or the jnp twins) against the float32
-  reference, at positions up to ~7x the original context; and the scaling is in effect."""
+  """The jitted step (Pallas kernels: interpret mode on the CPU, compiled on a GPU; or the jnp
+  twins) against the float32 reference, at positions up to ~7x the original context; and the
+  scaling is in effect."""
   w = dfj.synthetic_drafter(DRAFTER, seed=4, n_vocab=VOCAB)
   m = dfj.DFlashDrafter(DRAFTER, w, impl=impl)
   ref = DFlashRef(DRAFTER, w)
