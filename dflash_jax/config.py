@@ -262,7 +262,6 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
   return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-
 @dataclasses.dataclass(frozen=True)
 class DFlashConfig:
   """Everything about a drafter's shape that a compiled step depends on.
