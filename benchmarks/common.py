@@ -134,7 +134,7 @@ def random_params(cfg: DFlashConfig, n_vocab: int, dtype, seed: int = 0) -> Draf
                  for kind, layers in cfg.kind_groups)
   return DrafterParams(
       fc=mat(e, cfg.n_embd_fc), enc_norm=norm(e), out_norm=norm(e), inject=inject,
-      inv_freq=jnp.asarray(rope_inv_freq(d, cfg.rope_theta)),
+      inv_freq=jnp.asarray(rope_inv_freq(d, cfg.rope_theta, cfg.rope_scaling)),
       tok_embd=jax.random.normal(next(keys), (n_vocab, e), jnp.float32).astype(
           jnp.float32 if fmt == "fp32" else jnp.bfloat16),
       lm_head=mat(n_vocab, e),

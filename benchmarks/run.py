@@ -268,7 +268,7 @@ def bench_kernels(bw: float, iters: int, smoke: bool) -> dict:
   g = hq // hkv
   key = iter(jax.random.split(jax.random.key(0), 32))
   rnd = lambda shape, dt=jnp.float32: jax.random.normal(next(key), shape, jnp.float32).astype(dt)
-  inv = jnp.asarray(dfj.rope_inv_freq(d, cfg.rope_theta))
+  inv = jnp.asarray(dfj.rope_inv_freq(d, cfg.rope_theta, cfg.rope_scaling))
   out = {}
   for rdt in ("bf16", "fp32"):
     ring = C.full_ring(cfg, w, rdt)

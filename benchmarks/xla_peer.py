@@ -133,7 +133,8 @@ def block_step(params: DrafterParams, ring: tuple[LayerKV, ...], id_last: jax.Ar
     n = heads.shape[1]
     rows = heads.reshape(w * n, d)
     y1, y2 = rms_rope_halves(rows[:, :d // 2], rows[:, d // 2:], weight[:d // 2],
-                             weight[d // 2:], jnp.repeat(pos, n), params.inv_freq, cfg.eps, d)
+                             weight[d // 2:], jnp.repeat(pos, n), params.inv_freq, cfg.eps, d,
+                             cfg.rope_scaling.attention_scaling)
     return jnp.concatenate([y1, y2], axis=-1).reshape(w, n, d)
 
   for lp, kv in zip(params.layers, ring):

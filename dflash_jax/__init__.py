@@ -1,6 +1,6 @@
 """dflash-jax: DFlash block-diffusion speculative drafting in JAX with Pallas GPU kernels."""
 from dflash_jax.config import (QWEN3_8B_CONFIG, SEED_CONFIG, TINY_CONFIG, DFlashConfig,
-                               drafter_tensor_shapes, rope_inv_freq)
+                               RopeScaling, drafter_tensor_shapes, rope_inv_freq)
 from dflash_jax.dispatch import linear, resolve_dtype
 from dflash_jax.drafter import (BatchedDrafter, CapturedStep, DFlashDrafter, DrafterParams,
                                 InjectParams, KVCache, LayerParams, RingState, accept,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Mapping
 
 import numpy as np
@@ -14,6 +15,7 @@ DEFAULT_BLOCK_SIZE = 16   # a checkpoint that states no block size (docs/SPEC.md
 DEFAULT_CAPACITY = 8192
 FAMILIES = ("dflash", "dflash2", "dspark")
 MARKOV_HEADS = ("vanilla", "gated", "rnn")
+ROPE_TYPES = ("none", "linear", "llama3", "yarn")   # RopeScaling.rope_type
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +143,125 @@ def resolve_is_causal(flag: bool | None, kinds: tuple[str, ...], source: str
                    f"absent), got {source!r}")
 
 
+# The fields each rope type reads (the others keep their defaults).
+_ROPE_FIELDS = {
+    "none": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor",
+               "high_freq_factor"),
+    "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+             "attention_factor", "mscale", "mscale_all_dim", "truncate"),
+}
+
+
+def _finite(v: Any) -> bool:
+  return not isinstance(v, bool) and isinstance(v, (int, float, np.integer, np.floating)) and (
+      math.isfinite(v))
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """How a model stretches its rope past the context it was trained on (HF `rope_scaling` /
+  `rope_parameters`, llama.cpp `<arch>.rope.scaling.*`), as HF's rope utilities define it.
+
+  rope_type "none" (HF's "default"); "linear": every inverse frequency divided by `factor`;
+  "llama3" (Llama 3.1): wavelengths longer than original / low_freq_factor divided by
+  `factor`, shorter than original / high_freq_factor kept, the band between interpolated;
+  "yarn": each inverse frequency blended between itself and itself / `factor` by a ramp over
+  the dimensions turning between `beta_fast` and `beta_slow` times within
+  `original_max_position_embeddings` positions (ramp ends cut to whole dimensions when
+  `truncate`), and cos and sin multiplied by the attention factor (`attention_scaling`).
+  `attention_factor` None takes HF's default from factor, mscale and mscale_all_dim. A field
+  the type does not read must keep its default; `original_max_position_embeddings` is stated
+  (the loaders fill HF's default, the model's max_position_embeddings). Frozen and hashable:
+  part of the static configs.
+  """
+  rope_type: str = "none"
+  factor: float = 1.0
+  original_max_position_embeddings: int | None = None
+  low_freq_factor: float | None = None
+  high_freq_factor: float | None = None
+  beta_fast: float = 32.0
+  beta_slow: float = 1.0
+  attention_factor: float | None = None
+  mscale: float | None = None
+  mscale_all_dim: float | None = None
+  truncate: bool = True
+
+  def __post_init__(self):
+    kind = self.rope_type
+    if kind not in ROPE_TYPES:
+      raise ValueError(f"invalid RopeScaling: rope_type must be one of {ROPE_TYPES}, got "
+                       f"{kind!r}")
+    problems = [f"{f.name} does not apply to rope_type {kind!r} (got {getattr(self, f.name)!r})"
+                for f in dataclasses.fields(self) if f.name != "rope_type"
+                and f.name not in _ROPE_FIELDS[kind] and getattr(self, f.name) != f.default]
+    reads = _ROPE_FIELDS[kind]
+    if "factor" in reads and not (_finite(self.factor) and self.factor > 0):
+      problems.append(f"factor must be a finite number > 0, got {self.factor!r}")
+    orig = self.original_max_position_embeddings
+    if "original_max_position_embeddings" in reads and (
+        isinstance(orig, bool) or not isinstance(orig, (int, np.integer)) or orig <= 0):
+      problems.append(f"original_max_position_embeddings must be a positive int, got {orig!r}")
+    if kind == "llama3":
+      lo, hi = self.low_freq_factor, self.high_freq_factor
+      if not (_finite(lo) and _finite(hi) and 0 < lo < hi):
+        problems.append(f"low_freq_factor and high_freq_factor must be finite numbers with "
+                        f"0 < low < high, got {lo!r} and {hi!r}")
+    if kind == "yarn":
+      for name in ("beta_fast", "beta_slow"):
+        if not _finite(getattr(self, name)):
+          problems.append(f"{name} must be a finite number, got {getattr(self, name)!r}")
+      a = self.attention_factor
+      if a is not None and not (_finite(a) and a > 0):
+        problems.append(f"attention_factor must be None or a finite number > 0, got {a!r}")
+      for name in ("mscale", "mscale_all_dim"):
+        v = getattr(self, name)
+        if v is not None and not _finite(v):
+          problems.append(f"{name} must be None or a finite number, got {v!r}")
+      if not isinstance(self.truncate, (bool, np.bool_)):
+        problems.append(f"truncate must be a bool, got {self.truncate!r}")
+    if problems:
+      raise ValueError("invalid RopeScaling: " + "; ".join(problems))
+    for name in ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow",
+                 "attention_factor", "mscale", "mscale_all_dim"):
+      v = getattr(self, name)
+      object.__setattr__(self, name, None if v is None else float(v))
+    if orig is not None:
+      object.__setattr__(self, "original_max_position_embeddings", int(orig))
+    object.__setattr__(self, "truncate", bool(self.truncate))
+
+  @property
+  def attention_scaling(self) -> float:
+    """What cos and sin are multiplied by (HF's rotary `attention_scaling`, so q and k are
+    each scaled and the attention logits by its square): YaRN's attention factor, else 1.
+    Computed in float64 from the config, as HF's `_compute_yarn_parameters` does."""
+    if self.rope_type != "yarn":
+      return 1.0
+    if self.attention_factor is not None:
+      return self.attention_factor
+    if self.mscale and self.mscale_all_dim:
+      return (_yarn_mscale(self.factor, self.mscale)
+              / _yarn_mscale(self.factor, self.mscale_all_dim))
+    return _yarn_mscale(self.factor)
+
+  def to_hf(self) -> dict[str, Any] | None:
+    """HF's `rope_scaling` dict (None for "none"); `rope_from_hf` reads it back equal."""
+    if self.rope_type == "none":
+      return None
+    out: dict[str, Any] = {"rope_type": self.rope_type}
+    for name in _ROPE_FIELDS[self.rope_type]:
+      if getattr(self, name) is not None:
+        out[name] = getattr(self, name)
+    return out
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+  """YaRN's magnitude correction 0.1 mscale ln(scale) + 1 (1 for scale <= 1), HF's
+  `get_mscale`."""
+  return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
 @dataclasses.dataclass(frozen=True)
 class DFlashConfig:
   """Everything about a drafter's shape that a compiled step depends on.
@@ -159,6 +280,8 @@ class DFlashConfig:
   `family` is "dflash" (SPEC.md), "dflash2" or "dspark" (SPEC_dflash2_dspark);
   `family_fields` holds the family's own fields: None for "dflash", a DFlash2Fields or a
   DSparkFields (the `dflash2` / `dspark` properties return it, checked).
+  `rope_scaling` is the drafter's rope scaling (none, linear, llama3 or YaRN; None is read as
+  none): `rope_inv_freq` applies it to the table, its `attention_scaling` scales cos and sin.
   """
   n_layer: int
   n_embd: int
@@ -177,9 +300,14 @@ class DFlashConfig:
   # The drafter family whose block step runs this config (`dflash_jax.drafter.step.FAMILIES`).
   family: str = "dflash"
   family_fields: DFlash2Fields | DSparkFields | None = None
+  rope_scaling: RopeScaling = RopeScaling()
 
   def __post_init__(self):
     problems = []
+    if self.rope_scaling is None:
+      object.__setattr__(self, "rope_scaling", RopeScaling())
+    elif not isinstance(self.rope_scaling, RopeScaling):
+      problems.append(f"rope_scaling must be a RopeScaling or None, got {self.rope_scaling!r}")
     for name in ("n_layer", "n_embd", "n_ff", "n_head", "n_head_kv", "head_dim", "block_size"):
       v = getattr(self, name)
       if not isinstance(v, (int, np.integer)) or v <= 0:
@@ -346,13 +474,124 @@ class DFlashConfig:
     return int(w)
 
 
-def rope_inv_freq(head_dim: int, theta: float) -> np.ndarray:
-  """NEOX inverse frequencies theta^(-2i/hd), i < hd/2: computed in float64, returned as float32.
+def rope_inv_freq(dim: int, theta: float, scaling: RopeScaling | None = None,
+                  dtype: Any = np.float32) -> np.ndarray:
+  """NEOX inverse frequencies theta^(-2i/dim), i < dim/2, rescaled by `scaling` as HF's rope
+  utilities (`_compute_{linear_scaling,llama3,yarn}_parameters`) rescale them.
 
-  Computed on the host so no device pow is involved and every device sees the same table.
+  dim: the rotated dimensions (head_dim for full rotary). Computed in float64 on the host, so
+  no device pow is involved and every device sees the same table; returned as `dtype`
+  (float32, what the kernels take; float64 for the references). YaRN's attention factor is
+  `scaling.attention_scaling`.
   """
-  i = np.arange(head_dim // 2, dtype=np.float64)
-  return (float(theta) ** (-2.0 * i / head_dim)).astype(np.float32)
+  i = np.arange(dim // 2, dtype=np.float64)
+  inv = float(theta) ** (-2.0 * i / dim)
+  s = RopeScaling() if scaling is None else scaling
+  if s.rope_type == "linear":
+    inv = inv / s.factor
+  elif s.rope_type == "llama3":
+    old = float(s.original_max_position_embeddings)
+    lo, hi = s.low_freq_factor, s.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    smooth = (old / wavelen - lo) / (hi - lo)
+    medium = (1 - smooth) * inv / s.factor + smooth * inv
+    inv = np.where(wavelen < old / hi, inv, np.where(wavelen > old / lo, inv / s.factor, medium))
+  elif s.rope_type == "yarn":
+    def turns_dim(turns):   # the dimension that turns `turns` times in the original context
+      return (dim * math.log(s.original_max_position_embeddings / (turns * 2 * math.pi))
+              / (2 * math.log(theta)))
+    low, high = turns_dim(s.beta_fast), turns_dim(s.beta_slow)
+    if s.truncate:
+      low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+      high += 0.001   # HF's guard against a zero-width ramp
+    keep = 1 - np.clip((i - low) / (high - low), 0, 1)   # 1: the original frequency
+    inv = inv / s.factor * (1 - keep) + inv * keep
+  return inv.astype(dtype)
+
+
+def rope_from_hf(config: Mapping[str, Any], where: str) -> tuple[float | None, RopeScaling]:
+  """(rope_theta, RopeScaling) of an HF config dict; theta None when no key states it.
+
+  Reads `rope_theta` and the rope dicts in both spellings: `rope_scaling` (transformers 4:
+  {"type" or "rope_type": ..., "factor": ...}) and `rope_parameters` (transformers 5: the
+  theta and the scaling in one dict), each flat or keyed by layer type; every key that states
+  a value must agree. HF's defaults: rope_type "default" is no scaling, a missing
+  `original_max_position_embeddings` is `max_position_embeddings`, YaRN's beta_fast /
+  beta_slow 0 or absent are 32 / 1 and a null factor is max_position_embeddings / original.
+  Raises ValueError naming `where` and the key: an unsupported rope_type, missing or bad
+  values, disagreeing keys. The caller checks `partial_rotary_factor`, which this does not
+  read.
+  """
+  thetas, scalings = [], []
+  if config.get("rope_theta") is not None:
+    thetas.append(("rope_theta", config["rope_theta"]))
+  for key in ("rope_parameters", "rope_scaling"):
+    params = config.get(key)
+    if params is None:
+      continue
+    if not isinstance(params, Mapping):
+      raise ValueError(f"{where}: {key} is {params!r}, expected an object")
+    per_kind = [k for k in params if k in LAYER_TYPES]
+    subs = [(f"{key}.{k}", params[k]) for k in per_kind] if per_kind else [(key, params)]
+    for name, sub in subs:
+      if not isinstance(sub, Mapping):
+        raise ValueError(f"{where}: {name} is {sub!r}, expected an object")
+      if sub.get("rope_theta") is not None:
+        thetas.append((f"{name}.rope_theta", sub["rope_theta"]))
+      scalings.append((name, _scaling_from_hf(sub, name, config.get("max_position_embeddings"),
+                                              where)))
+  for name, v in thetas:
+    if not (_finite(v) and v > 0):
+      raise ValueError(f"{where}: {name} is {v!r}, expected a finite number > 0")
+  if len({float(v) for _, v in thetas}) > 1:
+    raise ValueError(f"{where}: rope thetas disagree: "
+                     + ", ".join(f"{k} = {v}" for k, v in thetas))
+  if len({s for _, s in scalings}) > 1:
+    raise ValueError(f"{where}: rope scalings disagree: "
+                     + ", ".join(f"{k} = {s.to_hf()}" for k, s in scalings))
+  return (float(thetas[0][1]) if thetas else None,
+          scalings[0][1] if scalings else RopeScaling())
+
+
+def _scaling_from_hf(sub: Mapping[str, Any], name: str, max_position: Any,
+                     where: str) -> RopeScaling:
+  """One HF rope dict (`name` is its key path) -> RopeScaling, with HF's defaults."""
+  types = {k: sub[k] for k in ("rope_type", "type") if sub.get(k) is not None}
+  if len(set(types.values())) > 1:
+    raise ValueError(f"{where}: {name}.rope_type {types['rope_type']!r} disagrees with "
+                     f"{name}.type {types['type']!r}")
+  hf_type = next(iter(types.values()), "default")
+  supported = {"default": "none", "linear": "linear", "llama3": "llama3", "yarn": "yarn"}
+  if hf_type not in supported:
+    raise ValueError(f"{where}: {name}.{next(iter(types))} {hf_type!r} is not supported "
+                     f"(supported: {sorted(supported)})")
+  kind = supported[hf_type]
+  if kind == "none":
+    return RopeScaling()
+  fields: dict[str, Any] = {"rope_type": kind, "factor": sub.get("factor")}
+  if kind in ("llama3", "yarn"):
+    orig = sub.get("original_max_position_embeddings", max_position)
+    if orig is None:
+      raise ValueError(f"{where}: {name} ({hf_type}) needs original_max_position_embeddings "
+                       "(nor is max_position_embeddings set)")
+    if isinstance(orig, float) and orig.is_integer():
+      orig = int(orig)
+    fields["original_max_position_embeddings"] = orig
+  if kind == "llama3":
+    fields.update(low_freq_factor=sub.get("low_freq_factor"),
+                  high_freq_factor=sub.get("high_freq_factor"))
+  if kind == "yarn":
+    if fields["factor"] is None and _finite(max_position) and _finite(orig) and orig > 0:
+      fields["factor"] = max_position / orig
+    fields.update(beta_fast=sub.get("beta_fast") or 32.0, beta_slow=sub.get("beta_slow") or 1.0,
+                  attention_factor=sub.get("attention_factor"), mscale=sub.get("mscale"),
+                  mscale_all_dim=sub.get("mscale_all_dim"), truncate=sub.get("truncate", True))
+  try:
+    return RopeScaling(**fields)
+  except ValueError as e:
+    raise ValueError(f"{where}: {name}: {e}") from None
 
 
 # The seed product's drafter (Muse Glimmer 30B assistant): 5 sliding layers, window 2048.

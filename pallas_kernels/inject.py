@@ -33,7 +33,7 @@ _FLOAT_STORAGE = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 def _inject_kernel(n_valid_ref, pos_ref, inv_ref, kn_ref, k_ref, v_ref, _rk_in, _rv_in,
                    _rp_in, rk_out, rv_out, rp_out, *, n_rows: int, d: int, eps: float,
-                   wrap: bool):
+                   attention_scaling: float, wrap: bool):
   br = k_ref.shape[0]
   h = d // 2
   hp = next_pow2(h)                       # a half's tile; lanes >= h masked when wider
@@ -80,7 +80,8 @@ def _inject_kernel(n_valid_ref, pos_ref, inv_ref, kn_ref, k_ref, v_ref, _rk_in, 
     halves = [load_tile(k_ref, (0, c0), (br, hp), lims).astype(jnp.float32) for c0 in (0, h)]
     k1, k2 = rms_rope_halves(*halves, load_tile(kn_ref, (0,), (hp,), (col_lim,)),
                              load_tile(kn_ref, (h,), (hp,), (col_lim,)), pos,
-                             load_tile(inv_ref, (0,), (hp,), (col_lim,)), eps, d)
+                             load_tile(inv_ref, (0,), (hp,), (col_lim,)), eps, d,
+                             attention_scaling)
     m = keep[:, None]
     half = jnp.arange(hp, dtype=jnp.int32)[None, :]
     if col_lim is not None:
@@ -136,13 +137,13 @@ def _check_shapes(name: str, ring_k, ring_v, ring_pos, kv, k_norm, positions, n_
   return n_layer, hkv, s, d, t
 
 
-@functools.partial(jax.jit, static_argnames=["eps", "wrap", "block_rows", "num_warps",
-                                             "num_stages", "interpret"])
+@functools.partial(jax.jit, static_argnames=["eps", "attention_scaling", "wrap", "block_rows",
+                                             "num_warps", "num_stages", "interpret"])
 def inject(ring_k: jax.Array, ring_v: jax.Array, ring_pos: jax.Array, kv: jax.Array,
            k_norm: jax.Array, positions: jax.Array, n_valid: jax.Array, inv_freq: jax.Array,
-           *, eps: float, wrap: bool = True, block_rows: int = 16, num_warps: int = 4,
-           num_stages: int = 1, interpret: bool | None = None
-           ) -> tuple[jax.Array, jax.Array, jax.Array]:
+           *, eps: float, attention_scaling: float = 1.0, wrap: bool = True,
+           block_rows: int = 16, num_warps: int = 4, num_stages: int = 1,
+           interpret: bool | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Writes rows t < n_valid of every layer into the ring at their slots.
 
   ring_k, ring_v: [L, Hkv, S, D] float32 or bfloat16; ring_pos: [S] int32; kv:
@@ -150,7 +151,8 @@ def inject(ring_k: jax.Array, ring_v: jax.Array, ring_pos: jax.Array, kv: jax.Ar
   this ring; k_norm: [L, D] float32; positions: [T] int32, >= 0; n_valid: int32 scalar or
   (1,); inv_freq: [D/2] float32. Slot of row t: positions[t] % S (wrap=True, a sliding ring)
   or positions[t] (wrap=False, a full-attention cache; rows with positions[t] >= S write
-  nothing). K is stored after rms_head(k_norm[l]) and NEOX rope at positions[t]; V raw; both
+  nothing). K is stored after rms_head(k_norm[l]) and NEOX rope at positions[t] (cos and sin
+  times attention_scaling, `norm_rope.rms_rope_halves`); V raw; both
   cast to the ring dtype. Later rows win on equal slots. Returns the updated (ring_k, ring_v,
   ring_pos), aliased to the inputs. Any T >= 1 and S >= 1; head_dim a multiple of 16 up to
   256 (`limits.check_head_dim`).
@@ -161,7 +163,8 @@ def inject(ring_k: jax.Array, ring_v: jax.Array, ring_pos: jax.Array, kv: jax.Ar
   check_head_dim(name, d)
   check(is_pow2(block_rows), name, "block_rows must be a power of 2", block_rows)
   n_tiles = pl.cdiv(t, block_rows)
-  kernel = functools.partial(_inject_kernel, n_rows=t, d=d, eps=eps, wrap=wrap)
+  kernel = functools.partial(_inject_kernel, n_rows=t, d=d, eps=eps,
+                             attention_scaling=attention_scaling, wrap=wrap)
   # Row tiles past T and a head width 2 H' (H' the power of 2 >= D/2) past D hang over the
   # arrays' ends; the kernel masks those lanes (0.11.2 Triton does not mask block reads).
   dp = 2 * next_pow2(d // 2)
@@ -192,11 +195,11 @@ def inject(ring_k: jax.Array, ring_v: jax.Array, ring_pos: jax.Array, kv: jax.Ar
   )(n_valid.reshape(1), positions, inv_freq, k_norm, kv, kv, ring_k, ring_v, ring_pos)
 
 
-@functools.partial(jax.jit, static_argnames=["eps", "wrap"])
+@functools.partial(jax.jit, static_argnames=["eps", "attention_scaling", "wrap"])
 def inject_reference(ring_k: jax.Array, ring_v: jax.Array, ring_pos: jax.Array, kv: jax.Array,
                      k_norm: jax.Array, positions: jax.Array, n_valid: jax.Array,
-                     inv_freq: jax.Array, *, eps: float, wrap: bool = True
-                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+                     inv_freq: jax.Array, *, eps: float, attention_scaling: float = 1.0,
+                     wrap: bool = True) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Pure-jnp twin of `inject` (same arguments, minus the tuning knobs); any shape."""
   n_layer, hkv, s, d, t = _check_shapes("inject_reference", ring_k, ring_v, ring_pos, kv,
                                         k_norm, positions, n_valid, inv_freq)
@@ -215,7 +218,7 @@ def inject_reference(ring_k: jax.Array, ring_v: jax.Array, ring_pos: jax.Array, 
 
   def norm_rope(x, wn):  # one layer: [Hkv*T, D]
     return jnp.concatenate(rms_rope_halves(x[:, :h], x[:, h:], wn[:h], wn[h:], pos, inv_freq,
-                                           eps, d), axis=-1)
+                                           eps, d, attention_scaling), axis=-1)
 
   k = jax.vmap(norm_rope)(k, k_norm).reshape(n_layer, hkv, t, d)
   v = kv[:, :, 1].transpose(1, 2, 0, 3)

@@ -22,15 +22,16 @@ from pallas_kernels.limits import check_head_dim, check_width
 
 
 def rms_rope_halves(x1: jax.Array, x2: jax.Array, w1: jax.Array, w2: jax.Array,
-                    pos: jax.Array, inv_freq: jax.Array, eps: float, head_dim: int
-                    ) -> tuple[jax.Array, jax.Array]:
+                    pos: jax.Array, inv_freq: jax.Array, eps: float, head_dim: int,
+                    attention_scaling: float = 1.0) -> tuple[jax.Array, jax.Array]:
   """rms_head then NEOX rope of rows split into halves (x1 = x[:, :D/2], x2 = x[:, D/2:]).
 
   Works on halves because Pallas Triton cannot slice or concatenate register values: kernels
   load and store the two halves through sliced Refs. x1, x2: [R, H] float32 with H >= D/2
   (head_dim D); w1, w2: [H] float32; pos: [R] int32; inv_freq: [H] float32. Lanes past D/2
   (a kernel's power-of-2 padding) must hold zeros in x1, x2: they add nothing to the mean
-  square, which divides by head_dim. Shared by the kernels and their twins so that both round
+  square, which divides by head_dim. attention_scaling (static; YaRN's attention factor, 1
+  otherwise) multiplies cos and sin. Shared by the kernels and their twins so that both round
   identically.
   """
   ms = (jnp.sum(x1 * x1, axis=-1) + jnp.sum(x2 * x2, axis=-1)) / head_dim
@@ -39,6 +40,10 @@ def rms_rope_halves(x1: jax.Array, x2: jax.Array, w1: jax.Array, w2: jax.Array,
   b = x2 * r * w2[None, :]
   angle = pos.astype(jnp.float32)[:, None] * inv_freq[None, :]
   c, s = jnp.cos(angle), jnp.sin(angle)
+  if attention_scaling != 1.0:
+    # Where HF puts it: its rotary embedding multiplies cos and sin, so q and k are each
+    # scaled after the rotation (the attention logits by the factor squared).
+    c, s = c * attention_scaling, s * attention_scaling
   return a * c - b * s, b * c + a * s
 
 
@@ -52,7 +57,7 @@ def _part_sum(x_ref, c0: int, sizes: tuple[int, int], limits) -> jax.Array:
 
 
 def _qk_norm_rope_kernel(n_past_ref, inv_ref, qn_ref, kn_ref, x_ref, *outs, group: int, t: int,
-                         d: int, eps: float, parts: bool):
+                         d: int, eps: float, attention_scaling: float, parts: bool):
   # Program (h, j): query head h*G + j for j < G, kv head h's k for j == G, its v for G + 1.
   # Blocks are [T', 2 H'] for T' and H' the powers of 2 >= T and D/2; the lanes past T and
   # D/2 are masked (no mask when T and D/2 are powers of 2).
@@ -87,7 +92,8 @@ def _qk_norm_rope_kernel(n_past_ref, inv_ref, qn_ref, kn_ref, x_ref, *outs, grou
                        load_tile(qn_ref, (c0,), (hp,), lims[1:]))
 
     y1, y2 = rms_rope_halves(x1, x2, norm_half(0), norm_half(h), pos,
-                             load_tile(inv_ref, (0,), (hp,), lims[1:]), eps, d)
+                             load_tile(inv_ref, (0,), (hp,), lims[1:]), eps, d,
+                             attention_scaling)
 
     @pl.when(is_k)
     def _():
@@ -127,13 +133,14 @@ def _check_shapes(name: str, qkv, q_norm, k_norm, n_past, inv_freq, n_head: int,
   return t, g, d
 
 
-@functools.partial(jax.jit, static_argnames=["n_head", "n_head_kv", "eps", "parts", "num_warps",
-                                             "interpret"])
+@functools.partial(jax.jit, static_argnames=["n_head", "n_head_kv", "eps", "attention_scaling",
+                                             "parts", "num_warps", "interpret"])
 def qk_norm_rope(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array, n_past: jax.Array,
                  inv_freq: jax.Array, *, n_head: int, n_head_kv: int, eps: float,
-                 parts: bool = False, num_warps: int = 4, interpret: bool | None = None
-                 ) -> tuple[jax.Array, ...]:
-  """q, k: rms_head (q_norm / k_norm) then NEOX rope at n_past + t; v: re-laid out only.
+                 attention_scaling: float = 1.0, parts: bool = False, num_warps: int = 4,
+                 interpret: bool | None = None) -> tuple[jax.Array, ...]:
+  """q, k: rms_head (q_norm / k_norm) then NEOX rope at n_past + t, cos and sin times
+  attention_scaling (`rms_rope_halves`); v: re-laid out only.
 
   qkv: [T, (Hq + 2 Hkv) * D] float32 (q heads, k heads, v heads), or the split-K partials
   [S, T, (Hq + 2 Hkv) * D] of the projection, summed here (parts[0] + parts[1] + ...) so the
@@ -162,7 +169,8 @@ def qk_norm_rope(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array, n_past: j
   def head_of(h, j):
     return jnp.where(j < g, h * g + j, jnp.where(j == g, n_head + h, n_head + hkv + h))
 
-  kernel = functools.partial(_qk_norm_rope_kernel, group=g, t=t, d=d, eps=eps, parts=parts)
+  kernel = functools.partial(_qk_norm_rope_kernel, group=g, t=t, d=d, eps=eps,
+                             attention_scaling=attention_scaling, parts=parts)
   n_out, dtype = (2, jnp.bfloat16) if parts else (1, jnp.float32)
   # Power-of-2 blocks (rows T' >= T, head width 2 H' >= D) hang over the arrays' ends when T
   # or D/2 is not a power of 2; the kernel masks those lanes.
@@ -202,10 +210,10 @@ def _sum_parts(qkv: jax.Array) -> jax.Array:
   return acc
 
 
-@functools.partial(jax.jit, static_argnames=["n_head", "n_head_kv", "eps"])
+@functools.partial(jax.jit, static_argnames=["n_head", "n_head_kv", "eps", "attention_scaling"])
 def qk_norm_rope_reference(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array,
                            n_past: jax.Array, inv_freq: jax.Array, *, n_head: int,
-                           n_head_kv: int, eps: float
+                           n_head_kv: int, eps: float, attention_scaling: float = 1.0
                            ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Pure-jnp twin of `qk_norm_rope` (same arguments, minus the tuning knobs); any shape."""
   t, g, d = _check_shapes("qk_norm_rope_reference", qkv, q_norm, k_norm, n_past, inv_freq,
@@ -218,7 +226,7 @@ def qk_norm_rope_reference(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array,
     n = x.shape[1]
     rows = jnp.transpose(x, (1, 0, 2)).reshape(n * t, d)
     y1, y2 = rms_rope_halves(rows[:, :h], rows[:, h:], w[:h], w[h:], jnp.tile(pos, n),
-                             inv_freq, eps, d)
+                             inv_freq, eps, d, attention_scaling)
     return jnp.concatenate([y1, y2], axis=-1).reshape(n, t, d)
 
   q = norm_rope(heads[:, :n_head], q_norm)                       # [Hq, T, D]

@@ -28,16 +28,20 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
   return x / np.sqrt(ms + _F32(eps)) * np.asarray(w, _F32)
 
 
-def rope_neox(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
+def rope_neox(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray,
+              attention_scaling: float = 1.0) -> np.ndarray:
   """NEOX (rotate-half) rope of x [..., T, H, D] at positions [T].
 
   The angle is float32(pos) * inv_freq in float32, exactly as kernels compute it, so that
-  kernels and reference agree tightly even at large positions.
+  kernels and reference agree tightly even at large positions. cos and sin are multiplied by
+  attention_scaling (YaRN's attention factor), where HF's rotary embedding multiplies them.
   """
   x = np.asarray(x, _F32)
   half = x.shape[-1] // 2
   angle = np.asarray(positions).astype(_F32)[:, None] * np.asarray(inv_freq, _F32)[None, :]
   cos, sin = np.cos(angle)[:, None, :], np.sin(angle)[:, None, :]  # [T, 1, D/2] over heads
+  if attention_scaling != 1.0:
+    cos, sin = cos * _F32(attention_scaling), sin * _F32(attention_scaling)
   x1, x2 = x[..., :half], x[..., half:]
   return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
@@ -171,7 +175,8 @@ class DFlashRef:
     self.cfg = cfg
     self.dtype = _precision(dtype)
     self.ring_dtype = _precision(ring_dtype)
-    self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta)
+    self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    self.rope_scale = cfg.rope_scaling.attention_scaling
     self.w = self._check_weights(w)
     self.n_vocab = self.w["tok_embd"].shape[0]
     self.sliding_layers = [l for l in range(cfg.n_layer) if cfg.is_sliding(l)]
@@ -287,7 +292,8 @@ class DFlashRef:
     for i, l in enumerate(layers):
       k = self._linear(h[rows], f"blk.{l}.attn_k").reshape(-1, cfg.n_head_kv, cfg.head_dim)
       v = self._linear(h[rows], f"blk.{l}.attn_v").reshape(-1, cfg.n_head_kv, cfg.head_dim)
-      k = rope_neox(rms_norm(k, self.w[f"blk.{l}.attn_k_norm"], cfg.eps), pos, self.inv_freq)
+      k = rope_neox(rms_norm(k, self.w[f"blk.{l}.attn_k_norm"], cfg.eps), pos, self.inv_freq,
+                    self.rope_scale)
       store_k[i][:, slots] = self._store(k).transpose(1, 0, 2)
       store_v[i][:, slots] = self._store(v).transpose(1, 0, 2)
     store_pos[slots] = pos
@@ -301,8 +307,10 @@ class DFlashRef:
     q = self._linear(a, p + "attn_q").reshape(b, cfg.n_head, cfg.head_dim)
     k = self._linear(a, p + "attn_k").reshape(b, cfg.n_head_kv, cfg.head_dim)
     v = self._linear(a, p + "attn_v").reshape(b, cfg.n_head_kv, cfg.head_dim)
-    q = rope_neox(rms_norm(q, self.w[p + "attn_q_norm"], cfg.eps), positions, self.inv_freq)
-    k = rope_neox(rms_norm(k, self.w[p + "attn_k_norm"], cfg.eps), positions, self.inv_freq)
+    q = rope_neox(rms_norm(q, self.w[p + "attn_q_norm"], cfg.eps), positions, self.inv_freq,
+                  self.rope_scale)
+    k = rope_neox(rms_norm(k, self.w[p + "attn_k_norm"], cfg.eps), positions, self.inv_freq,
+                  self.rope_scale)
     stored_k, stored_v, stored_pos, window = self.layer_kv(l)
     o = attention(q, stored_k, stored_v, stored_pos, k, v, n_past, window, block_visible)
     return o.reshape(b, -1)

@@ -162,7 +162,8 @@ def test_config_from_hf_qwen3_and_llama(tmp_path):
     ({"use_sliding_window": True}, "use_sliding_window=True"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
     ({"num_key_value_heads": 5}, "must be a multiple of num_key_value_heads"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling type 'yarn'"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}},
+     "config.json: rope_scaling.rope_type 'dynamic' is not supported"),
     ({"rms_norm_eps": None}, "missing config keys \\['rms_norm_eps'\\]"),
     ({"rope_theta": None}, "rope_theta"),
 ])

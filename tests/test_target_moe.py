@@ -97,7 +97,8 @@ def test_config_from_hf_qwen3_30b_a3b():
     ({"moe_intermediate_size": None}, r"missing config keys \['moe_intermediate_size'\]"),
     ({"rope_theta": None}, "rope_theta"),
     ({"use_sliding_window": True}, "use_sliding_window=True"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling 'yarn'"),
+    ({"rope_scaling": {"type": "longrope", "factor": 4.0}},
+     "config.json: rope_scaling.type 'longrope' is not supported"),
     ({"num_experts_per_tok": 200}, "num_experts_per_tok \\(200\\) exceeds num_experts"),
     ({"mlp_only_layers": [48]}, "mlp_only_layers \\[48\\] must lie in"),
 ])

@@ -107,8 +107,8 @@ def train_drafter(args) -> int:
         n_head=args.heads or tcfg.num_attention_heads,
         n_head_kv=args.kv_heads or tcfg.num_key_value_heads,
         head_dim=args.head_dim or tcfg.head_dim, rope_theta=tcfg.rope_theta,
-        eps=tcfg.rms_norm_eps, target_layers=layers, mask_token_id=tok.mask_id,
-        block_size=args.block, window=args.window, layer_types=kinds)
+        rope_scaling=tcfg.rope_scaling, eps=tcfg.rms_norm_eps, target_layers=layers,
+        mask_token_id=tok.mask_id, block_size=args.block, window=args.window, layer_types=kinds)
   except ValueError as e:
     raise C.arg_error("--layers/--heads/--block", e)
   if not args.any_shape:

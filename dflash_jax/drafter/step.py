@@ -185,7 +185,8 @@ def _inject(params: DrafterParams, ring: RingState, h: jax.Array, positions: jax
     with jax.named_scope(f"inject/{ip.kind}/kv"):
       kv = linear(h, ip.w, policy=params.policy, impl=impl).reshape(
           lead + (t, ip.k_norm.shape[0], 2, cfg.n_head_kv, cfg.head_dim))
-    write = functools.partial(ops.inject, eps=cfg.eps, wrap=ip.kind == SLIDING)
+    write = functools.partial(ops.inject, eps=cfg.eps, wrap=ip.kind == SLIDING,
+                              attention_scaling=cfg.rope_scaling.attention_scaling)
     if n_slots is not None:
       write = jax.vmap(write, in_axes=(0, 0, 0, 0, None, 0, 0, None))
     with jax.named_scope(f"inject/{ip.kind}/write"):
@@ -304,7 +305,8 @@ def attend(blk: Block, l: int, qkv: jax.Array) -> jax.Array:
   def norm_rope(qkv, n_past, parts=False):
     kw = dict(parts=True) if parts else {}   # the jnp twin (impl "xla") takes no parts
     return ops.qk_norm_rope(qkv, lp.q_norm, lp.k_norm, n_past, params.inv_freq,
-                            n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, eps=cfg.eps, **kw)
+                            n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, eps=cfg.eps,
+                            attention_scaling=cfg.rope_scaling.attention_scaling, **kw)
 
   n_slots, w = blk.n_slots, blk.w
   if n_slots is None and route.kernel != "mgpu":

@@ -49,7 +49,7 @@ class DrafterParams:
   enc_norm: jax.Array      # [n_embd] f32
   out_norm: jax.Array      # [n_embd] f32
   inject: tuple[InjectParams, ...]   # one per `cfg.kind_groups` entry, same order
-  inv_freq: jax.Array      # [D/2] f32, from the host float64 table
+  inv_freq: jax.Array      # [D/2] f32, from the host float64 table (cfg.rope_scaling applied)
   tok_embd: jax.Array      # [n_vocab, n_embd]
   lm_head: jax.Array       # [n_vocab, n_embd], or [n_draft_vocab, n_embd] (a reduced draft vocab)
   layers: tuple[LayerParams, ...]
@@ -158,7 +158,7 @@ def prepare_weights(cfg: DFlashConfig, w: dict[str, np.ndarray], dtype: Any = "f
   embd_dtype = resolve_dtype(fmt) if fmt in ("fp32", "bf16") else jnp.bfloat16
   return DrafterParams(
       fc=mat("fc"), enc_norm=vec("enc.output_norm"), out_norm=vec("output_norm"), inject=inject,
-      inv_freq=jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta)),
+      inv_freq=jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)),
       tok_embd=jnp.asarray(np.asarray(w["tok_embd"], np.float32) if embd_dtype == jnp.float32
                            else quant.to_bf16(w["tok_embd"])),
       lm_head=mat("lm_head"), layers=tuple(layers), cfg=cfg, policy=policy)

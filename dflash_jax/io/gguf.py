@@ -7,13 +7,14 @@ instead of as a silent acceptance collapse later.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any, Mapping
 
 import gguf
 import numpy as np
 
-from dflash_jax.config import (DEFAULT_BLOCK_SIZE, FULL, SLIDING, DFlashConfig,
+from dflash_jax.config import (DEFAULT_BLOCK_SIZE, FULL, SLIDING, DFlashConfig, RopeScaling,
                                drafter_tensor_shapes)
 from dflash_jax.io import atomic
 from dflash_jax.io.errors import DrafterFormatError, GGUFFormatError, checked_drafter_weights
@@ -30,6 +31,17 @@ KEY_SWA_PATTERN = "dflash.attention.sliding_window_pattern"  # bool per layer, t
 KEY_CONTEXT = "dflash.context_length"
 KEY_MASK = "tokenizer.ggml.mask_token_id"
 KEY_MASK_OLD = "dflash.mask_token_id"  # PR-branch files
+# Rope scaling: llama.cpp's keys (gguf.Keys.Rope) and its meaning of them, see _read_rope.
+_ROPE_KEYS = gguf.Keys.Rope
+KEY_ROPE_TYPE = _ROPE_KEYS.SCALING_TYPE.format(arch=ARCH)
+KEY_ROPE_FACTOR = _ROPE_KEYS.SCALING_FACTOR.format(arch=ARCH)
+KEY_ROPE_ORIG_CTX = _ROPE_KEYS.SCALING_ORIG_CTX_LEN.format(arch=ARCH)
+KEY_ROPE_ATTN_FACTOR = _ROPE_KEYS.SCALING_ATTN_FACTOR.format(arch=ARCH)
+KEY_YARN_BETA_FAST = _ROPE_KEYS.SCALING_YARN_BETA_FAST.format(arch=ARCH)
+KEY_YARN_BETA_SLOW = _ROPE_KEYS.SCALING_YARN_BETA_SLOW.format(arch=ARCH)
+KEY_YARN_LOG_MUL = _ROPE_KEYS.SCALING_YARN_LOG_MUL.format(arch=ARCH)
+KEY_YARN_EXT_FACTOR = _ROPE_KEYS.SCALING_YARN_EXT_FACTOR.format(arch=ARCH)
+KEY_YARN_ATTN_FACTOR = _ROPE_KEYS.SCALING_YARN_ATTN_FACTOR.format(arch=ARCH)
 # Required scalar keys, by DFlashConfig field.
 INT_KEYS = {
     "n_layer": "dflash.block_count",
@@ -53,6 +65,7 @@ SAVE_TYPES = {"F32": _QT.F32, "F16": _QT.F16, "BF16": _QT.BF16, "Q8_0": _QT.Q8_0
 _FILE_TYPES = {_QT.F32: gguf.LlamaFileType.ALL_F32, _QT.F16: gguf.LlamaFileType.MOSTLY_F16,
                _QT.BF16: gguf.LlamaFileType.MOSTLY_BF16, _QT.Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0}
 _Q8_0_BLOCK, _Q8_0_BYTES = gguf.GGML_QUANT_SIZES[_QT.Q8_0]
+_REQUIRED = object()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -137,7 +150,10 @@ def _get_int(reader: gguf.GGUFReader, path: str, key: str, required: bool = True
   return None if v is None else int(v)
 
 
-def _get_float(reader: gguf.GGUFReader, path: str, key: str) -> float:
+def _get_float(reader: gguf.GGUFReader, path: str, key: str, default: Any = _REQUIRED) -> float:
+  """The float at `key`; `default` when absent (required when no default is given)."""
+  if default is not _REQUIRED and reader.get_field(key) is None:
+    return default
   v = float(_get(reader, path, key, _FLOAT_TYPES, "a float (f32)"))
   # The file holds f32; take the shortest decimal that rounds to it (1e-6, not 9.99999997e-07),
   # so a saved config loads back equal and the f32 the kernels see is unchanged.
@@ -186,6 +202,7 @@ def _read_config(reader: gguf.GGUFReader, path: str) -> DFlashConfig:
                 f"{[i for i, p in enumerate(pattern) if p]} sliding, but the file has no "
                 f"{KEY_WINDOW!r} (their window)")
   fields["layer_types"] = tuple(SLIDING if p else FULL for p in pattern)
+  fields["rope_scaling"] = _read_rope(reader, path, fields["context_length"])
   try:
     cfg = DFlashConfig(**fields)
   except ValueError as e:
@@ -195,6 +212,85 @@ def _read_config(reader: gguf.GGUFReader, path: str) -> DFlashConfig:
     raise _fail(path, f"{KEY_VALUE_LENGTH!r} = {value_length} differs from "
                 f"{INT_KEYS['head_dim']!r} = {cfg.head_dim}; DFlash needs them equal")
   return cfg
+
+
+def _read_rope(reader: gguf.GGUFReader, path: str, context_length: int | None) -> RopeScaling:
+  """The rope scaling as llama.cpp reads `dflash.rope.scaling.*`: type none (or absent),
+  linear (factor) or yarn (factor; original_context_length, else the context length;
+  yarn_beta_fast / yarn_beta_slow, default 32 / 1; the ramp always truncated). llama.cpp's
+  YaRN attention factor is HF's default from the factor (with `yarn_log_multiplier` M:
+  mscale 1 and mscale_all_dim M) times `attn_factor`. Keys llama.cpp's readers disagree on
+  or that have no HF meaning are errors naming the key and the file."""
+  kind = _get(reader, path, KEY_ROPE_TYPE, {_VT.STRING}, "a string", required=False)
+  if kind is None or kind == "none":
+    return RopeScaling()
+  if kind not in ("linear", "yarn"):
+    raise _fail(path, f"metadata key {KEY_ROPE_TYPE!r} is {kind!r}; supported: 'none', "
+                "'linear', 'yarn' (llama.cpp's types that a drafter file can state; llama.cpp "
+                "keeps llama3 scaling in a rope_freqs tensor)")
+  factor = _get_float(reader, path, KEY_ROPE_FACTOR)
+  attn = _get_float(reader, path, KEY_ROPE_ATTN_FACTOR, 1.0)
+  try:
+    if kind == "linear":
+      if attn != 1.0:
+        raise _fail(path, f"metadata key {KEY_ROPE_ATTN_FACTOR!r} = {attn} with linear "
+                    "scaling: HF's linear rope has no attention factor")
+      return RopeScaling("linear", factor=factor)
+    for key, ok, why in (
+        (KEY_YARN_EXT_FACTOR, (-1.0, 1.0), "llama.cpp's extrapolation mix other than 1 (HF's "
+         "YaRN) is not supported"),
+        (KEY_YARN_ATTN_FACTOR, (1.0,), "llama.cpp's converter writes HF's attention_factor "
+         "here while its runtime ignores the key for YaRN, so the file's meaning is not "
+         f"settled: state the factor relative to YaRN's default in {KEY_ROPE_ATTN_FACTOR!r}")):
+      v = _get_float(reader, path, key, ok[0])
+      if v not in ok:
+        raise _fail(path, f"metadata key {key!r} = {v}: {why}")
+    orig = _get_int(reader, path, KEY_ROPE_ORIG_CTX, required=False)
+    orig = context_length if orig is None else orig
+    if orig is None:
+      raise _fail(path, f"YaRN scaling needs {KEY_ROPE_ORIG_CTX!r} (or {KEY_CONTEXT!r})")
+    rope = RopeScaling("yarn", factor=factor, original_max_position_embeddings=orig,
+                       beta_fast=_get_float(reader, path, KEY_YARN_BETA_FAST, 32.0),
+                       beta_slow=_get_float(reader, path, KEY_YARN_BETA_SLOW, 1.0))
+    log_mul = _get_float(reader, path, KEY_YARN_LOG_MUL, 0.0)
+    if log_mul:
+      rope = dataclasses.replace(rope, mscale=1.0, mscale_all_dim=log_mul)
+    if attn != 1.0:
+      # The product to float32 precision, as its shortest decimal (an HF factor such as 1.3
+      # saved by _rope_keys loads back as 1.3).
+      total = float(str(np.float32(rope.attention_scaling * attn)))
+      rope = dataclasses.replace(rope, attention_factor=total, mscale=None, mscale_all_dim=None)
+    return rope
+  except ValueError as e:
+    if isinstance(e, DrafterFormatError):
+      raise
+    raise _fail(path, f"rope scaling ({KEY_ROPE_TYPE!r} = {kind!r}): {e}") from None
+
+
+def _rope_keys(cfg: DFlashConfig, where: str) -> list[tuple[str, Any, Any]]:
+  """(key, value, GGUF type) of cfg's rope scaling as llama.cpp reads it (`_read_rope`); an
+  error for what llama.cpp's keys cannot state."""
+  s = cfg.rope_scaling
+  if s.rope_type == "none":
+    return []
+  if s.rope_type == "llama3":
+    raise _fail(where, "llama3 rope scaling has no GGUF metadata form (llama.cpp keeps it in a "
+                "rope_freqs tensor, which a drafter file does not hold): save an HF folder")
+  keys = [(KEY_ROPE_TYPE, s.rope_type, _VT.STRING), (KEY_ROPE_FACTOR, s.factor, _VT.FLOAT32)]
+  if s.rope_type == "yarn":
+    if not s.truncate:
+      raise _fail(where, "YaRN with truncate=False has no GGUF key (llama.cpp always cuts the "
+                  "ramp to whole dimensions): save an HF folder")
+    keys += [(KEY_ROPE_ORIG_CTX, s.original_max_position_embeddings, _VT.UINT32),
+             (KEY_YARN_BETA_FAST, s.beta_fast, _VT.FLOAT32),
+             (KEY_YARN_BETA_SLOW, s.beta_slow, _VT.FLOAT32)]
+    default = dataclasses.replace(s, attention_factor=None, mscale=None, mscale_all_dim=None)
+    if s.attention_scaling != default.attention_scaling:
+      # llama.cpp multiplies YaRN's default factor by this key (float32: the factor loads
+      # back to float32 precision, `_read_rope`).
+      keys.append((KEY_ROPE_ATTN_FACTOR, s.attention_scaling / default.attention_scaling,
+                   _VT.FLOAT32))
+  return keys
 
 
 def _numpy_shape(t: Any) -> tuple[int, ...]:
@@ -293,9 +389,10 @@ def save_gguf_drafter(path: str | os.PathLike, cfg: DFlashConfig, w: Mapping[str
                 f"{KEY_WINDOW!r} (a file without it is full attention on every layer, "
                 "docs/SPEC.md section 2): give the config one (dataclasses.replace(cfg, "
                 "window=2048))")
+  rope = _rope_keys(cfg, where)
   arrays = checked_drafter_weights(cfg, w, where)
   encoded = {name: _encode(name, a, qtype, where) for name, a in arrays.items()}
-  _write_atomically(path, lambda writer: _fill_writer(writer, cfg, encoded, qtype))
+  _write_atomically(path, lambda writer: _fill_writer(writer, cfg, rope, encoded, qtype))
   return path
 
 
@@ -313,12 +410,14 @@ def _encode(name: str, a: np.ndarray, qtype: Any, where: str) -> tuple[np.ndarra
   return data, qtype
 
 
-def _fill_writer(writer: gguf.GGUFWriter, cfg: DFlashConfig,
+def _fill_writer(writer: gguf.GGUFWriter, cfg: DFlashConfig, rope: list[tuple[str, Any, Any]],
                  encoded: Mapping[str, tuple[np.ndarray, Any]], qtype: Any) -> None:
   for field, key in INT_KEYS.items():
     writer.add_uint32(key, getattr(cfg, field))
   for field, key in FLOAT_KEYS.items():
     writer.add_float32(key, getattr(cfg, field))
+  for key, value, vtype in rope:
+    writer.add_key_value(key, value, vtype)
   writer.add_uint32(KEY_VALUE_LENGTH, cfg.head_dim)
   writer.add_key_value(KEY_TARGET_LAYERS, list(cfg.target_layers), _VT.ARRAY, sub_type=_VT.INT32)
   writer.add_uint32(KEY_BLOCK_SIZE, cfg.block_size)

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from dflash_jax.config import (DEFAULT_BLOCK_SIZE, FULL, LAYER_TYPES, SLIDING, DFlashConfig,
-                               drafter_tensor_shapes)
+                               RopeScaling, drafter_tensor_shapes, rope_from_hf)
 from dflash_jax.io import atomic
 from dflash_jax.io import safetensors as safetensors_io
 from dflash_jax.io.errors import (DrafterFormatError, SafetensorsFormatError,
@@ -77,8 +77,9 @@ def config_from_hf(config: Mapping[str, Any] | str | os.PathLike) -> DFlashConfi
   level (DeepSpec's files); present in both, they must agree. Attention kinds follow
   transformers' Qwen3Config: `layer_types` (any mix of sliding and full layers) with
   `sliding_window`; without `layer_types`, its `use_sliding_window` / `max_window_layers` rule.
-  `max_position_embeddings` becomes `context_length`. Raises DrafterFormatError naming the file
-  (or "config.json" for a dict) and the key.
+  `max_position_embeddings` becomes `context_length`. The rope: `rope_theta` and its scaling
+  (none, linear, llama3, yarn) from `rope_scaling` / `rope_parameters` (`config.rope_from_hf`).
+  Raises DrafterFormatError naming the file (or "config.json" for a dict) and the key.
   """
   if isinstance(config, Mapping):
     where = CONFIG_FILE
@@ -118,11 +119,12 @@ def config_from_hf(config: Mapping[str, Any] | str | os.PathLike) -> DFlashConfi
     head_dim = n_embd // n_head
   layer_types, window = _attention_kinds(config, n_layer, where)
   context = config.get("max_position_embeddings")
+  theta, rope_scaling = _rope(config, where)
   fields = dict(
       n_layer=n_layer, n_embd=n_embd, n_ff=_int(config, "intermediate_size", where),
       n_head=n_head, n_head_kv=_int(config, "num_key_value_heads", where, default=n_head),
       head_dim=_int({"head_dim": head_dim}, "head_dim", where),
-      rope_theta=_rope_theta(config, where), eps=_float(config, "rms_norm_eps", where),
+      rope_theta=theta, rope_scaling=rope_scaling, eps=_float(config, "rms_norm_eps", where),
       target_layers=tuple(i + 1 for i in ids),
       mask_token_id=_int({"mask_token_id": mask}, "mask_token_id", where),
       block_size=DEFAULT_BLOCK_SIZE if block is None else
@@ -157,7 +159,8 @@ def config_to_hf(cfg: DFlashConfig, dtype: str = "bf16") -> dict[str, Any]:
       "num_hidden_layers": cfg.n_layer, "num_attention_heads": cfg.n_head,
       "num_key_value_heads": cfg.n_head_kv, "head_dim": cfg.head_dim,
       "hidden_act": "silu", "attention_bias": False, "rms_norm_eps": cfg.eps,
-      "rope_theta": cfg.rope_theta, "block_size": cfg.block_size,
+      "rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling.to_hf(),
+      "block_size": cfg.block_size,
       "dflash_config": {"target_layer_ids": [t - 1 for t in cfg.target_layers],
                         "mask_token_id": cfg.mask_token_id},
       "layer_types": list(cfg.kinds), "sliding_window": cfg.window,
@@ -223,37 +226,25 @@ def _check_plain_qwen3(config: Mapping[str, Any], dflash: Mapping[str, Any], whe
       raise _fail(where, f"{name} is true; the DFlash block attention is non-causal")
 
 
-def _rope_theta(config: Mapping[str, Any], where: str) -> float:
-  """rope_theta from the top level or `rope_parameters` / `rope_scaling` (flat, or keyed by
-  layer type as transformers 5 writes them); only plain (default-type, full) rope."""
-  thetas = []
-  if config.get("rope_theta") is not None:
-    thetas.append(("rope_theta", _float(config, "rope_theta", where)))
+def _rope(config: Mapping[str, Any], where: str) -> tuple[float, RopeScaling]:
+  """rope_theta and the rope scaling (`rope_from_hf`: top level, `rope_parameters` and
+  `rope_scaling`, flat or keyed by layer type, all agreeing); DFlash ropes the full head_dim."""
   for key in ("rope_parameters", "rope_scaling"):
     params = config.get(key)
-    if params is None:
-      continue
-    if not isinstance(params, Mapping):
-      raise _fail(where, f"{key} is {params!r}, expected an object")
-    per_kind = [k for k in params if k in LAYER_TYPES]
-    subs = [(f"{key}.{k}", params[k]) for k in per_kind] if per_kind else [(key, params)]
-    for name, sub in subs:
-      if not isinstance(sub, Mapping):
-        raise _fail(where, f"{name} is {sub!r}, expected an object")
-      kind = sub.get("rope_type", sub.get("type", "default"))
-      if kind != "default":
-        raise _fail(where, f"{name} has rope type {kind!r}; only plain (default) rope is "
-                    "supported")
-      if sub.get("partial_rotary_factor", 1.0) != 1.0:
-        raise _fail(where, f"{name}.partial_rotary_factor is {sub['partial_rotary_factor']}; "
-                    "DFlash ropes the full head_dim")
-      if sub.get("rope_theta") is not None:
-        thetas.append((f"{name}.rope_theta", _float(sub, "rope_theta", where)))
-  if not thetas:
+    if isinstance(params, Mapping):
+      per_kind = [k for k in params if k in LAYER_TYPES]
+      for name, sub in ([(f"{key}.{k}", params[k]) for k in per_kind] if per_kind
+                        else [(key, params)]):
+        if isinstance(sub, Mapping) and sub.get("partial_rotary_factor", 1.0) != 1.0:
+          raise _fail(where, f"{name}.partial_rotary_factor is {sub['partial_rotary_factor']}; "
+                      "DFlash ropes the full head_dim")
+  try:
+    theta, scaling = rope_from_hf(config, where)
+  except ValueError as e:
+    raise DrafterFormatError(str(e)) from None
+  if theta is None:
     raise _fail(where, "missing key 'rope_theta' (nor rope_parameters.rope_theta)")
-  if len({v for _, v in thetas}) > 1:
-    raise _fail(where, "rope thetas disagree: " + ", ".join(f"{k} = {v}" for k, v in thetas))
-  return thetas[0][1]
+  return theta, scaling
 
 
 def _attention_kinds(config: Mapping[str, Any], n_layer: int,

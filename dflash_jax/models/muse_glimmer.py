@@ -37,7 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.config import FULL, LAYER_TYPES, SLIDING, rope_inv_freq
+from dflash_jax.config import (FULL, LAYER_TYPES, SLIDING, RopeScaling, rope_from_hf,
+                               rope_inv_freq)
 from dflash_jax.models import base
 from dflash_jax.models.qwen3 import normals, rope
 from dflash_jax.dispatch import KernelPolicy, linear, resolve_dtype, rms_norm
@@ -57,7 +58,8 @@ class MuseGlimmerConfig:
   `layer_types` / `layer_rope_theta` None take HF's defaults (every 4th layer counted back
   from the last is full attention without rope); both are stored resolved, one entry per
   layer. A nonzero `layer_rope_theta` only switches rope on: the angle uses `rope_theta`
-  (HF does the same). `final_logit_softcapping` None: no softcap.
+  (HF does the same), scaled by `rope_scaling` (as in qwen3.TargetConfig).
+  `final_logit_softcapping` None: no softcap.
   """
   vocab_size: int
   hidden_size: int
@@ -78,9 +80,14 @@ class MuseGlimmerConfig:
   tie_word_embeddings: bool = False
   max_position_embeddings: int = 131072
   eos_token_ids: tuple[int, ...] = ()
+  rope_scaling: RopeScaling = RopeScaling()
 
   def __post_init__(self):
     problems = []
+    if self.rope_scaling is None:
+      object.__setattr__(self, "rope_scaling", RopeScaling())
+    elif not isinstance(self.rope_scaling, RopeScaling):
+      problems.append(f"rope_scaling must be a RopeScaling or None, got {self.rope_scaling!r}")
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                  "num_attention_heads", "num_key_value_heads", "head_dim", "sliding_window",
                  "max_position_embeddings"):
@@ -196,7 +203,8 @@ class MuseGlimmerConfig:
         "rms_norm_eps": self.rms_norm_eps, "post_norm_eps": self.post_norm_eps,
         "qk_scale_factor": self.qk_scale_factor, "output_multiplier": self.output_multiplier,
         "final_logit_softcapping": self.final_logit_softcapping,
-        "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+        "rope_parameters": {"rope_theta": self.rope_theta,
+                            **(self.rope_scaling.to_hf() or {"rope_type": "default"})},
         "sliding_window": self.sliding_window, "layer_types": list(self.layer_types),
         "layer_rope_theta": list(self.layer_rope_theta),
         "tie_word_embeddings": self.tie_word_embeddings,
@@ -229,15 +237,11 @@ def config_from_hf(config: Mapping[str, Any], where: str = "config") -> MuseGlim
   required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
               "num_attention_heads")
   missing = [k for k in required if k not in c]
-  rope = c.get("rope_parameters") or {}
-  theta = c.get("rope_theta", rope.get("rope_theta"))
+  theta, scaling = rope_from_hf(c, where)
   if theta is None:
     missing.append("rope_parameters.rope_theta")
   if missing:
     raise ValueError(f"{where}: missing config keys {missing}")
-  if rope.get("rope_type", "default") != "default":
-    raise ValueError(f"{where}: rope_parameters.rope_type {rope['rope_type']!r} is not "
-                     "supported (only 'default')")
   eos = c.get("eos_token_id", config.get("eos_token_id"))
   try:
     return MuseGlimmerConfig(
@@ -254,7 +258,8 @@ def config_from_hf(config: Mapping[str, Any], where: str = "config") -> MuseGlim
         layer_types=c.get("layer_types"), layer_rope_theta=c.get("layer_rope_theta"),
         tie_word_embeddings=bool(c.get("tie_word_embeddings",
                                        config.get("tie_word_embeddings", False))),
-        max_position_embeddings=c.get("max_position_embeddings", 131072), eos_token_ids=eos)
+        max_position_embeddings=c.get("max_position_embeddings", 131072), eos_token_ids=eos,
+        rope_scaling=scaling)
   except ValueError as e:
     raise ValueError(f"{where}: {e}") from None
 
@@ -363,7 +368,8 @@ def _layer(cfg: MuseGlimmerConfig, l: int, lp: MuseLayer, x: jax.Array, position
   k = rms_norm(y[:, qd:qd + kvd].reshape(b, t, cfg.num_key_value_heads, d), 1.0, eps)
   v = y[:, qd + kvd:qd + 2 * kvd].reshape(b, t, cfg.num_key_value_heads, d)
   if cfg.has_rope(l):
-    q, k = rope(q, positions, freqs), rope(k, positions, freqs)
+    scale = cfg.rope_scaling.attention_scaling
+    q, k = rope(q, positions, freqs, scale), rope(k, positions, freqs, scale)
   o, kept = attend(q, k, v)
   o = o.reshape(b * t, qd) * jax.nn.sigmoid(y[:, qd + 2 * kvd:])   # the gate of the normed h
   x = x + rms_norm(linear(o, lp.wo, policy=policy, impl=impl), 1.0 + lp.post_attn_norm, post)
@@ -379,7 +385,7 @@ def _trunk(params: MuseParams, cfg: MuseGlimmerConfig, tokens: jax.Array, positi
   layer). attend_layer(l) gives layer l's attend function."""
   capture = cfg.check_capture_layers(capture_layers)
   b, t = tokens.shape
-  freqs = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta))
+  freqs = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
   x = rms_norm(params.embed[tokens.reshape(-1)], 1.0, cfg.rms_norm_eps)   # weight-less
   seen, kept = {}, []
   for l, lp in enumerate(params.layers):

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from dflash_jax.config import rope_inv_freq
+from dflash_jax.config import RopeScaling, rope_from_hf, rope_inv_freq
 from dflash_jax.models import base
 from dflash_jax.dispatch import KernelPolicy, linear, resolve_dtype, rms_norm
 
@@ -50,8 +50,8 @@ _ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
 class TargetConfig:
   """The target's shape (HF config.json names); frozen and hashable (a static jit argument).
 
-  `rope_scaling` is None or HF's llama3 rope scaling as sorted (key, value) pairs (the only
-  scaling supported). `eos_token_ids` are the config's end-of-sequence ids (may be empty).
+  `rope_scaling` is the rope scaling (none, linear, llama3, yarn; None is read as none).
+  `eos_token_ids` are the config's end-of-sequence ids (may be empty).
   """
   vocab_size: int
   hidden_size: int
@@ -65,7 +65,7 @@ class TargetConfig:
   tie_word_embeddings: bool = False
   qk_norm: bool = True
   max_position_embeddings: int = 40960
-  rope_scaling: tuple[tuple[str, Any], ...] | None = None
+  rope_scaling: RopeScaling = RopeScaling()
   eos_token_ids: tuple[int, ...] = ()
 
   def __post_init__(self):
@@ -85,16 +85,10 @@ class TargetConfig:
       problems.append(f"rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
     if not (self.rope_theta > 0):
       problems.append(f"rope_theta must be > 0, got {self.rope_theta!r}")
-    if isinstance(self.rope_scaling, Mapping):
-      object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
-    if self.rope_scaling is not None:
-      rs = dict(self.rope_scaling)
-      kind = rs.get("rope_type", rs.get("type"))
-      need = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-      if kind != "llama3":
-        problems.append(f"rope_scaling type {kind!r} is not supported (only 'llama3')")
-      elif any(k not in rs for k in need):
-        problems.append(f"llama3 rope_scaling needs {need}, got {sorted(rs)}")
+    if self.rope_scaling is None:
+      object.__setattr__(self, "rope_scaling", RopeScaling())
+    elif not isinstance(self.rope_scaling, RopeScaling):
+      problems.append(f"rope_scaling must be a RopeScaling or None, got {self.rope_scaling!r}")
     ids = self.eos_token_ids
     object.__setattr__(self, "eos_token_ids", tuple(int(i) for i in (
         () if ids is None else (ids,) if isinstance(ids, (int, np.integer)) else ids)))
@@ -155,7 +149,7 @@ class TargetConfig:
         "num_attention_heads": self.num_attention_heads,
         "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
         "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
-        "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
+        "rope_scaling": self.rope_scaling.to_hf(),
         "tie_word_embeddings": self.tie_word_embeddings,
         "max_position_embeddings": self.max_position_embeddings, "hidden_act": "silu",
         "attention_bias": False, "mlp_bias": False,
@@ -163,20 +157,10 @@ class TargetConfig:
     }
 
 
-def inv_freq(cfg: TargetConfig) -> np.ndarray:
-  """The NEOX inverse frequencies [head_dim / 2] (float32; llama3 scaling applied in float64)."""
-  base = rope_inv_freq(cfg.head_dim, cfg.rope_theta)
-  if cfg.rope_scaling is None:
-    return base
-  rs = dict(cfg.rope_scaling)
-  f = base.astype(np.float64)
-  factor, lo, hi = float(rs["factor"]), float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
-  old = float(rs["original_max_position_embeddings"])
-  wavelen = 2 * math.pi / f
-  smooth = (old / wavelen - lo) / (hi - lo)
-  medium = (1 - smooth) * f / factor + smooth * f
-  out = np.where(wavelen < old / hi, f, np.where(wavelen > old / lo, f / factor, medium))
-  return out.astype(np.float32)
+def inv_freq(cfg) -> np.ndarray:
+  """The NEOX inverse frequencies [head_dim / 2] float32, cfg.rope_scaling applied (the host
+  float64 table, `config.rope_inv_freq`)."""
+  return rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
 
 
 # --- parameters ------------------------------------------------------------------------------
@@ -261,10 +245,16 @@ def init_params(cfg: TargetConfig, key: jax.Array, dtype: Any = jnp.float32) -> 
 
 # --- the layer (shared by every path) --------------------------------------------------------
 
-def rope(x: jax.Array, positions: jax.Array, freqs: jax.Array) -> jax.Array:
-  """NEOX rope of x [B, T, H, D] at positions [B, T]: angle = float32(pos) * inv_freq."""
+def rope(x: jax.Array, positions: jax.Array, freqs: jax.Array,
+         attention_scaling: float = 1.0) -> jax.Array:
+  """NEOX rope of x [B, T, H, D] at positions [B, T]: angle = float32(pos) * inv_freq; cos
+  and sin times attention_scaling (static: YaRN's attention factor, 1 otherwise)."""
   angle = positions.astype(jnp.float32)[:, :, None, None] * freqs
   cos, sin = jnp.cos(angle), jnp.sin(angle)
+  if attention_scaling != 1.0:
+    # Where HF puts it: its rotary embedding multiplies cos and sin, so q and k are each
+    # scaled after the rotation (the attention logits by the factor squared).
+    cos, sin = cos * attention_scaling, sin * attention_scaling
   x1, x2 = jnp.split(x, 2, axis=-1)
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
@@ -303,7 +293,8 @@ def attention_block(cfg, lp, x: jax.Array, positions: jax.Array, freqs: jax.Arra
   v = qkv[:, cfg.q_dim + cfg.kv_dim:].reshape(b, t, cfg.num_key_value_heads, d)
   if cfg.qk_norm:
     q, k = rms_norm(q, lp.q_norm, eps), rms_norm(k, lp.k_norm, eps)
-  q, k = rope(q, positions, freqs), rope(k, positions, freqs)
+  scale = cfg.rope_scaling.attention_scaling
+  q, k = rope(q, positions, freqs, scale), rope(k, positions, freqs, scale)
   o, kept = attend(q, k, v)
   return x + linear(o.reshape(b * t, cfg.q_dim), lp.wo, policy=policy, impl=impl), kept
 
@@ -485,17 +476,11 @@ def config_from_hf(config: Mapping[str, Any], where: str) -> TargetConfig:
   required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
               "num_attention_heads", "rms_norm_eps")
   missing = [k for k in required if k not in c]
-  rope = c.get("rope_parameters") or {}
-  theta = c.get("rope_theta", rope.get("rope_theta"))
+  theta, scaling = rope_from_hf(c, where)
   if theta is None:
     missing.append("rope_theta (or rope_parameters.rope_theta)")
   if missing:
     raise ValueError(f"{where}: missing config keys {missing}")
-  scaling = c.get("rope_scaling")
-  if scaling is None and rope.get("rope_type", "default") != "default":
-    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-  if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "default":
-    scaling = None
   heads = c["num_attention_heads"]
   try:
     return TargetConfig(

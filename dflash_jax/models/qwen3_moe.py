@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from dflash_jax.config import RopeScaling, rope_from_hf
 from dflash_jax.models import base, qwen3
 from dflash_jax.models.qwen3 import TargetCache, TargetLayer, TargetParams
 from dflash_jax.dispatch import KernelPolicy, linear, resolve_dtype, rms_norm
@@ -48,7 +49,7 @@ SLOT_MAX_ROWS = moe_gemm.MAX_ROWS
 @dataclasses.dataclass(frozen=True)
 class Qwen3MoeConfig:
   """The model's shape (HF config.json names); frozen and hashable. `mlp_only_layers` is a
-  sorted tuple."""
+  sorted tuple; `rope_scaling` as in qwen3.TargetConfig."""
   vocab_size: int
   hidden_size: int
   intermediate_size: int
@@ -67,9 +68,14 @@ class Qwen3MoeConfig:
   tie_word_embeddings: bool = False
   max_position_embeddings: int = 40960
   eos_token_ids: tuple[int, ...] = ()
+  rope_scaling: RopeScaling = RopeScaling()
 
   def __post_init__(self):
     problems = []
+    if self.rope_scaling is None:
+      object.__setattr__(self, "rope_scaling", RopeScaling())
+    elif not isinstance(self.rope_scaling, RopeScaling):
+      problems.append(f"rope_scaling must be a RopeScaling or None, got {self.rope_scaling!r}")
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                  "num_attention_heads", "num_key_value_heads", "head_dim", "num_experts",
                  "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step",
@@ -134,7 +140,6 @@ class Qwen3MoeConfig:
 
   # --- what qwen3's attention and cache read ---
   qk_norm = True
-  rope_scaling = None
 
   @property
   def q_dim(self) -> int:
@@ -165,7 +170,7 @@ class Qwen3MoeConfig:
         "moe_intermediate_size": self.moe_intermediate_size,
         "norm_topk_prob": self.norm_topk_prob, "decoder_sparse_step": self.decoder_sparse_step,
         "mlp_only_layers": list(self.mlp_only_layers), "rms_norm_eps": self.rms_norm_eps,
-        "rope_theta": self.rope_theta, "rope_scaling": None,
+        "rope_theta": self.rope_theta, "rope_scaling": self.rope_scaling.to_hf(),
         "tie_word_embeddings": self.tie_word_embeddings,
         "max_position_embeddings": self.max_position_embeddings, "hidden_act": "silu",
         "attention_bias": False, "use_sliding_window": False,
@@ -188,17 +193,11 @@ def config_from_hf(config: Mapping[str, Any], where: str = "config") -> Qwen3Moe
   required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
               "num_experts", "num_experts_per_tok", "moe_intermediate_size")
   missing = [k for k in required if k not in c]
-  rope = c.get("rope_parameters") or {}
-  theta = c.get("rope_theta", rope.get("rope_theta"))
+  theta, scaling = rope_from_hf(c, where)
   if theta is None:
     missing.append("rope_theta (or rope_parameters.rope_theta)")
   if missing:
     raise ValueError(f"{where}: missing config keys {missing}")
-  scaling = c.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default"
-                                      else None)
-  if scaling is not None and scaling.get("rope_type", scaling.get("type")) != "default":
-    raise ValueError(f"{where}: rope scaling {scaling.get('rope_type', scaling.get('type'))!r} "
-                     "is not supported")
   heads = c["num_attention_heads"]
   try:
     return Qwen3MoeConfig(
@@ -215,7 +214,7 @@ def config_from_hf(config: Mapping[str, Any], where: str = "config") -> Qwen3Moe
         rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)), rope_theta=float(theta),
         tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
         max_position_embeddings=c.get("max_position_embeddings", 40960),
-        eos_token_ids=c.get("eos_token_id"))
+        eos_token_ids=c.get("eos_token_id"), rope_scaling=scaling)
   except ValueError as e:
     raise ValueError(f"{where}: {e}") from None
 

@@ -64,13 +64,15 @@ def cast_matrices(tree: Any, dtype: Any) -> Any:
 
 
 def _norm_rope(x: jax.Array, w: jax.Array, pos: jax.Array, inv_freq: jax.Array,
-               eps: float) -> jax.Array:
-  """rms_head + NEOX rope of x [..., H, D] at pos (broadcast to x.shape[:-1])."""
+               eps: float, attention_scaling: float) -> jax.Array:
+  """rms_head + NEOX rope of x [..., H, D] at pos (broadcast to x.shape[:-1]), cos and sin
+  times attention_scaling."""
   shape = x.shape
   h = shape[-1] // 2
   rows = x.astype(jnp.float32).reshape(-1, shape[-1])
   p = jnp.broadcast_to(pos[..., None], shape[:-1]).reshape(-1).astype(jnp.int32)
-  y1, y2 = rms_rope_halves(rows[:, :h], rows[:, h:], w[:h], w[h:], p, inv_freq, eps, shape[-1])
+  y1, y2 = rms_rope_halves(rows[:, :h], rows[:, h:], w[:h], w[h:], p, inv_freq, eps, shape[-1],
+                           attention_scaling)
   return jnp.concatenate([y1, y2], axis=-1).reshape(shape)
 
 
@@ -115,7 +117,8 @@ def block_logits(w: Weights, tok_embd: jax.Array, lm_head: jax.Array, cfg: DFlas
   cw = cast_matrices(w, dt)
   bsz, hq, hkv, d, eps = cfg.block_size, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.eps
   g = hq // hkv
-  inv_freq = jnp.asarray(rope_inv_freq(d, cfg.rope_theta))
+  inv_freq = jnp.asarray(rope_inv_freq(d, cfg.rope_theta, cfg.rope_scaling))
+  rope = (inv_freq, eps, cfg.rope_scaling.attention_scaling)
   prec = jax.lax.Precision.HIGHEST if dt == jnp.float32 else None
 
   def lin(x, name, **kw):
@@ -139,13 +142,13 @@ def block_logits(w: Weights, tok_embd: jax.Array, lm_head: jax.Array, cfg: DFlas
   for l in range(cfg.n_layer):
     p = f"blk.{l}."
     k_ctx = _norm_rope(lin(h, p + "attn_k").reshape(s, t, hkv, d), cw[p + "attn_k_norm"],
-                       ctx_pos, inv_freq, eps)
+                       ctx_pos, *rope)
     v_ctx = lin(h, p + "attn_v").reshape(s, t, hkv, d)
     a = rms_norm(x, cw[p + "attn_norm"], eps)
     q = _norm_rope(lin(a, p + "attn_q").reshape(s, n_a, bsz, hq, d), cw[p + "attn_q_norm"],
-                   blk_pos, inv_freq, eps).reshape(s, n_a, bsz, hkv, g, d)
+                   blk_pos, *rope).reshape(s, n_a, bsz, hkv, g, d)
     k = _norm_rope(lin(a, p + "attn_k").reshape(s, n_a, bsz, hkv, d), cw[p + "attn_k_norm"],
-                   blk_pos, inv_freq, eps)
+                   blk_pos, *rope)
     v = lin(a, p + "attn_v").reshape(s, n_a, bsz, hkv, d)
     # Scores over the context [.., T] and over the block's own keys [.., B], one softmax.
     sc = dot("sabkgd,stkd->sabkgt", q, k_ctx) * scale

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from dflash_jax.config import rope_from_hf, rope_inv_freq
+
 PREFIX = "model.language_model."
 
 
@@ -34,6 +36,7 @@ def text_config(config: dict) -> dict:
   if c.get("layer_rope_theta") is None:
     c["layer_rope_theta"] = [0.0 if (n - 1 - i) % 4 == 0 else theta for i in range(n)]
   c["rope_theta"] = theta
+  c["rope"] = rope_from_hf(c, "text_config")[1]   # RopeScaling
   return c
 
 
@@ -41,14 +44,15 @@ def _rms(x, eps):
   return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
 
 
-def _rope(x, positions, theta):
-  """NEOX rope of x [T, H, D] at positions [T] over the whole head."""
+def _rope(x, positions, inv_freq, attention_scaling):
+  """NEOX rope of x [T, H, D] at positions [T] over the whole head: the float64 table of
+  `dflash_jax.config.rope_inv_freq` (its scaling certified in tests/test_rope_scaling.py), cos
+  and sin times the attention scaling as HF's rotary embedding applies it."""
   d = x.shape[-1]
-  inv = theta ** (-np.arange(0, d, 2, dtype=np.float64) / d)
-  ang = positions[:, None, None].astype(np.float64) * inv
+  ang = positions[:, None, None].astype(np.float64) * inv_freq
+  cos, sin = np.cos(ang) * attention_scaling, np.sin(ang) * attention_scaling
   x1, x2 = x[..., :d // 2], x[..., d // 2:]
-  return np.concatenate([x1 * np.cos(ang) - x2 * np.sin(ang),
-                         x2 * np.cos(ang) + x1 * np.sin(ang)], -1)
+  return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
 
 
 def hidden_states(config: dict, tensors: dict, tokens, prefix: str = PREFIX):
@@ -62,6 +66,8 @@ def hidden_states(config: dict, tensors: dict, tokens, prefix: str = PREFIX):
   tokens = np.asarray(tokens)
   t = len(tokens)
   pos = np.arange(t)
+  rope = (rope_inv_freq(d, c["rope_theta"], c["rope"], np.float64),
+          c["rope"].attention_scaling)
   x = _rms(t64(prefix + "embed_tokens.weight")[tokens], eps)   # weight-less embedding norm
   hs = [x]
   for i in range(c["num_hidden_layers"]):
@@ -74,7 +80,7 @@ def hidden_states(config: dict, tensors: dict, tokens, prefix: str = PREFIX):
     q = _rms(q, eps) * c["qk_scale_factor"]
     k = _rms(k, eps)
     if c["layer_rope_theta"][i] != 0:   # an on/off switch: the global theta is used
-      q, k = _rope(q, pos, c["rope_theta"]), _rope(k, pos, c["rope_theta"])
+      q, k = _rope(q, pos, *rope), _rope(k, pos, *rope)
     diff = pos[:, None] - pos[None, :]
     mask = diff >= 0
     if c["layer_types"][i] == "sliding_attention":

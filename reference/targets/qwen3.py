@@ -5,18 +5,22 @@ from __future__ import annotations
 
 import numpy as np
 
+from dflash_jax.config import rope_inv_freq
+
 
 def _rms(x, w, eps):
   return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
-def _rope(x, positions, theta):
-  """NEOX rope of x [T, H, D] at positions [T] (inverse frequencies in float64)."""
+def _rope(x, positions, inv_freq, attention_scaling):
+  """NEOX rope of x [T, H, D] at positions [T] over the whole head: the float64 table of
+  `dflash_jax.config.rope_inv_freq` (its scaling certified in tests/test_rope_scaling.py), cos
+  and sin times the attention scaling as HF's rotary embedding applies it."""
   d = x.shape[-1]
-  inv = theta ** (-np.arange(0, d, 2, dtype=np.float64) / d)
-  ang = positions[:, None, None].astype(np.float64) * inv
+  ang = positions[:, None, None].astype(np.float64) * inv_freq
+  cos, sin = np.cos(ang) * attention_scaling, np.sin(ang) * attention_scaling
   x1, x2 = x[..., :d // 2], x[..., d // 2:]
-  return np.concatenate([x1 * np.cos(ang) - x2 * np.sin(ang), x2 * np.cos(ang) + x1 * np.sin(ang)], -1)
+  return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
 
 
 def hidden_states(params, cfg, tokens):
@@ -26,6 +30,8 @@ def hidden_states(params, cfg, tokens):
   hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
   t = len(tokens)
   pos = np.arange(t)
+  rope = (rope_inv_freq(d, cfg.rope_theta, cfg.rope_scaling, np.float64),
+          cfg.rope_scaling.attention_scaling)
   x = f64(params.embed)[np.asarray(tokens)]
   hs = [x]
   for lp in params.layers:
@@ -38,7 +44,7 @@ def hidden_states(params, cfg, tokens):
     if cfg.qk_norm:
       q = _rms(q, f64(lp.q_norm), cfg.rms_norm_eps)
       k = _rms(k, f64(lp.k_norm), cfg.rms_norm_eps)
-    q, k = _rope(q, pos, cfg.rope_theta), _rope(k, pos, cfg.rope_theta)
+    q, k = _rope(q, pos, *rope), _rope(k, pos, *rope)
     o = np.zeros((t, hq, d))
     for h in range(hq):
       kh = h // (hq // hkv)

@@ -9,19 +9,22 @@ from __future__ import annotations
 
 import numpy as np
 
+from dflash_jax.config import rope_from_hf, rope_inv_freq
+
 
 def _rms(x, w, eps):
   return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
-def _rope(x, positions, theta):
-  """NEOX rope of x [T, H, D] at positions [T] over the whole head."""
+def _rope(x, positions, inv_freq, attention_scaling):
+  """NEOX rope of x [T, H, D] at positions [T] over the whole head: the float64 table of
+  `dflash_jax.config.rope_inv_freq` (its scaling certified in tests/test_rope_scaling.py), cos
+  and sin times the attention scaling as HF's rotary embedding applies it."""
   d = x.shape[-1]
-  inv = theta ** (-np.arange(0, d, 2, dtype=np.float64) / d)
-  ang = positions[:, None, None].astype(np.float64) * inv
+  ang = positions[:, None, None].astype(np.float64) * inv_freq
+  cos, sin = np.cos(ang) * attention_scaling, np.sin(ang) * attention_scaling
   x1, x2 = x[..., :d // 2], x[..., d // 2:]
-  return np.concatenate([x1 * np.cos(ang) - x2 * np.sin(ang),
-                         x2 * np.cos(ang) + x1 * np.sin(ang)], -1)
+  return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
 
 
 def _silu(g):
@@ -58,7 +61,8 @@ def hidden_states(config: dict, tensors: dict, tokens):
   hkv = c.get("num_key_value_heads", hq)
   d = c.get("head_dim") or c["hidden_size"] // hq
   eps = c["rms_norm_eps"]
-  theta = float(c.get("rope_theta", (c.get("rope_parameters") or {}).get("rope_theta", 0)))
+  theta, scaling = rope_from_hf(c, "config")
+  rope = rope_inv_freq(d, theta, scaling, np.float64), scaling.attention_scaling
   tokens = np.asarray(tokens)
   t = len(tokens)
   pos = np.arange(t)
@@ -72,7 +76,7 @@ def hidden_states(config: dict, tensors: dict, tokens):
     q = _rms((a @ w("self_attn.q_proj").T).reshape(t, hq, d), w("self_attn.q_norm"), eps)
     k = _rms((a @ w("self_attn.k_proj").T).reshape(t, hkv, d), w("self_attn.k_norm"), eps)
     v = (a @ w("self_attn.v_proj").T).reshape(t, hkv, d)
-    q, k = _rope(q, pos, theta), _rope(k, pos, theta)
+    q, k = _rope(q, pos, *rope), _rope(k, pos, *rope)
     o = np.zeros((t, hq, d))
     for head in range(hq):
       kh = head // (hq // hkv)
