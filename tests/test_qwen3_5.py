@@ -230,8 +230,8 @@ def test_config_from_hf_and_back():
     ({"text_config": {"hidden_act": "gelu"}}, "hidden_act 'gelu'"),
     ({"text_config": {"linear_num_value_heads": 40}}, "multiple of linear_num_key_heads"),
     ({"text_config": {"layer_types": ["linear_attention"] * 3}}, "layer_types has 3 entries"),
-    ({"text_config": {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e7}}},
-     "rope_type 'yarn' is not supported"),
+    ({"text_config": {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e7}}},
+     "rope_parameters.rope_type 'dynamic' is not supported"),
     ({"text_config": {"vocab_size": None}}, r"missing config keys \['vocab_size'\]"),
 ])
 def test_config_from_hf_errors(change, message):
@@ -481,3 +481,36 @@ def test_pallas_path_gpu():
       ref, _ = M.forward_jit(p, cfg, seq)
       np.testing.assert_allclose(logits, ref[:, -4:], rtol=1e-4, atol=1e-4)
     np.testing.assert_array_equal(states["replay"], states["snapshot"])
+
+
+def test_yarn_rope_scaling_round_trips_and_turns_the_rotary_dims():
+  """A YaRN config reads from rope_parameters (with partial_rotary_factor beside it), writes
+  back to the same config, and the attention layer's rope turns the first rot dims by the
+  scaled table with cos and sin times the attention factor (float64 check); the other dims
+  pass through."""
+  import math
+  from dflash_jax.config import RopeScaling, rope_inv_freq
+  c = json.loads(json.dumps(QWEN3_5_27B_TEXT))
+  c["text_config"]["rope_parameters"] = {
+      "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768,
+      "rope_theta": 1e7, "partial_rotary_factor": 0.25}
+  cfg = M.config_from_hf(c, "config.json")
+  assert cfg.rope_scaling == RopeScaling(rope_type="yarn", factor=4.0,
+                                         original_max_position_embeddings=32768)
+  assert M.config_from_hf(cfg.to_hf(), "again") == cfg
+  scale = cfg.rope_scaling.attention_scaling
+  assert abs(scale - (0.1 * math.log(4.0) + 1.0)) < 1e-12   # HF's default YaRN mscale
+  freqs = rope_inv_freq(cfg.rot, cfg.rope_theta, cfg.rope_scaling)
+  x = np.random.default_rng(0).standard_normal((1, 1, 2, cfg.head_dim)).astype(np.float32)
+  pos = 100_000   # past the original context
+  got = np.asarray(M._rope(jnp.asarray(x), jnp.full((1, 1), pos, jnp.int32), jnp.asarray(freqs),
+                           scale))
+  half = cfg.rot // 2
+  ang = (np.float32(pos) * freqs).astype(np.float64)   # the angle in float32, as SPEC fixes it
+  x64 = x.astype(np.float64)
+  want = x64.copy()
+  want[..., :half] = (x64[..., :half] * np.cos(ang) - x64[..., half:cfg.rot] * np.sin(ang)) * scale
+  want[..., half:cfg.rot] = (x64[..., half:cfg.rot] * np.cos(ang)
+                             + x64[..., :half] * np.sin(ang)) * scale
+  np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
+  np.testing.assert_array_equal(got[..., cfg.rot:], x[..., cfg.rot:])

@@ -56,7 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from dflash_jax.config import rope_inv_freq
+from dflash_jax.config import RopeScaling, rope_from_hf, rope_inv_freq
 from dflash_jax.models import base
 from dflash_jax.models.qwen3 import _attention, _write
 from dflash_jax.dispatch import KernelPolicy, linear, resolve_dtype, rms_norm
@@ -104,6 +104,8 @@ class TargetConfig:
   max_position_embeddings: int = 262144
   eos_token_ids: tuple[int, ...] = ()
   model_type: str = "qwen3_5"
+  # The rope scaling of the rotary dims (config.RopeScaling: none / linear / llama3 / yarn).
+  rope_scaling: RopeScaling = RopeScaling()
   rollback: str = "replay"
 
   def __post_init__(self):
@@ -266,12 +268,14 @@ class TargetConfig:
         "max_position_embeddings": self.max_position_embeddings,
         "tie_word_embeddings": self.tie_word_embeddings,
         "eos_token_id": eos[0] if len(eos) == 1 else (eos or None)}
+    scaling = self.rope_scaling.to_hf()
     if self.model_type == "qwen3_next":   # flat rope keys, dense MLP in every layer
       return {"architectures": [_ARCHITECTURES["qwen3_next"]], "model_type": "qwen3_next",
-              **text, "rope_theta": self.rope_theta,
+              **text, "rope_theta": self.rope_theta, "rope_scaling": scaling,
               "partial_rotary_factor": self.partial_rotary_factor, "num_experts": 0,
               "decoder_sparse_step": 1, "mlp_only_layers": []}
-    text["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope_theta,
+    text["rope_parameters"] = {**(scaling or {"rope_type": "default"}),
+                               "rope_theta": self.rope_theta,
                                "partial_rotary_factor": self.partial_rotary_factor}
     if self.model_type == "qwen3_5_text":
       return {"architectures": [_ARCHITECTURES["qwen3_5_text"]], "model_type": "qwen3_5_text",
@@ -324,10 +328,7 @@ def config_from_hf(config: Mapping[str, Any], where: str) -> TargetConfig:
   rope = dict(c.get("rope_parameters") or {})
   if c.get("rope_scaling"):
     rope = {**c["rope_scaling"], **rope}
-  kind = rope.get("rope_type", rope.get("type", "default"))
-  if kind != "default":
-    raise ValueError(f"{where}: rope_type {kind!r} is not supported (only 'default')")
-  theta = rope.get("rope_theta", c.get("rope_theta"))
+  theta, scaling = rope_from_hf(c, where)
   if theta is None:
     raise ValueError(f"{where}: missing config keys ['rope_parameters.rope_theta']")
   heads = c["num_attention_heads"]
@@ -354,7 +355,7 @@ def config_from_hf(config: Mapping[str, Any], where: str) -> TargetConfig:
                                              get("partial_rotary_factor"))),
         tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
         max_position_embeddings=get("max_position_embeddings"),
-        eos_token_ids=c.get("eos_token_id"), model_type=model_type)
+        eos_token_ids=c.get("eos_token_id"), model_type=model_type, rope_scaling=scaling)
   except ValueError as e:
     raise ValueError(f"{where}: {e}") from None
 
@@ -482,11 +483,15 @@ def _norm1p(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
   return rms_norm(x, 1.0 + w, eps)
 
 
-def _rope(x: jax.Array, positions: jax.Array, freqs: jax.Array) -> jax.Array:
-  """NEOX rope of the first 2 len(freqs) dims of x [B, T, H, D] at positions [B, T]."""
+def _rope(x: jax.Array, positions: jax.Array, freqs: jax.Array,
+          attention_scaling: float = 1.0) -> jax.Array:
+  """NEOX rope of the first 2 len(freqs) dims of x [B, T, H, D] at positions [B, T]; cos and
+  sin carry the rope scaling's attention factor, as HF applies it (config.RopeScaling)."""
   rot = 2 * freqs.shape[0]
   angle = positions.astype(jnp.float32)[:, :, None, None] * freqs
   cos, sin = jnp.cos(angle), jnp.sin(angle)
+  if attention_scaling != 1.0:
+    cos, sin = cos * attention_scaling, sin * attention_scaling
   x1, x2, rest = x[..., :rot // 2], x[..., rot // 2:rot], x[..., rot:]
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
 
@@ -503,7 +508,8 @@ def _attention_mix(cfg: TargetConfig, lp: AttnLayer, h: jax.Array, positions: ja
   k = qkv[:, 2 * cfg.q_dim:2 * cfg.q_dim + cfg.kv_dim].reshape(b, t, hkv, d)
   v = qkv[:, 2 * cfg.q_dim + cfg.kv_dim:].reshape(b, t, hkv, d)
   q, k = _norm1p(q, lp.q_norm, eps), _norm1p(k, lp.k_norm, eps)
-  o, kept = attend(_rope(q, positions, freqs), _rope(k, positions, freqs), v)
+  scale = cfg.rope_scaling.attention_scaling
+  o, kept = attend(_rope(q, positions, freqs, scale), _rope(k, positions, freqs, scale), v)
   o = o.reshape(b * t, cfg.q_dim) * jax.nn.sigmoid(gate.reshape(b * t, cfg.q_dim))
   return linear(o, lp.wo, policy=policy, impl=impl), kept
 
@@ -566,7 +572,7 @@ def _trunk(params: TargetParams, cfg: TargetConfig, tokens: jax.Array, positions
   capture = cfg.check_capture_layers(capture_layers)
   b, t = tokens.shape
   eps = cfg.rms_norm_eps
-  freqs = jnp.asarray(rope_inv_freq(cfg.rot, cfg.rope_theta))
+  freqs = jnp.asarray(rope_inv_freq(cfg.rot, cfg.rope_theta, cfg.rope_scaling))
   policy = params.policy
   x = params.embed[tokens.reshape(-1)].astype(jnp.float32)
   seen = {}
