@@ -158,10 +158,12 @@ class Drafter:
 
   cut > 0 shortens each slot's verify (SPEC_dflash2_dspark 12.2): the drafts before the first
   one whose value is below `cut`. The value is DSpark's per-row confidence (a drafter with a
-  confidence head), and for DFlash / DFlash2 the drafter's own probability of the draft
-  (llama.cpp's p-min: the top probability of the row, DFlash2's walk probability). The verify
-  width stays static (the cut rows are masked), so nothing recompiles; the accept rule is
-  unchanged, so the output distribution is too."""
+  confidence head), and for DFlash / DFlash2 the top probability of the draft row (llama.cpp's
+  p-min: greedy drafts are that top token; DFlash2's walk probability, given the chosen
+  predecessor; `step.Draft.top_prob`). Either value depends only on the drafts before the row,
+  never on the draft it cuts, so the cut decides before the draft is looked at and the loop
+  stays lossless under sampling too. The verify width stays static (the cut rows are masked),
+  so nothing recompiles; the accept rule is unchanged."""
   cut: float = 0.0
 
   def __post_init__(self):
@@ -194,7 +196,7 @@ class Drafter:
       drafts = models.d2t[drafts]
     n_verify = None
     if self.cut > 0:
-      n_verify = cut_length(d.conf if cfg.family == "dspark" else d.draft_prob, self.cut)
+      n_verify = cut_length(d.conf if cfg.family == "dspark" else d.top_prob, self.cut)
     return ring, Proposal(drafts.astype(jnp.int32), q, candidates, n_verify)
 
 

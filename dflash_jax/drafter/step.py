@@ -256,9 +256,12 @@ class Family(NamedTuple):
 class Draft:
   """S blocks' drafts (SPEC_dflash2_dspark section 14), n drafts per block.
 
-  drafts [S, n] int32; draft_prob [S, n]: the drafter's own probability of each draft at
-  temperature 1 (the p-min cut's input: softmax(logits) at the draft; DFlash2: softmax of the
-  walk's scores at the chosen candidate); logits [S, w, V]: the family's output logits
+  drafts [S, n] int32; top_prob [S, n]: the top probability of each draft row's distribution
+  at temperature 1, given the drafts before it (softmax of the row's logits; DFlash2: of the
+  walk's scores from the chosen predecessor): the p-min cut's input. A greedy draft is that
+  top token, so this is the drafter's own probability of it; a sampled draft is not, and a cut
+  must not read the draft it cuts (that would bias which drafts get verified: the loop would
+  no longer be lossless). logits [S, w, V]: the family's output logits
   (DFlash2: after the multiplier and softcap; DSpark: Markov-corrected along the chosen path
   on the draft rows). At temperature > 0, q: the proposal distribution along the sampled path,
   [S, n, V] (DFlash, DSpark), or [S, n, k] over `candidates` (DFlash2, a sparse q; None at
@@ -267,7 +270,7 @@ class Draft:
   conf [S, n] (sigmoid values).
   """
   drafts: jax.Array
-  draft_prob: jax.Array
+  top_prob: jax.Array
   logits: jax.Array
   q: jax.Array | None = None
   candidates: jax.Array | None = None
@@ -414,10 +417,10 @@ def dflash_head(blk: Block, x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return project(blk, h, params.lm_head), h
 
 
-def _prob_of(logits: jax.Array, tokens: jax.Array) -> jax.Array:
-  """softmax(logits)[..., tokens] for logits [..., n, V] and tokens [..., n]."""
-  p = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-  return jnp.take_along_axis(p, tokens[..., None], axis=-1)[..., 0]
+def _top_prob(logits: jax.Array) -> jax.Array:
+  """max softmax(logits) over the last axis: 1 / sum exp(logits - max)."""
+  z = logits.astype(jnp.float32)
+  return 1.0 / jnp.sum(jnp.exp(z - jnp.max(z, axis=-1, keepdims=True)), axis=-1)
 
 
 def _row_keys(key: jax.Array, n: int) -> jax.Array:
@@ -438,7 +441,7 @@ def dflash_readout(params, impl: str, logits: jax.Array, h, id_last, temperature
     drafts = jax.vmap(lambda k, zz: jax.random.categorical(k, zz, axis=-1))(key, z)
     drafts = drafts.astype(jnp.int32)
     q = jax.nn.softmax(z, axis=-1)
-  return Draft(drafts, _prob_of(logits[:, 1:], drafts), logits, q=q)
+  return Draft(drafts, _top_prob(logits[:, 1:]), logits, q=q)
 
 
 # -- DFlash2 (SPEC_dflash2_dspark 4-8): per-sublayer grouped dynamic causal convolutions, the
@@ -580,7 +583,7 @@ def dflash2_readout(params: DrafterParams, impl: str, logits: jax.Array, h: jax.
     scores, chosen = jnp.swapaxes(scores, 0, 1), jnp.swapaxes(chosen, 0, 1)
     drafts = jnp.take_along_axis(cand, chosen[..., None], axis=-1)[..., 0].astype(jnp.int32)
     q = None if temperature == 0 else jax.nn.softmax(scores / temperature, axis=-1)
-    return Draft(drafts, _prob_of(scores, chosen), logits, q=q, candidates=cand.astype(jnp.int32),
+    return Draft(drafts, _top_prob(scores), logits, q=q, candidates=cand.astype(jnp.int32),
                  scores=scores)
 
 
@@ -659,7 +662,7 @@ def dspark_readout(params: DrafterParams, impl: str, logits: jax.Array, h: jax.A
       conf = _sigmoid(c).reshape(s, n)
   q = None if temperature == 0 else jax.nn.softmax(chain / temperature, axis=-1)
   out = jnp.concatenate([logits[:, :first].astype(jnp.float32), chain], axis=1)
-  return Draft(drafts, _prob_of(chain, drafts), out, q=q, conf=conf)
+  return Draft(drafts, _top_prob(chain), out, q=q, conf=conf)
 
 
 FAMILIES = {
