@@ -369,7 +369,8 @@ def oracle_run(su, models, prompt, oracle, g0, base_tps, k, impl, kw,
 
 def markdown(res: dict) -> str:
   b, r, t = res["bytes"], res.get("round_ms", {}), res["target_only"]
-  lines = [f"- device: {res['device']}, jax {res['jax']}, drafter {res['setup']['drafter']['family']}"
+  family = res["setup"]["drafter"]["family"]
+  lines = [f"- device: {res['device']}, jax {res['jax']}, drafter {family}"
            f", impl {res['drafter_impl']}; "
            f"copy bandwidth {res['copy_bw_TBps']:.2f} TB/s; command `{res['command']}`",
            f"- bytes: target {b['target_GB']:.2f} GB (embedding {b['target_embedding_GB']:.2f}), "
@@ -393,10 +394,12 @@ def markdown(res: dict) -> str:
               f"{r['draft_fraction_full_vocab']:.3f} (full vocab), "
               f"{'-' if reduced is None else f'{reduced:.3f}'} (reduced draft vocab); decode1 "
               f"moves its bytes at {r['decode1_floor_fraction']:.2f} of the copy bandwidth"]
-  lines += ["", "| k | cut | tau | tokens/s | ms/round (wall) | speedup | / ((k+1) x target-only) | / (tau x target-only) | matches target-only | oracle runs (fixed point) |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+  lines += ["", "| k | cut | tau | tokens/s | ms/round (wall) | speedup | / ((k+1) x "
+            "target-only) | / (tau x target-only) | matches target-only | oracle runs (fixed "
+            "point) |", "|" + "---|" * 10]
   for o in res.get("oracle", []):
-    lines.append(f"| {o['k']} | {o.get('cut', 0.0):g} | {o['tau']:.2f} | {o['tokens_per_s']:.1f} | {o['ms_per_round']:.3f} | "
+    lines.append(f"| {o['k']} | {o.get('cut', 0.0):g} | {o['tau']:.2f} | "
+                 f"{o['tokens_per_s']:.1f} | {o['ms_per_round']:.3f} | "
                  f"{o['speedup']:.2f}x | {o['ratio_vs_k_plus_1']:.3f} | {o['ratio_vs_tau']:.3f} | "
                  f"{o['matches_target_only']} | {o['oracle_runs']} ({o['oracle_fixed_point']}) |")
   return "\n".join(lines)

@@ -443,7 +443,8 @@ def test_gpu_round_replays_bitwise_as_one_command_buffer(family, tmp_path):
         cfg = dataclasses.replace(DFLASH2_CONFIG, n_layer=2, mask_token_id=8191)
         n_vocab, cap = 8192, None
       else:
-        cfg = dataclasses.replace(DSPARK_QWEN3_8B_CONFIG, n_layer=2)
+        cfg = dataclasses.replace(DSPARK_QWEN3_8B_CONFIG, n_layer=2,
+                                  layer_types=("full_attention",) * 2)
         n_vocab, cap = 151936, 2048
       params = dfj.prepare_weights(cfg, dfj.synthetic_drafter(cfg, n_vocab=n_vocab), "bf16")
       ring = dfj.init_batched_ring(cfg, 1, ring_dtype="bf16", capacity=cap)
@@ -451,12 +452,16 @@ def test_gpu_round_replays_bitwise_as_one_command_buffer(family, tmp_path):
       run = jax.jit(S.propose_round_batched, static_argnames=("width", "impl", "temperature"))
       args = (params, ring, feats, jnp.array([16]), jnp.array([1]), jnp.array([16]),
               jnp.ones(1, bool))
+      keys = jax.random.split(jax.random.key(3), 1)
       first = jax.tree.map(np.asarray, run(*args)[1])
+      sampled = jax.tree.map(np.asarray, run(*args, temperature=0.8, key=keys)[1])
       x = jnp.ones((256, 256))
       for i in range(20):
         x = jnp.tanh(x @ x.T / 256)
         again = jax.tree.map(np.asarray, run(*args)[1])
         jax.tree.map(np.testing.assert_array_equal, again, first)
+        again = jax.tree.map(np.asarray, run(*args, temperature=0.8, key=keys)[1])
+        jax.tree.map(np.testing.assert_array_equal, again, sampled)
       print("replay ok")
   """)
   env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={tmp_path}")
@@ -464,7 +469,8 @@ def test_gpu_round_replays_bitwise_as_one_command_buffer(family, tmp_path):
                        capture_output=True, text=True)
   assert "replay ok" in out.stdout
   files = glob.glob(str(tmp_path / "*propose_round_batched*thunk_sequence_after_thunk_passes.txt"))
-  assert files, os.listdir(tmp_path)[:20]
-  text = open(files[0]).read()
-  top = [l for l in text.splitlines() if l and not l.startswith(" ")]
-  assert len(top) == 1 and "kCommandBuffer" in top[0], top[:10]
+  assert len(files) == 2, os.listdir(tmp_path)[:20]   # the greedy and the sampled round
+  for f in files:
+    text = open(f).read()
+    top = [l for l in text.splitlines() if l and not l.startswith(" ")]
+    assert len(top) == 1 and "kCommandBuffer" in top[0], (f, top[:10])

@@ -109,8 +109,8 @@ def test_rejection_rule_chi_square(proposals):
     candidates = jnp.broadcast_to(cand, (n_draw, n, 4))
   else:
     drafts = jnp.broadcast_to(jnp.asarray([int(np.argmax(p[0])), 3][:n], jnp.int32), (n_draw, n))
-  n_ok, t = jax.jit(SP.verify_sampled)(keys, drafts, jnp.broadcast_to(p[:n + 1], (n_draw, n + 1, v)),
-                                       q, candidates, n_valid)
+  p_rows = jnp.broadcast_to(p[:n + 1], (n_draw, n + 1, v))
+  n_ok, t = jax.jit(SP.verify_sampled)(keys, drafts, p_rows, q, candidates, n_valid)
   if n_valid is not None:
     assert (np.asarray(n_ok) <= np.asarray(n_valid)).all()
   n_ok, t, drafts = np.asarray(n_ok), np.asarray(t), np.asarray(drafts)
