@@ -704,9 +704,11 @@ def block_step(params: DrafterParams, ring: RingState, id_last: jax.Array, n_pas
   """One denoising pass over [id_last, mask x (w-1)] at positions n_past.. -> logits
   [w, n_vocab], w = width (static; default block_size; 2 <= w <= block_size).
 
-  The block's own keys are its w rows (non-causal). Each layer reads its kind's cache (a
-  sliding layer the slots within its window, a full-attention layer every position
-  < n_past); the ring is never written.
+  The block's own keys are its w rows (non-causal; DFlash2's causal layers see rows <= their
+  own). Each layer reads its kind's cache (a sliding layer the slots within its window, a
+  full-attention layer every position < n_past); the ring is never written. The logits are the
+  family's head's: DFlash2's after the multiplier and softcap, DSpark's the backbone's (its
+  Markov head runs in the readout, `propose_round_batched`).
   """
   w = params.cfg.resolve_width(width)
   logits, _ = _block(params, ring, jnp.asarray(id_last, jnp.int32),
