@@ -403,13 +403,17 @@ def test_weight_formats_match_the_rounded_reference(family, fmt, impl):
 # ------------------------------------------------------------------- GPU, real dims
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["dflash2", "dspark"])
+@pytest.mark.parametrize("family", ["dflash2", "dflash2-causal-2-layers", "dspark"])
 def test_gpu_real_dims_match_reference(family):
-  """DFLASH2_CONFIG at vocab 8192 (its 2048-slot ring wrapped) and DSpark Qwen3-8B block 7
+  """DFLASH2_CONFIG at vocab 8192 (its 2048-slot ring wrapped; as published, and with causal
+  blocks, which route the attention to the masked Triton kernel) and DSpark Qwen3-8B block 7
   (a 2048-slot full cache): the compiled bf16 Pallas step against the bf16 reference."""
-  if family == "dflash2":
+  if family.startswith("dflash2"):
     cfg, n_vocab, n_rows, capacity = DFLASH2_CONFIG, 8192, 2100, None
     cfg = dataclasses.replace(cfg, mask_token_id=8191)
+    if family != "dflash2":
+      cfg = dataclasses.replace(cfg, n_layer=2, family_fields=dataclasses.replace(
+          cfg.dflash2, is_causal=True))
   else:
     cfg, n_vocab, n_rows, capacity = DSPARK_QWEN3_8B_CONFIG, 151936, 1500, 2048
   w = dfj.synthetic_drafter(cfg, seed=0, n_vocab=n_vocab)

@@ -449,3 +449,22 @@ def test_two_terms_and_bf16_output(ring_dtype):
                      interpret=True)
   assert b.dtype == jnp.bfloat16
   np.testing.assert_array_equal(np.asarray(b), three.astype(jnp.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal,band,fold_own", [(True, None, False), (False, 12, False),
+                                                  (True, 12, True)])
+def test_gpu_block_masks(causal, band, fold_own):
+  """DFlash2's block masks compiled at the seed drafter's dims (T 16, G 4, D 128, W 2048):
+  the kernel against its twin and float64; the masks change the output."""
+  args = make_inputs(8, pos=ring_pos_after(3000, 2048), n_past=2990, hkv=8, t_len=16, g=4,
+                     d=128, n_layer=5, ring_dtype=jnp.bfloat16)
+  masks = dict(causal=causal, band=band)
+  out = np.asarray(ring_attention(*args, layer=2, window=2048, fold_own=fold_own,
+                                  interpret=False, **masks))
+  twin = np.asarray(ring_attention_reference(*args, layer=2, window=2048, **masks))
+  np.testing.assert_allclose(out, twin, rtol=TOL_TWIN, atol=TOL_TWIN)
+  ref = numpy_attention(*args[:6], 2990, 2, 2048, **masks)
+  np.testing.assert_allclose(out, ref, rtol=TOL_F64, atol=TOL_F64)
+  plain = np.asarray(ring_attention_reference(*args, layer=2, window=2048))
+  assert np.abs(out - plain).max() > 1e-3
