@@ -17,7 +17,8 @@ import numpy as np
 from dflash_jax.config import FULL, SLIDING, DFlashConfig, rope_inv_freq
 from dflash_jax.dispatch import QuantWeight, resolve_dtype, resolve_weight_format
 from dflash_jax.drafter.step import KVCache, RingState
-from dflash_jax.drafter.weights import DrafterParams, InjectParams, LayerParams
+from dflash_jax.drafter.weights import (ConvParams, DFlash2Params, DrafterParams, DSparkParams,
+                                        InjectParams, LayerParams)
 from dflash_jax.io import atomic
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -106,6 +107,8 @@ def random_params(cfg: DFlashConfig, n_vocab: int, dtype, seed: int = 0) -> Draf
   At the real sizes host generation of 2.5B float32s dominates a benchmark run; timing does
   not depend on the values, only that they stay finite and O(1). 1-byte formats get random
   data and scales of the right dtypes (the GEMM streams the same bytes whatever they hold).
+  The family's own tensors too (DFlash2's convolutions and selector, DSpark's heads; their
+  vocab-sized tables have n_vocab rows).
   """
   fmt = resolve_weight_format(dtype)
   keys = iter(jax.random.split(jax.random.key(seed), 16 + 8 * cfg.n_layer))
@@ -132,13 +135,44 @@ def random_params(cfg: DFlashConfig, n_vocab: int, dtype, seed: int = 0) -> Draf
   inject = tuple(InjectParams(w=mat(len(layers) * 2 * hkv * d, e),
                               k_norm=jnp.stack([norm(d) for _ in layers]), kind=kind)
                  for kind, layers in cfg.kind_groups)
-  return DrafterParams(
-      fc=mat(e, cfg.n_embd_fc), enc_norm=norm(e), out_norm=norm(e), inject=inject,
-      inv_freq=jnp.asarray(rope_inv_freq(d, cfg.rope_theta, cfg.rope_scaling)),
-      tok_embd=jax.random.normal(next(keys), (n_vocab, e), jnp.float32).astype(
-          jnp.float32 if fmt == "fp32" else jnp.bfloat16),
-      lm_head=mat(n_vocab, e),
-      layers=layers, cfg=cfg)
+  table_dtype = jnp.float32 if fmt == "fp32" else jnp.bfloat16
+
+  def table(n, r, scale=1.0):
+    return (scale * jax.random.normal(next(keys), (n, r), jnp.float32)).astype(table_dtype)
+
+  backbone = dict(fc=mat(e, cfg.n_embd_fc), enc_norm=norm(e), out_norm=norm(e),
+                  tok_embd=table(n_vocab, e), lm_head=mat(n_vocab, e))
+  # The family's tensors from a stream of their own: the backbone's values stay those of a
+  # DFlash drafter of the same seed.
+  keys = iter(jax.random.split(jax.random.fold_in(jax.random.key(seed), 1), 8 + 4 * cfg.n_layer))
+  family = None
+  if cfg.family == "dflash2":
+    f = cfg.dflash2
+    k, proj = f.conv_kernel_size, 2 * f.conv_kernel_size * cfg.n_conv_groups
+
+    def conv():
+      base = 0.1 * jax.random.normal(next(keys), (2, k, e), jnp.float32)
+      return ConvParams(base=base.at[:, 0].add(1.0), proj=mat(proj, e))
+    family = DFlash2Params(
+        attn_conv=tuple(conv() for _ in range(cfg.n_layer)),
+        ffn_conv=tuple(conv() for _ in range(cfg.n_layer)),
+        predecessor=table(n_vocab, f.selector_rank, f.selector_rank ** -0.25),
+        successor=table(n_vocab, f.selector_rank, f.selector_rank ** -0.25),
+        hidden=mat(f.selector_rank, e))
+  elif cfg.family == "dspark":
+    f = cfg.dspark
+    r = f.markov_rank
+    bias = lambda n: 0.1 * jax.random.normal(next(keys), (n,), jnp.float32)
+    gated, rnn = f.markov_head_type == "gated", f.markov_head_type == "rnn"
+    family = DSparkParams(
+        markov_w1=table(n_vocab, r) if r else None, markov_w2=mat(n_vocab, r) if r else None,
+        gate=mat(r, e + r) if gated else None, gate_bias=bias(r) if gated else None,
+        joint=mat(3 * r, 2 * r + e) if rnn else None, joint_bias=bias(3 * r) if rnn else None,
+        conf=mat(1, e + (r if f.confidence_with_markov else 0)) if f.confidence_head else None,
+        conf_bias=bias(1) if f.confidence_head else None)
+  return DrafterParams(**backbone, inject=inject,
+                       inv_freq=jnp.asarray(rope_inv_freq(d, cfg.rope_theta, cfg.rope_scaling)), layers=layers,
+                       cfg=cfg, family=family)
 
 
 def filled_cache(n_layer: int, cfg: DFlashConfig, slots: int, ring_dtype, positions,

@@ -1,7 +1,19 @@
 """Speculative decoding on the GPU: a Qwen3-8B-shaped target with a Qwen3-8B-DFlash-shaped drafter.
 
   python -m benchmarks.decode --gpu [--out results/NAME] [--skinny]
+                              [--family dflash|dflash2|dspark] [--cuts 0.5,0.8]
   python -m benchmarks.decode --smoke        # CPU, tiny dims, seconds (CI): not results
+
+--family picks the drafter: DFlash (Qwen3-8B-DFlash-b16's shape), DFlash2 (the same dims with
+Muse-Glimmer-30B-DFlash2's family fields: K 2, G 16, R 256, k 16, the multiplier and softcap)
+or DSpark (DSPARK_QWEN3_8B_CONFIG: block 7, shifted rows, a vanilla Markov head, a confidence
+head). A round verifies width rows whatever the family (decode.DecodeConfig): width block_size
+for DFlash / DFlash2, block_size + 1 for DSpark (its block of w rows gives w drafts). The
+reduced draft vocab of section 3 is DFlash's only (the others index the full vocabulary).
+--cuts adds oracle rows with the drafter's confidence / p-min cut (decode.Drafter(cut)): the
+oracle's drafts are the target's own, so every cut draft is a draft that would have been
+accepted; tau and tokens/s with and without the cut show what computing it costs (random
+weights: the values being cut on mean nothing here).
 
 Weights are random bf16, generated on the device (timing does not depend on the values).
 Sections, in order (results are saved after each, so a run cut short keeps what it measured):
@@ -50,6 +62,7 @@ from benchmarks import common as C
 from benchmarks.oracle import Oracle
 from dflash_jax import decode as D
 from dflash_jax.drafter import step as S
+from dflash_jax.config import DFLASH2_CONFIG, DSPARK_QWEN3_8B_CONFIG, FULL, DSparkFields
 from dflash_jax.models import qwen3 as Q
 
 QWEN3_8B_TARGET = Q.TargetConfig(
@@ -73,18 +86,38 @@ class Setup:
   sync_every: int       # rounds per device call in timed runs
 
 
-def setup(smoke: bool) -> Setup:
+FAMILIES = ("dflash", "dflash2", "dspark")
+
+
+def family_drafter(d: dfj.DFlashConfig, family: str, smoke: bool) -> dfj.DFlashConfig:
+  """The benchmark's drafter d as a drafter of `family` (the module docstring)."""
+  if family == "dflash":
+    return d
+  if family == "dflash2":
+    f = dataclasses.replace(DFLASH2_CONFIG.dflash2, conv_group_size=8, selector_rank=8,
+                            selector_top_k=4) if smoke else DFLASH2_CONFIG.dflash2
+    return dataclasses.replace(d, family="dflash2", family_fields=f)
+  if smoke:
+    return dataclasses.replace(d, block_size=7, window=None, layer_types=(FULL,) * d.n_layer,
+                               family="dspark", family_fields=DSparkFields(
+                                   markov_rank=8, markov_head_type="vanilla",
+                                   confidence_head=True, confidence_with_markov=True))
+  return DSPARK_QWEN3_8B_CONFIG
+
+
+def setup(smoke: bool, family: str = "dflash") -> Setup:
   if smoke:
     t = Q.TargetConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                        num_attention_heads=2, num_key_value_heads=1, head_dim=16, rope_theta=1e4)
     d = dataclasses.replace(dfj.TINY_CONFIG, n_layer=1, n_embd=32, n_ff=64, n_head=2,
                             n_head_kv=1, target_layers=(0, 1), mask_token_id=255, block_size=8,
                             window=32)
-    return Setup(t, d, window=32, capacity=64, prompt_len=12, max_new=24, ks=(3,),
-                 draft_vocab=64, iters=1, inner=2, sync_every=4)
-  return Setup(QWEN3_8B_TARGET, dfj.QWEN3_8B_CONFIG, window=2048, capacity=2048,
-               prompt_len=128, max_new=512, ks=(3, 7, 15), draft_vocab=32768, iters=20,
-               inner=8, sync_every=64)
+    return Setup(t, family_drafter(d, family, True), window=32, capacity=64, prompt_len=12,
+                 max_new=24, ks=(3,), draft_vocab=64, iters=1, inner=2, sync_every=4)
+  d = family_drafter(dfj.QWEN3_8B_CONFIG, family, False)
+  ks = tuple(k for k in (3, 7, 15) if k <= d.n_drafts())
+  return Setup(QWEN3_8B_TARGET, d, window=2048, capacity=2048, prompt_len=128, max_new=512,
+               ks=ks, draft_vocab=32768, iters=20, inner=8, sync_every=64)
 
 
 def random_models(su: Setup, on_device: bool) -> D.Models:
@@ -93,10 +126,12 @@ def random_models(su: Setup, on_device: bool) -> D.Models:
   sizes); else host weights, quicker at tiny dims than compiling a device RNG per shape."""
   tc, dc = su.target, su.drafter
   tp = Q.init_params(tc, jax.random.key(0), jnp.bfloat16)
-  dp = (C.random_params(dc, 16, "bf16") if on_device else dfj.prepare_weights(
-      dc, {**dfj.synthetic_drafter(dc, with_target=False),
-           "tok_embd": np.zeros((tc.vocab_size, dc.n_embd)),
-           "lm_head": np.zeros((tc.vocab_size, dc.n_embd))}, "bf16"))
+  # The family's vocab-sized tables need the target's vocabulary; DFlash's stand-in head is
+  # replaced by the target's anyway.
+  n_vocab = 16 if dc.family == "dflash" else tc.vocab_size
+  dp = (C.random_params(dc, n_vocab, "bf16") if on_device else dfj.prepare_weights(
+      dc, {**dfj.synthetic_drafter(dc, with_target=False, n_vocab=tc.vocab_size),
+           "tok_embd": tp.embed, "lm_head": tp.head}, "bf16"))
   dp = dp.replace(tok_embd=tp.embed, lm_head=tp.head)
   return D.Models(target=tp, drafter=dp, d2t=None, target_cfg=tc)
 
@@ -125,12 +160,16 @@ def target_loop(tc: Q.TargetConfig, inner: int, capture, impl: str):
   return jax.jit(run)
 
 
-def bytes_section(su: Setup, models: D.Models, reduced: D.Models, st: D.DecodeState, bw: float):
+def bytes_section(su: Setup, models: D.Models, reduced: D.Models | None, st: D.DecodeState,
+                  bw: float):
   dp = models.drafter
   target = C.tree_bytes(models.target)
-  drafter_body = C.tree_bytes((dp.layers, dp.fc, [ip.w for ip in dp.inject], dp.enc_norm, dp.out_norm))
+  # The family's tensors count in full (DFlash2's codebooks are read by gathered rows, so this
+  # overstates them; DSpark's W2 is read once per draft row, so it understates that).
+  drafter_body = C.tree_bytes((dp.layers, dp.fc, [ip.w for ip in dp.inject], dp.enc_norm,
+                               dp.out_norm, dp.family))
   head = C.tree_bytes(dp.lm_head)
-  head_r = C.tree_bytes(reduced.drafter.lm_head)
+  head_r = C.tree_bytes((reduced or models).drafter.lm_head)
   cache = C.tree_bytes((st.cache.k, st.cache.v))
   ring = C.tree_bytes(st.ring)
   # One decode step reads every target weight but the embedding (a gather of one row) and
@@ -155,15 +194,20 @@ def main(argv=None) -> int:
   mode.add_argument("--smoke", action="store_true", help="tiny dims on any backend (not results)")
   p.add_argument("--skinny", action="store_true",
                  help="also time verify/decode with the Pallas skinny GEMM for the target")
-  p.add_argument("--ks", default=None, help="drafts per round in section 4 (default 3,7,15)")
+  p.add_argument("--ks", default=None, help="drafts per round in section 4 (default 3,7,15, "
+                 "those the drafter's block can draft)")
+  p.add_argument("--family", choices=FAMILIES, default="dflash", help="the drafter's family")
+  p.add_argument("--cuts", default="",
+                 help="comma list of cut thresholds for extra oracle rows (decode.Drafter(cut))")
   p.add_argument("--only", default="round,oracle",
                  help="sections after bytes and target-only: round, oracle (comma list)")
   p.add_argument("--out", default=None, help="results folder (default results/decode-<stamp>)")
   args = p.parse_args(argv)
   if args.gpu and not C.ON_GPU:
     p.error("--gpu needs a GPU backend")
-  su = setup(args.smoke)
+  su = setup(args.smoke, args.family)
   only = set(args.only.split(","))
+  cuts = [float(c) for c in args.cuts.split(",") if c]
   if args.ks:
     su = dataclasses.replace(su, ks=tuple(int(k) for k in args.ks.split(",")))
   impl = "pallas" if C.ON_GPU else "xla"   # the drafter's kernels (interpret mode is slow)
@@ -186,11 +230,14 @@ def main(argv=None) -> int:
   tc, dc = su.target, su.drafter
   models = random_models(su, on_device=args.gpu)
   tp, dp = models.target, models.drafter
-  d2t = jnp.arange(su.draft_vocab, dtype=jnp.int32)
-  reduced = models.replace(drafter=dp.replace(lm_head=tp.head[:su.draft_vocab]), d2t=d2t)
+  reduced = None
+  if dc.family == "dflash":
+    d2t = jnp.arange(su.draft_vocab, dtype=jnp.int32)
+    reduced = models.replace(drafter=dp.replace(lm_head=tp.head[:su.draft_vocab]), d2t=d2t)
   prompt = np.random.default_rng(0).integers(0, tc.vocab_size, su.prompt_len).tolist()
   kw = dict(capacity=su.capacity, window=su.window, cache_dtype="bf16", ring_dtype="bf16")
-  w16 = D.DecodeConfig(width=dc.block_size, impl=impl)
+  # The widest round the drafter's block allows: block_size drafts rows verified + id_last.
+  w16 = D.DecodeConfig(width=dc.n_drafts() + 1, impl=impl)
   probe = D.start(models, w16, [prompt], su.max_new, **kw)
   res["bytes"] = bytes_section(su, models, reduced, probe, bw)
   del probe
@@ -198,7 +245,7 @@ def main(argv=None) -> int:
 
   # 2. Target-only: a warm-up run compiles it (same capacity: same shapes), then the timed run,
   # long enough to give the oracle for every speculative run.
-  n_oracle = su.max_new + dc.block_size
+  n_oracle = su.max_new + w16.width
   D.generate_target_only(tp, tc, [prompt], 4, rounds_per_call=su.sync_every, **kw)
   g0 = D.generate_target_only(tp, tc, [prompt], n_oracle, rounds_per_call=su.sync_every, **kw)
   base_tps = g0.n_tokens / g0.seconds
@@ -213,8 +260,10 @@ def main(argv=None) -> int:
   if "oracle" in only:
     res["oracle"] = []
     for k in su.ks:
-      res["oracle"].append(oracle_run(su, models, prompt, oracle, g0, base_tps, k, impl, kw))
-      save("oracle")
+      for cut in [0.0] + cuts:
+        res["oracle"].append(oracle_run(su, models, prompt, oracle, g0, base_tps, k, impl, kw,
+                                        cut=cut))
+        save("oracle")
   print(C.save_results(out_dir, "decode", res, markdown(res)))
   return 0
 
@@ -224,7 +273,7 @@ def round_section(su, res, models, reduced, prompt, oracle, w16, kw, impl, skinn
   drafts (16 committed rows pending for inject; the cache and ring lengths to match)."""
   tc, dc, tp, dp = su.target, su.drafter, models.target, models.drafter
   st = D.start(models, w16, [prompt], su.max_new, **kw)
-  w = dc.block_size
+  w = w16.width
   keys = jax.random.split(jax.random.key(2), 4)
   st = st.replace(pending=jax.random.normal(keys[0], st.pending.shape, jnp.float32),
                   n_new=st.n_new + w, n_past=st.n_past + w,
@@ -235,7 +284,8 @@ def round_section(su, res, models, reduced, prompt, oracle, w16, kw, impl, skinn
   # The drafter's own drafts; weights are arguments of every measured function.
   propose = jax.jit(lambda m, s, k: D.Drafter().propose(m, w16, s, k)[1].drafts)
   for name, m in (("draft_full_vocab", models), ("draft_reduced_vocab", reduced)):
-    parts[name] = device_ms(propose, m, st, key, iters=su.iters)
+    if m is not None:
+      parts[name] = device_ms(propose, m, st, key, iters=su.iters)
   ring0 = jax.tree.map(lambda a: a[0], st.ring)
   positions = st.n_past[0] - st.n_new[0] + jnp.arange(st.pending.shape[1], dtype=jnp.int32)
   # One element of every ring buffer out: the kernel writes them all, nothing big is returned.
@@ -268,25 +318,30 @@ def round_section(su, res, models, reduced, prompt, oracle, w16, kw, impl, skinn
     res[f"compile_and_measure_target{sfx}_s"] = time.perf_counter() - t0
   parts["block_width"] = w
   rnd = parts["draft_full_vocab"] + parts["verify_block"] + parts["accept_commit"]
-  rnd_r = parts["draft_reduced_vocab"] + parts["verify_block"] + parts["accept_commit"]
-  parts.update(round_full_vocab=rnd, round_reduced_vocab=rnd_r,
+  parts.update(round_full_vocab=rnd,
                verify_block_over_decode1=parts["verify_block"] / parts["decode1"],
                draft_fraction_full_vocab=parts["draft_full_vocab"] / rnd,
-               draft_fraction_reduced_vocab=parts["draft_reduced_vocab"] / rnd_r,
                decode1_floor_fraction=res["bytes"]["decode_step_floor_ms"] / parts["decode1"])
+  if "draft_reduced_vocab" in parts:
+    rnd_r = parts["draft_reduced_vocab"] + parts["verify_block"] + parts["accept_commit"]
+    parts.update(round_reduced_vocab=rnd_r,
+                 draft_fraction_reduced_vocab=parts["draft_reduced_vocab"] / rnd_r)
   res["round_ms"] = parts
 
 
 def oracle_run(su, models, prompt, oracle, g0, base_tps, k, impl, kw,
-               max_refine: int = 12, target_impl: str = "xla", keep_tokens: bool = False) -> dict:
+               max_refine: int = 12, target_impl: str = "xla", keep_tokens: bool = False,
+               cut: float = 0.0) -> dict:
   """Section 4 for one k: a warm-up run compiles (same shapes), then timed runs. The first
   oracle is target-only greedy output; a bf16 verify of k + 1 rows can break a near tie
   differently from a 1-row decode, after which that oracle is wrong for the rest of the run.
   So the oracle is refined to a fixed point: each run's committed tokens become the next
   run's oracle (the agreeing prefix grows by at least one round per run) until a run commits
   exactly its oracle, i.e. every draft of every round was accepted. The last run is reported
-  (with keep_tokens, its tokens too, as "_tokens")."""
-  dcfg = D.DecodeConfig(width=k + 1, impl=impl, target_impl=target_impl, proposer=Oracle())
+  (with keep_tokens, its tokens too, as "_tokens"). cut > 0: the drafter's cut shortens each
+  round's verify (`Oracle(cut=...)`)."""
+  dcfg = D.DecodeConfig(width=k + 1, impl=impl, target_impl=target_impl,
+                        proposer=Oracle(cut=cut))
   length = len(oracle[0]) + k + 1
   t0 = time.perf_counter()
   D.generate(models, dcfg, [prompt], 4, proposer_state=Oracle.state(oracle, length),
@@ -303,7 +358,8 @@ def oracle_run(su, models, prompt, oracle, g0, base_tps, k, impl, kw,
   tps = g.n_tokens / g.seconds
   agree = sum(a == b for a, b in zip(g.tokens[0], g0.tokens[0]))
   extra = {"_tokens": list(g.tokens[0])} if keep_tokens else {}
-  return dict(**extra, k=k, width=k + 1, tokens=g.n_tokens, rounds=int(g.rounds.sum()), tau=g.tau,
+  return dict(**extra, k=k, cut=cut, width=k + 1, tokens=g.n_tokens, rounds=int(g.rounds.sum()),
+              tau=g.tau,
               hist=g.hist.sum(0).tolist(), tokens_per_s=tps,
               ms_per_round=g.seconds / g.rounds.sum() * 1e3,
               ratio_vs_k_plus_1=tps / ((k + 1) * base_tps), ratio_vs_tau=tps / (g.tau * base_tps),
@@ -313,11 +369,14 @@ def oracle_run(su, models, prompt, oracle, g0, base_tps, k, impl, kw,
 
 def markdown(res: dict) -> str:
   b, r, t = res["bytes"], res.get("round_ms", {}), res["target_only"]
-  lines = [f"- device: {res['device']}, jax {res['jax']}, drafter impl {res['drafter_impl']}; "
+  family = res["setup"]["drafter"]["family"]
+  lines = [f"- device: {res['device']}, jax {res['jax']}, drafter {family}"
+           f", impl {res['drafter_impl']}; "
            f"copy bandwidth {res['copy_bw_TBps']:.2f} TB/s; command `{res['command']}`",
            f"- bytes: target {b['target_GB']:.2f} GB (embedding {b['target_embedding_GB']:.2f}), "
            f"drafter body {b['drafter_body_GB']:.2f} GB + head {b['drafter_head_full_GB']:.2f} GB "
-           f"(reduced {b['drafter_head_reduced_GB']:.3f} GB), K/V cache {b['kv_cache_GB']:.3f} GB, "
+           f"(reduced {b['drafter_head_reduced_GB']:.3f} GB, DFlash only), K/V cache "
+           f"{b['kv_cache_GB']:.3f} GB, "
            f"ring {b['ring_GB']:.3f} GB; floors: decode step {b['decode_step_floor_ms']:.3f} ms, "
            f"draft {b['draft_floor_full_ms']:.3f} / {b['draft_floor_reduced_ms']:.3f} ms "
            f"(byte fraction {b['draft_byte_fraction_full']:.3f} / {b['draft_byte_fraction_reduced']:.3f})",
@@ -329,15 +388,18 @@ def markdown(res: dict) -> str:
               "round_full_vocab", "round_reduced_vocab"):
       if k in r:
         lines.append(f"| {k} | {r[k]:.4f} |")
+    reduced = r.get("draft_fraction_reduced_vocab")
     lines += ["", f"verify of {r['block_width']} rows / decode1 = "
               f"{r['verify_block_over_decode1']:.3f}; draft fraction "
               f"{r['draft_fraction_full_vocab']:.3f} (full vocab), "
-              f"{r['draft_fraction_reduced_vocab']:.3f} (reduced draft vocab); decode1 moves its bytes at "
-              f"{r['decode1_floor_fraction']:.2f} of the copy bandwidth"]
-  lines += ["", "| k | tau | tokens/s | ms/round (wall) | speedup | / ((k+1) x target-only) | / (tau x target-only) | matches target-only | oracle runs (fixed point) |",
-            "|---|---|---|---|---|---|---|---|---|"]
+              f"{'-' if reduced is None else f'{reduced:.3f}'} (reduced draft vocab); decode1 "
+              f"moves its bytes at {r['decode1_floor_fraction']:.2f} of the copy bandwidth"]
+  lines += ["", "| k | cut | tau | tokens/s | ms/round (wall) | speedup | / ((k+1) x "
+            "target-only) | / (tau x target-only) | matches target-only | oracle runs (fixed "
+            "point) |", "|" + "---|" * 10]
   for o in res.get("oracle", []):
-    lines.append(f"| {o['k']} | {o['tau']:.2f} | {o['tokens_per_s']:.1f} | {o['ms_per_round']:.3f} | "
+    lines.append(f"| {o['k']} | {o.get('cut', 0.0):g} | {o['tau']:.2f} | "
+                 f"{o['tokens_per_s']:.1f} | {o['ms_per_round']:.3f} | "
                  f"{o['speedup']:.2f}x | {o['ratio_vs_k_plus_1']:.3f} | {o['ratio_vs_tau']:.3f} | "
                  f"{o['matches_target_only']} | {o['oracle_runs']} ({o['oracle_fixed_point']}) |")
   return "\n".join(lines)

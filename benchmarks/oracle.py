@@ -22,7 +22,10 @@ from dflash_jax import decode as D
 
 @dataclasses.dataclass(frozen=True)
 class Oracle:
+  """cut > 0: the drafter's cut (`decode.Drafter(cut)`) shortens each round's verify of the
+  oracle's drafts (needs run_drafter)."""
   run_drafter: bool = True
+  cut: float = 0.0
 
   @staticmethod
   def state(sequences: Sequence[Sequence[int]], length: int) -> np.ndarray:
@@ -38,12 +41,17 @@ class Oracle:
     if self.run_drafter and models.drafter is None:
       raise ValueError("Oracle(run_drafter=True) times the drafter's round: Models.drafter "
                        "is None (use Oracle(run_drafter=False))")
+    if self.cut > 0 and not self.run_drafter:
+      raise ValueError("Oracle(cut > 0) cuts on the drafter's values: it needs run_drafter")
+    if self.run_drafter:
+      D.Drafter(cut=self.cut).check(models, dcfg)
 
   def propose(self, models, dcfg, st, key):
-    ring = st.ring
+    ring, n_verify = st.ring, None
     if self.run_drafter:
-      ring, _ = D.Drafter().propose(models, dcfg, st, key)
+      ring, own = D.Drafter(cut=self.cut).propose(models, dcfg, st, key)
+      n_verify = own.n_verify
     n = dcfg.width - 1
     drafts = jax.vmap(lambda b, p: lax.dynamic_slice(b, (p,), (n,)))(
         st.proposer_state, st.n_past + 1)
-    return ring, D.Proposal(drafts.astype(jnp.int32))
+    return ring, D.Proposal(drafts.astype(jnp.int32), n_verify=n_verify)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -732,12 +732,18 @@ def _dspark_shapes(cfg: DFlashConfig, n_vocab: int | None) -> dict[str, tuple[in
   return shapes
 
 
-def check_drafter_weights(cfg: DFlashConfig, w: Mapping[str, Any]) -> int:
+def _host_finite(a: Any) -> bool:
+  return bool(np.isfinite(np.asarray(a, np.float32)).all())
+
+
+def check_drafter_weights(cfg: DFlashConfig, w: Mapping[str, Any],
+                          finite: Callable[[Any], bool] = _host_finite) -> int:
   """Validate a drafter weights mapping (plus the target's `tok_embd` / `lm_head`) against the
   family's tensor set; returns n_vocab (tok_embd's rows).
 
-  Every tensor present with its shape, no unknown names, everything finite, mask_token_id in
-  the vocabulary. `lm_head` may cover a reduced draft vocabulary (fewer rows, mapped by d2t)
+  Every tensor present with its shape, no unknown names, everything finite (`finite(array)`;
+  the default copies to host float32: pass a device reduction for device arrays), mask_token_id
+  in the vocabulary. `lm_head` may cover a reduced draft vocabulary (fewer rows, mapped by d2t)
   only for family "dflash": DFlash2's selector and DSpark's Markov head index the target's
   full vocabulary by token id. DFlash2 also needs selector_top_k <= n_vocab.
   """
@@ -766,7 +772,7 @@ def check_drafter_weights(cfg: DFlashConfig, w: Mapping[str, Any]) -> int:
   if extra:
     raise ValueError(f"unknown tensors in weights: {extra} (family {cfg.family!r})")
   for name in expected:
-    if not np.isfinite(np.asarray(w[name], np.float32)).all():
+    if not finite(w[name]):
       raise ValueError(f"tensor '{name}' holds NaN or Inf")
   if not 0 <= cfg.mask_token_id < n_vocab:
     raise ValueError(f"mask_token_id {cfg.mask_token_id} is outside the target vocab "

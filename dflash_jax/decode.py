@@ -63,8 +63,10 @@ class DrafterRun(Protocol):
 
   def draft_round(self, params: DrafterParams, ring: step.RingState, new_features: jax.Array,
                   n_new: jax.Array, id_last: jax.Array, n_past: jax.Array, active: jax.Array,
-                  *, width: int, impl: str) -> tuple[step.RingState, jax.Array]:
-    """`step.draft_round_batched` -> (ring, logits [S, width, V])."""
+                  *, width: int, impl: str, temperature: float = 0.0,
+                  key: jax.Array | None = None) -> tuple[step.RingState, step.Draft]:
+    """`step.propose_round_batched` -> (ring, the Draft of blocks of `width` rows; sampled at
+    temperature > 0 with key [S])."""
 
   def place(self, tree: Any) -> Any:
     """Place the decode state's per-slot arrays (leading axis S) where the calls run."""
@@ -82,10 +84,10 @@ class LocalRun:
                                positions, n_valid, impl=impl)
 
   def draft_round(self, params, ring, new_features, n_new, id_last, n_past, active, *, width,
-                  impl):
-    ring, _, logits = step.draft_round_batched(params, ring, new_features, n_new, id_last,
-                                               n_past, active, width=width, impl=impl)
-    return ring, logits
+                  impl, temperature=0.0, key=None):
+    return step.propose_round_batched(params, ring, new_features, n_new, id_last, n_past,
+                                      active, width=width, impl=impl, temperature=temperature,
+                                      key=key)
 
   def place(self, tree):
     return tree
@@ -107,11 +109,16 @@ class Models:
 
 @flax.struct.dataclass
 class Proposal:
-  """A round's drafts [S, n] in target ids, and q: the proposal distributions [S, n, V] over
-  target ids the drafts were sampled from, or None for one-hot proposals (the drafter's
-  argmax, prompt lookup, an oracle)."""
+  """A round's drafts [S, n] in target ids, and q: the proposal distributions the drafts were
+  sampled from, or None for one-hot proposals (the drafter's argmax, prompt lookup, an
+  oracle): dense [S, n, V] over target ids, or with `candidates` [S, n, k] (distinct target
+  ids per row) a sparse q [S, n, k] over them (DFlash2's selector; zero elsewhere).
+  n_verify [S]: how many of the n drafts each slot verifies (a confidence or p-min cut); the
+  rest are padding that can never be accepted, so the width stays static. None: all n."""
   drafts: jax.Array
   q: jax.Array | None = None
+  candidates: jax.Array | None = None
+  n_verify: jax.Array | None = None
 
 
 class Proposer(Protocol):
@@ -126,33 +133,71 @@ class Proposer(Protocol):
     """-> (the drafter's ring after this round's inject, or st.ring; the proposal)."""
 
 
+def block_width(cfg, width: int) -> int:
+  """The drafter block that proposes a round's width - 1 drafts: width rows for DFlash and
+  DFlash2 (block row 0 is the anchor's and drafts nothing), width - 1 for DSpark's shifted
+  rows (block row i drafts position n_past + i + 1)."""
+  return width - 1 + cfg.first_draft_row
+
+
+def cut_length(values: jax.Array, threshold: float) -> jax.Array:
+  """Drafts to verify per slot [S] from per-draft values [S, n]: those before the first value
+  below threshold (n when none is; a cut at 0 verifies no draft)."""
+  below = values < threshold
+  n = values.shape[-1]
+  return jnp.min(jnp.where(below, jnp.arange(n, dtype=jnp.int32), n), axis=-1).astype(jnp.int32)
+
+
 @dataclasses.dataclass(frozen=True)
 class Drafter:
-  """The DFlash drafter of `Models`: inject last round's committed rows, draft a block of
-  `width` rows; under sampling with `Sampling.proposals == "sampled"` the drafts are samples
-  of softmax(drafter_logits / T) and q is that distribution."""
+  """The drafter of `Models` (any family): inject last round's committed rows, draft a block
+  of `block_width` rows; under sampling with `Sampling.proposals == "sampled"` the drafts are
+  sampled by the family's rule (DFlash: softmax(logits / T) per row; DFlash2: the selector walk
+  over its top-k candidates, a sparse q; DSpark: the Markov chain, softmax over the vocab) and
+  q is that distribution along the sampled path.
+
+  cut > 0 shortens each slot's verify (SPEC_dflash2_dspark 12.2): the drafts before the first
+  one whose value is below `cut`. The value is DSpark's per-row confidence (a drafter with a
+  confidence head), and for DFlash / DFlash2 the top probability of the draft row (llama.cpp's
+  p-min: greedy drafts are that top token; DFlash2's walk probability, given the chosen
+  predecessor; `step.Draft.top_prob`). Either value depends only on the drafts before the row,
+  never on the draft it cuts, so the cut decides before the draft is looked at and the loop
+  stays lossless under sampling too. The verify width stays static (the cut rows are masked),
+  so nothing recompiles; the accept rule is unchanged."""
+  cut: float = 0.0
+
+  def __post_init__(self):
+    if isinstance(self.cut, bool) or not isinstance(self.cut, (int, float)) or not (
+        0.0 <= self.cut <= 1.0):
+      raise ValueError(f"cut must be a number in [0, 1] (0 = off), got {self.cut!r}")
 
   def check(self, models, dcfg):
     if models.drafter is None:
       raise ValueError(f"width {dcfg.width} needs a drafter (width 1 is target-only decoding)")
+    c = models.drafter.cfg
+    if self.cut > 0 and c.family == "dspark" and not c.dspark.confidence_head:
+      raise ValueError(f"Drafter(cut={self.cut}) on a DSpark drafter cuts on its confidence "
+                       "head, and this drafter has none")
 
   def propose(self, models, dcfg, st, key):
-    n, samp = dcfg.width - 1, dcfg.sampling
+    samp, cfg = dcfg.sampling, models.drafter.cfg
+    sampled = not samp.greedy and samp.proposals == "sampled"
     active = jnp.ones(st.n_past.shape, jnp.bool_)
-    ring, logits = models.run.draft_round(models.drafter, st.ring, st.pending, st.n_new,
-                                          st.id_last, st.n_past, active, width=dcfg.width,
-                                          impl=dcfg.impl)
-    drafts, q = step.greedy_drafts(logits), None
-    if not samp.greedy and samp.proposals == "sampled":
-      z = logits[:, 1:n + 1].astype(jnp.float32) / samp.temperature
-      drafts = jax.vmap(lambda k, zz: jax.random.categorical(k, zz, axis=-1))(key, z)
-      q = jax.nn.softmax(z, axis=-1)
-      if models.d2t is not None:   # over target ids: zero outside the draft vocab
-        s = q.shape[0]
+    ring, d = models.run.draft_round(
+        models.drafter, st.ring, st.pending, st.n_new, st.id_last, st.n_past, active,
+        width=block_width(cfg, dcfg.width), impl=dcfg.impl,
+        temperature=samp.temperature if sampled else 0.0, key=key if sampled else None)
+    drafts, q = d.drafts, d.q
+    candidates = d.candidates if q is not None and d.candidates is not None else None
+    if models.d2t is not None:   # DFlash with a reduced draft vocab: q over target ids
+      if q is not None:
+        s, n = q.shape[:2]
         q = jnp.zeros((s, n, models.target_cfg.vocab_size), q.dtype).at[:, :, models.d2t].set(q)
-    if models.d2t is not None:
       drafts = models.d2t[drafts]
-    return ring, Proposal(drafts.astype(jnp.int32), q)
+    n_verify = None
+    if self.cut > 0:
+      n_verify = cut_length(d.conf if cfg.family == "dspark" else d.top_prob, self.cut)
+    return ring, Proposal(drafts.astype(jnp.int32), q, candidates, n_verify)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,11 +227,14 @@ class Lookup:
 
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
-  """Static knobs of the loop. width: rows verified per round (id_last + width - 1 drafts;
-  2 .. block_size with a drafter, >= 2 with lookup, 1 = target-only). proposer: who drafts
-  (`Drafter()`, `Lookup(max_ngram)`, or a `Proposer` of your own). impl: the drafter's
-  kernels and the acceptance scan ("pallas" or "xla"); target_impl: the target's GEMMs
-  ("xla", or "pallas" for the skinny GEMM)."""
+  """Static knobs of the loop. width: rows the target verifies per round, the same for every
+  proposer and family: id_last + width - 1 drafts (1 = target-only; >= 2 with lookup). With a
+  drafter the block that proposes them has `block_width(cfg, width)` rows, in [2, block_size]:
+  width 2 .. block_size for DFlash / DFlash2, 3 .. block_size + 1 for DSpark (its block of w
+  rows gives w drafts). proposer: who drafts (`Drafter()`, `Drafter(cut=...)`,
+  `Lookup(max_ngram)`, or a `Proposer` of your own). impl: the drafter's kernels and the
+  acceptance scan ("pallas" or "xla"); target_impl: the target's GEMMs ("xla", or "pallas"
+  for the skinny GEMM)."""
   width: int
   sampling: Sampling = Sampling()
   impl: str = "pallas"
@@ -239,9 +287,12 @@ def check_models(models: Models, dcfg: DecodeConfig) -> None:
   if d is None:
     return
   c = d.cfg
-  if dcfg.width < 2 or dcfg.width > c.block_size:
-    raise ValueError(f"width must lie in [2, block_size {c.block_size}] with a drafter, "
-                     f"got {dcfg.width}")
+  lo, hi = 3 - c.first_draft_row, c.block_size + 1 - c.first_draft_row
+  if not lo <= dcfg.width <= hi:
+    raise ValueError(f"width (rows verified per round: id_last + width - 1 drafts) must lie in "
+                     f"[{lo}, {hi}] with a {c.family} drafter of block_size {c.block_size} "
+                     f"(its block of {block_width(c, dcfg.width)} rows would draft "
+                     f"{dcfg.width - 1}), got {dcfg.width}")
   if c.n_embd != tc.hidden_size:
     raise ValueError(f"drafter n_embd {c.n_embd} != target hidden_size {tc.hidden_size}")
   if d.n_vocab != tc.vocab_size:
@@ -324,9 +375,12 @@ def accept_commit(models: Models, dcfg: DecodeConfig, st: DecodeState, proposal:
       target_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
       n_ok = (step.accept(drafts, target_tokens[:, :n], impl=dcfg.impl) if n
               else jnp.zeros((s,), jnp.int32))
+      if proposal.n_verify is not None:   # drafts past the cut are never accepted
+        n_ok = jnp.minimum(n_ok, proposal.n_verify)
       t = jnp.take_along_axis(target_tokens, n_ok[:, None], axis=1)[:, 0]
     else:
-      n_ok, t = SP.verify_sampled(key, drafts, SP.probs(logits, samp), proposal.q)
+      n_ok, t = SP.verify_sampled(key, drafts, SP.probs(logits, samp), proposal.q,
+                                  candidates=proposal.candidates, n_valid=proposal.n_verify)
   with jax.named_scope("commit"):
     rows = jnp.arange(w, dtype=jnp.int32)[None]
     # Row i of the commit: drafts[i] for i < n_ok, then t; rows past n_ok are scratch.

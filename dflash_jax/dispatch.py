@@ -318,18 +318,20 @@ class Attention:
 
 
 def attention(*, n_seqs: int, n_head_kv: int, t: int, group: int, head_dim: int, slots: int,
-              window: int | None, ring_dtype, impl: str,
-              policy: KernelPolicy | None) -> Attention:
+              window: int | None, ring_dtype, impl: str, policy: KernelPolicy | None,
+              block_mask: bool = False) -> Attention:
   """The ring attention of t block rows (group query heads per kv head) of n_seqs sequences
   over caches of `slots` slots (window: the sliding window, None for full attention): the
   Mosaic GPU partials for policy.mgpu_attention_seqs slot counts where the shape fits them and
   the policy allows Mosaic GPU kernels, else the Triton kernel with its default knobs (impl
-  "xla": the jnp twin)."""
+  "xla": the jnp twin). block_mask: the block's own keys are masked (DFlash2's causal or band
+  layers), which only the Triton kernel and the twin do."""
   policy = _routing_policy(policy, impl, "attention")
   if impl == "xla":
     return Attention("xla")
   seqs = policy.mgpu_attention_seqs
-  if seqs is not None and seqs[0] <= n_seqs <= seqs[1] and policy.mosaic:
+  if (not block_mask and seqs is not None and seqs[0] <= n_seqs <= seqs[1]
+      and policy.mosaic):
     knobs = attn_mgpu.default_knobs(n_seqs, n_head_kv, t * group, t, head_dim, slots,
                                     ring_dtype)
     if knobs is not None:

@@ -10,9 +10,10 @@ applied to logits / T. Verification of drafts is lossless either way:
   target's argmax after it (correction, or bonus when every draft was accepted).
 - sampling with greedy proposals (q one-hot at the drafter's argmax): accept draft j with
   probability p_j(d_j); at the first rejection commit a sample of p_j with d_j removed.
-- sampling with sampled proposals (d_j ~ q_j = softmax(drafter_logits_j / T)): accept with
-  probability min(1, p_j(d_j) / q_j(d_j)); else commit a sample of norm(max(0, p_j - q_j)).
-  When every draft is accepted the bonus token is a sample of the last row's p.
+- sampling with sampled proposals (d_j ~ q_j: the drafter family's proposal, dense or sparse
+  over candidates): accept with probability min(1, p_j(d_j) / q_j(d_j)); else commit a sample
+  of norm(max(0, p_j - q_j)). When every draft is accepted the bonus token is a sample of the
+  last row's p; when a cut stops the verify early, a sample of p at the row after it.
 """
 from __future__ import annotations
 
@@ -91,13 +92,19 @@ def _take(a: jax.Array, idx: jax.Array) -> jax.Array:
   return jnp.take_along_axis(a, idx.reshape(-1, *([1] * (a.ndim - 1))), axis=1)[:, 0]
 
 
-def verify_sampled(key: jax.Array, drafts: jax.Array, p: jax.Array, q: jax.Array | None
+def verify_sampled(key: jax.Array, drafts: jax.Array, p: jax.Array, q: jax.Array | None,
+                   candidates: jax.Array | None = None, n_valid: jax.Array | None = None
                    ) -> tuple[jax.Array, jax.Array]:
   """Rejection sampling of drafts [S, n] against the target's p [S, n + 1, V].
 
-  q [S, n, V] are the proposal distributions the drafts were sampled from, or None for
-  greedy (one-hot) proposals. key: one key per slot [S]. Returns (n_ok [S], the committed
-  target token t [S]): a sample of the first rejected row's residual, or of p[n] (bonus).
+  q: the proposal distributions the drafts were sampled from, or None for greedy (one-hot)
+  proposals: dense [S, n, V], or sparse [S, n, k] over `candidates` [S, n, k] (distinct ids
+  per row, q zero elsewhere: DFlash2's selector, SPEC_dflash2_dspark section 8; only the
+  rejected row is densified). n_valid [S]: the drafts each slot verifies (a cut); draft i >=
+  n_valid[s] is never accepted, and stopping there is no rejection: the committed token is a
+  sample of p at that row, as after a full acceptance. key: one key per slot [S]. Returns
+  (n_ok [S], the committed target token t [S]): a sample of the first rejected row's residual,
+  or of p[n_ok] (bonus, or the row after a cut).
   """
   s, n = drafts.shape
   d = drafts[..., None]
@@ -107,17 +114,27 @@ def verify_sampled(key: jax.Array, drafts: jax.Array, p: jax.Array, q: jax.Array
   if q is None:
     accept = u < p_d
   else:
-    q_d = jnp.take_along_axis(q, d, axis=-1)[..., 0]
+    if candidates is None:
+      q_d = jnp.take_along_axis(q, d, axis=-1)[..., 0]
+    else:
+      q_d = jnp.sum(jnp.where(candidates == d, q, 0.0), axis=-1)
     accept = u * q_d < p_d
+  limit = jnp.full((s,), n, jnp.int32) if n_valid is None else jnp.asarray(n_valid, jnp.int32)
+  accept &= jnp.arange(n, dtype=jnp.int32)[None] < limit[:, None]
   n_ok = _first_false(accept)
   row = _take(p, n_ok)                                    # [S, V]
   if n:
-    rejected = n_ok < n
+    rejected = n_ok < limit
     if q is None:
       draft = _take(drafts, jnp.minimum(n_ok, n - 1))
       residual = row.at[jnp.arange(s), draft].set(0.0)
     else:
-      q_row = _take(jnp.concatenate([q, jnp.zeros_like(q[:, :1])], axis=1), n_ok)
+      at = jnp.minimum(n_ok, n - 1)
+      if candidates is None:
+        q_row = _take(q, at)
+      else:
+        q_row = jax.vmap(lambda ids, qs: jnp.zeros(row.shape[-1], qs.dtype).at[ids].add(qs))(
+            _take(candidates, at), _take(q, at))
       residual = jnp.maximum(row - q_row, 0.0)
     # A residual of zero mass only arises when the draft could not be rejected (p <= q
     # nowhere); then the row itself is the right distribution.

@@ -332,7 +332,12 @@ def _shard(tree, plan, counts=None, copy=False):
 
 
 def shard_params(params: DrafterParams, plan: Plan | Mesh) -> DrafterParams:
-  """Drafter weights on the mesh (fused matrices in the [parts, rows / parts, K] form)."""
+  """Drafter weights on the mesh (fused matrices in the [parts, rows / parts, K] form). DFlash
+  drafters only: the DFlash2 / DSpark tensors have no layout on a mesh yet."""
+  if params.cfg.family != "dflash":
+    raise ValueError(f"a {params.cfg.family!r} drafter cannot be sharded yet (its "
+                     "convolution, selector and Markov tensors have no mesh layout); run it on "
+                     "one device")
   return _shard(params, plan, _drafter_counts(params.cfg))
 
 
@@ -382,10 +387,11 @@ class MeshRun:
     return inject_slots(self.plan, params, ring, features, positions, n_valid, impl=impl)
 
   def draft_round(self, params, ring, new_features, n_new, id_last, n_past, active, *, width,
-                  impl):
+                  impl, temperature=0.0, key=None):
     ring, _, logits = draft_round_slots(self.plan, params, ring, new_features, n_new, id_last,
                                         n_past, active, width=width, impl=impl)
-    return ring, logits
+    # DFlash's readout needs only the gathered logits (shard_params admits no other family).
+    return ring, step.dflash_readout(params, impl, logits, None, id_last, temperature, key)
 
   def place(self, tree):
     return _slot_arrays(self.plan, tree)

@@ -12,7 +12,10 @@ attention sweeps of "kernel GPU tests, kernel timings, attention sweep" and afte
 
 Visibility (SPEC.md sections 3 and 7): token t sees all T block keys, and slot j iff
 0 <= ring_pos[j] < n_past and, for a sliding window W, n_past + t - ring_pos[j] < W
-(window=None: a full-attention cache, no window edge).
+(window=None: a full-attention cache, no window edge). DFlash2's block masks
+(SPEC_dflash2_dspark 5.4) restrict the block keys: `causal` (block key j visible to token t
+iff j <= t) and `band` B (t - j < B, and j - t < B when not causal); both off, the program is
+the one without them.
 
 Any shape: the ring's S slots are cut into chunks of a power-of-2 number of block_k tiles (a
 last chunk past S masks its slots to invisible), T*G query rows into power-of-2 row tiles
@@ -86,7 +89,7 @@ def _split_dot(a_parts: list[jax.Array], b: jax.Array, contract_b: int) -> jax.A
 def _partial_kernel(n_past_ref, pos_ref, q_ref, k_ref, v_ref, rk_ref, rv_ref,
                     o_ref, m_ref, l_ref, *, rows: int, t: int, d: int, n_slots: int, group: int,
                     window: int | None, block_k: int, terms: int, n_chunks: int,
-                    n_row_tiles: int, fold_own: bool):
+                    n_row_tiles: int, fold_own: bool, causal: bool, band: int | None):
   block_q, dp = q_ref.shape
   tp = k_ref.shape[0]
   chunk = pos_ref.shape[0]
@@ -122,6 +125,16 @@ def _partial_kernel(n_past_ref, pos_ref, q_ref, k_ref, v_ref, rk_ref, rv_ref,
     sc = _split_dot(q_parts, load_tile(k_ref, (0, 0), (tp, dp), (key_lim, col_lim)), 1)
     if key_lim is not None:   # key tile columns past T are no keys
       sc = jnp.where(jnp.arange(tp, dtype=jnp.int32)[None, :] < t, sc, MASK)
+    if causal or band is not None:   # DFlash2's block masks; the key t == token always stays
+      key = jnp.arange(tp, dtype=jnp.int32)[None, :]
+      tok = (row_ids() // group)[:, None]
+      vis = key <= tok if causal else None
+      if band is not None:
+        near = tok - key < band
+        if not causal:
+          near &= key - tok < band
+        vis = near if vis is None else vis & near
+      sc = jnp.where(vis, sc, MASK)
     return update(carry, sc, load_tile(v_ref, (0, 0), (tp, dp), (key_lim, col_lim)))
 
   # The last chunk may run past S: its slots there read as empty (-1) and their K/V as 0.
@@ -221,7 +234,7 @@ def _combine_kernel(*refs, rows: int, d: int, group: int, n_chunks: int, split_g
 
 
 def _check_shapes(name: str, q, k, v, ring_k, ring_v, ring_pos, n_past, layer: int,
-                  window: int | None) -> None:
+                  window: int | None, causal: bool = False, band: int | None = None) -> None:
   """Shape and dtype checks shared by the kernel and its twin."""
   check(q.ndim == 3, name, "q must be rank 3 [Hkv, T*G, D]", q.shape)
   hkv, rows, d = q.shape
@@ -251,6 +264,9 @@ def _check_shapes(name: str, q, k, v, ring_k, ring_v, ring_pos, n_past, layer: i
   check(n_past.dtype == jnp.int32, name, "n_past dtype must be int32", n_past.dtype)
   check(window is None or (isinstance(window, int) and window >= 1), name,
         "window must be None (full attention) or an int >= 1", window)
+  check(isinstance(causal, bool), name, "causal must be a bool", causal)
+  check(band is None or (isinstance(band, int) and not isinstance(band, bool) and band >= 1),
+        name, "band must be None or an int >= 1", band)
 
 
 def _check_launch(name: str, k, splits: int, block_k: int, block_q: int, terms: int) -> None:
@@ -323,12 +339,14 @@ def _default_block_q(rows: int, dp: int) -> int:
 
 @functools.partial(jax.jit, static_argnames=["layer", "window", "splits", "block_k",
                                              "block_q", "num_warps", "num_stages", "terms",
-                                             "fold_own", "out_dtype", "interpret"])
+                                             "fold_own", "causal", "band", "out_dtype",
+                                             "interpret"])
 def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, ring_k: jax.Array,
                    ring_v: jax.Array, ring_pos: jax.Array, n_past: jax.Array, *,
                    layer: int, window: int | None, splits: int = 16, block_k: int = 128,
                    block_q: int | None = None, num_warps: int = 4, num_stages: int = 2,
-                   terms: int = 3, fold_own: bool = False, out_dtype=jnp.float32,
+                   terms: int = 3, fold_own: bool = False, causal: bool = False,
+                   band: int | None = None, out_dtype=jnp.float32,
                    interpret: bool | None = None) -> jax.Array:
   """Attention of the block's queries over its own keys and ring layer `layer`.
 
@@ -343,10 +361,11 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, ring_k: jax.Array,
   T*G rows up to 64 at D = 128); `num_warps` and `num_stages` of the partial kernel; `terms`
   bf16 parts per float32 dot operand (3: fp32 accuracy; 2: ~16 mantissa bits, fewer MMAs);
   `fold_own`: chunk 0's program also attends the block's own keys (one program fewer per kv
-  head and no own partial to combine) instead of a program of their own.
+  head and no own partial to combine) instead of a program of their own. `causal` / `band`:
+  DFlash2's block masks (module docstring).
   """
   name = "ring_attention"
-  _check_shapes(name, q, k, v, ring_k, ring_v, ring_pos, n_past, layer, window)
+  _check_shapes(name, q, k, v, ring_k, ring_v, ring_pos, n_past, layer, window, causal, band)
   hkv, rows, d = q.shape
   t = k.shape[1]
   group = rows // t
@@ -360,7 +379,8 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, ring_k: jax.Array,
   tp = max(16, next_pow2(t))
   kernel = functools.partial(_partial_kernel, rows=rows, t=t, d=d, n_slots=n_slots,
                              group=group, window=window, block_k=block_k, terms=terms,
-                             n_chunks=n_chunks, n_row_tiles=n_rt, fold_own=fold_own)
+                             n_chunks=n_chunks, n_row_tiles=n_rt, fold_own=fold_own,
+                             causal=causal, band=band)
   # Grid axis 0 runs over (kv head, query row tile) pairs; one row tile: the kv head.
   if n_rt == 1:
     head, rt = (lambda p: p), (lambda p: 0)
@@ -460,13 +480,14 @@ def combine_partials(o: jax.Array, m: jax.Array, l: jax.Array, *, t: int, d: int
 
 @functools.partial(jax.jit, static_argnames=["layer", "window", "splits", "block_k",
                                              "num_warps", "num_stages", "terms", "fold_own",
-                                             "out_dtype", "interpret"])
+                                             "causal", "band", "out_dtype", "interpret"])
 def ring_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, ring_k: jax.Array,
                              ring_v: jax.Array, ring_pos: jax.Array, n_past: jax.Array, *,
                              layer: int, window: int | None, splits: int = 16,
                              block_k: int = 128, num_warps: int = 4, num_stages: int = 2,
-                             terms: int = 3, fold_own: bool = False,
-                             out_dtype=jnp.float32, interpret: bool | None = None) -> jax.Array:
+                             terms: int = 3, fold_own: bool = False, causal: bool = False,
+                             band: int | None = None, out_dtype=jnp.float32,
+                             interpret: bool | None = None) -> jax.Array:
   """Pure-jnp twin of `ring_attention`: the full score matrix, float32, precision HIGHEST.
 
   Any shape. Takes the kernel's knobs so that it is a drop-in replacement; they do not
@@ -474,7 +495,7 @@ def ring_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, ring_k: j
   """
   del splits, block_k, num_warps, num_stages, terms, fold_own, interpret
   _check_shapes("ring_attention_reference", q, k, v, ring_k, ring_v, ring_pos, n_past, layer,
-                window)
+                window, causal, band)
   hkv, rows, d = q.shape
   t = k.shape[1]
   keys = jnp.concatenate([ring_k[layer].astype(jnp.float32), k], axis=1)
@@ -486,7 +507,15 @@ def ring_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, ring_k: j
                               (rows, ring_pos.shape[0]))
   if window is not None:
     ring_vis &= (n_past + tok)[:, None] - ring_pos[None, :] < window
-  vis = jnp.concatenate([ring_vis, jnp.ones((rows, t), bool)], axis=1)
+  key = jnp.arange(t, dtype=jnp.int32)[None, :]
+  own_vis = jnp.ones((rows, t), bool)
+  if causal:
+    own_vis &= key <= tok[:, None]
+  if band is not None:
+    own_vis &= tok[:, None] - key < band
+    if not causal:
+      own_vis &= key - tok[:, None] < band
+  vis = jnp.concatenate([ring_vis, own_vis], axis=1)
   p = jax.nn.softmax(jnp.where(vis[None], s, -jnp.inf), axis=-1)
   o = jnp.einsum("hrk,hkd->hrd", p, vals, precision=lax.Precision.HIGHEST)
   return o.reshape(hkv, t, rows // t, d).transpose(1, 0, 2, 3).reshape(t, -1).astype(out_dtype)

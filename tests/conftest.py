@@ -1,3 +1,4 @@
+import gc
 import importlib.util
 import os
 import warnings
@@ -27,6 +28,16 @@ warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecat
                         category=DeprecationWarning)
 
 ON_GPU = jax.default_backend() == "gpu"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+  """Drops each module's compiled programs when it ends: one process runs the whole CPU suite
+  (CI: 2 cores, 24 GB), and the programs of a thousand tests held to the end exhausted that
+  machine's memory (XLA crashed inside a later compile)."""
+  yield
+  jax.clear_caches()
+  gc.collect()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -121,3 +121,39 @@ def test_gdn_benchmark_smoke_decode(tmp_path):
   assert res["target_only"]["tokens_per_s"] > 0
   (o,) = res["oracle"]
   assert o["k"] == 3 and sum(o["hist"]) == o["rounds"] and o["tokens"] == 24
+def test_families_benchmark_smoke_run(tmp_path):
+  """benchmarks.families at tiny dims: both pairs through every section."""
+  from benchmarks import families
+  assert families.main(["--smoke", "--out", str(tmp_path)]) == 0
+  res = json.loads((tmp_path / "families.json").read_text())
+  assert res["smoke"] and res["copy_bw_TBps"] > 0
+  assert [p["pair"] for p in res["pairs"]] == ["tiny-dflash2", "tiny-dspark-b7"]
+  for p in res["pairs"]:
+    b, e = p["base"], p["ext"]
+    assert (b["config"], e["config"]) == ("dflash", p["family"])
+    for r in (b, e):
+      assert r["step_device_ms"] > 0 and r["round_device_ms"] > 0 and r["readout_device_us"] > 0
+    assert p["step_ratio"] > 0 and p["round_ratio"] > 0
+  d2, ds = res["pairs"]
+  # DFlash2's step reads its convolutions on top of DFlash's; DSpark's block step is DFlash's.
+  assert d2["step_floor_ratio"] > 1 and d2["ext"]["step_bytes"] > d2["base"]["step_bytes"]
+  assert ds["step_floor_ratio"] == 1 and ds["ext"]["readout_bytes"] > 0
+  assert (tmp_path / "families.md").read_text().startswith("- device:")
+
+
+@pytest.mark.parametrize("family", ["dflash2", "dspark"])
+def test_decode_benchmark_smoke_run_for_a_family(tmp_path, family):
+  """benchmarks.decode --family at tiny dims: the round's pieces and oracle rows with and
+  without the cut (every oracle draft is right, so the cut only lowers tau)."""
+  from benchmarks import decode
+  assert decode.main(["--smoke", "--family", family, "--cuts", "0.5",
+                      "--out", str(tmp_path)]) == 0
+  res = json.loads((tmp_path / "decode.json").read_text())
+  assert res["setup"]["drafter"]["family"] == family
+  r = res["round_ms"]
+  assert r["draft_full_vocab"] > 0 and "draft_reduced_vocab" not in r
+  assert r["block_width"] == res["setup"]["drafter"]["block_size"] + (family == "dspark")
+  plain, cut = res["oracle"]
+  assert (plain["cut"], cut["cut"]) == (0.0, 0.5) and plain["k"] == cut["k"] == 3
+  assert plain["tau"] == 4.0 and 1.0 <= cut["tau"] <= plain["tau"]
+  assert plain["oracle_fixed_point"] and cut["matches_target_only"] == plain["matches_target_only"]

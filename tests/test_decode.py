@@ -264,7 +264,8 @@ def test_input_errors(pair):
     D.start(m, dcfg, [[1]], 0)
   with pytest.raises(ValueError, match="eos ids \\[200\\]"):
     D.start(m, dcfg, [[1]], 4, eos_ids=(200,))
-  with pytest.raises(ValueError, match="width must lie in \\[2, block_size 8\\]"):
+  with pytest.raises(ValueError, match=r"must lie in \[2, 8\] with a dflash drafter of "
+                                       r"block_size 8"):
     D.check_models(m, D.DecodeConfig(width=9))
   with pytest.raises(ValueError, match="width 4 needs a drafter"):
     D.check_models(m.replace(drafter=None), dcfg)

@@ -35,8 +35,10 @@ LEAK = 1e3
 
 
 def numpy_attention(q, k, v, ring_k, ring_v, ring_pos, n_past: int, layer: int,
-                    window: int | None) -> np.ndarray:
-  """Direct float64 transcription of the visibility rule (SPEC.md sections 3 and 7)."""
+                    window: int | None, causal: bool = False, band: int | None = None
+                    ) -> np.ndarray:
+  """Direct float64 transcription of the visibility rule (SPEC.md sections 3 and 7; the block
+  masks of SPEC_dflash2_dspark 5.4: causal, and the band of a sliding layer)."""
   q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
   rk = np.asarray(jnp.asarray(ring_k, jnp.float32), np.float64)[layer]
   rv = np.asarray(jnp.asarray(ring_v, jnp.float32), np.float64)[layer]
@@ -51,8 +53,10 @@ def numpy_attention(q, k, v, ring_k, ring_v, ring_pos, n_past: int, layer: int,
       t = r // g
       vis = [j for j in range(s) if 0 <= pos[j] < n_past
              and (window is None or n_past + t - pos[j] < window)]
-      keys = np.concatenate([rk[h, vis], k[h]])
-      vals = np.concatenate([rv[h, vis], v[h]])
+      own = [j for j in range(t_len) if not (causal and j > t) and not (
+          band is not None and (t - j >= band or (not causal and j - t >= band)))]
+      keys = np.concatenate([rk[h, vis], k[h, own]])
+      vals = np.concatenate([rv[h, vis], v[h, own]])
       sc = keys @ q[h, r] / math.sqrt(d)
       p = np.exp(sc - sc.max())
       col = (h * g + r % g) * d
@@ -96,10 +100,12 @@ def ring_pos_after(n_written: int, s: int, wrap: bool = True) -> np.ndarray:
   return pos
 
 
-def check_against_both(args, *, layer: int, window: int | None, **knobs) -> np.ndarray:
-  out = np.asarray(ring_attention(*args, layer=layer, window=window, **knobs))
-  twin = np.asarray(ring_attention_reference(*args, layer=layer, window=window))
-  ref = numpy_attention(*args[:6], int(args[6]), layer, window)
+def check_against_both(args, *, layer: int, window: int | None, causal: bool = False,
+                       band: int | None = None, **knobs) -> np.ndarray:
+  masks = dict(causal=causal, band=band)
+  out = np.asarray(ring_attention(*args, layer=layer, window=window, **masks, **knobs))
+  twin = np.asarray(ring_attention_reference(*args, layer=layer, window=window, **masks))
+  ref = numpy_attention(*args[:6], int(args[6]), layer, window, **masks)
   # Interpret mode fills outputs with NaN before the kernels run: an output element (or a
   # partial feeding the combine) that is never written shows here.
   assert np.isfinite(out).all(), "kernel output has NaN/inf"
@@ -245,6 +251,31 @@ def test_fold_own(case):
     args = make_inputs(61, pos=pos, n_past=n_past, ring_dtype=jnp.bfloat16)
     check_against_both(args, layer=2, window=W, splits=4, block_k=16, interpret=True,
                        fold_own=True)
+
+
+@pytest.mark.parametrize("causal,band,fold_own,shape", [
+    (True, None, False, "seed-like"), (False, 3, False, "seed-like"), (True, 3, True, "seed-like"),
+    (True, None, True, "g6_t5_window_lt_slots"), (False, 2, False, "g3_t7_d48_w48"),
+    (True, 4, False, "full_s37_t10_g1")])
+def test_block_masks(causal, band, fold_own, shape):
+  """DFlash2's causal and band masks over the block's own keys (SPEC_dflash2_dspark 5.4), with
+  the own keys in their own program or folded into chunk 0, several row tiles, G not a power
+  of 2: kernel, twin and float64 agree, and the masks change the output."""
+  if shape == "seed-like":
+    pos, n_past = scenario("window_edge")
+    args = make_inputs(70, pos=pos, n_past=n_past, ring_dtype=jnp.bfloat16)
+    window, knobs = W, dict(splits=4, block_k=16)
+  else:
+    hkv, t, g, d, s, window, n_written, wrap, n_past, knobs = SHAPES[shape]
+    args = make_inputs(71, pos=ring_pos_after(n_written, s, wrap), n_past=n_past, hkv=hkv,
+                       t_len=t, g=g, d=d, n_layer=2, window=window)
+  layer = 1
+  out = check_against_both(args, layer=layer, window=window, causal=causal, band=band,
+                           interpret=True, fold_own=fold_own, **knobs)
+  plain = np.asarray(ring_attention_reference(*args, layer=layer, window=window))
+  assert np.abs(out - plain).max() > 1e-2
+  with pytest.raises(ValueError, match="band must be None or an int >= 1"):
+    ring_attention_reference(*args, layer=layer, window=window, band=0)
 
 
 def test_twin_takes_shapes_the_kernel_does_not():
@@ -418,3 +449,22 @@ def test_two_terms_and_bf16_output(ring_dtype):
                      interpret=True)
   assert b.dtype == jnp.bfloat16
   np.testing.assert_array_equal(np.asarray(b), three.astype(jnp.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal,band,fold_own", [(True, None, False), (False, 12, False),
+                                                  (True, 12, True)])
+def test_gpu_block_masks(causal, band, fold_own):
+  """DFlash2's block masks compiled at the seed drafter's dims (T 16, G 4, D 128, W 2048):
+  the kernel against its twin and float64; the masks change the output."""
+  args = make_inputs(8, pos=ring_pos_after(3000, 2048), n_past=2990, hkv=8, t_len=16, g=4,
+                     d=128, n_layer=5, ring_dtype=jnp.bfloat16)
+  masks = dict(causal=causal, band=band)
+  out = np.asarray(ring_attention(*args, layer=2, window=2048, fold_own=fold_own,
+                                  interpret=False, **masks))
+  twin = np.asarray(ring_attention_reference(*args, layer=2, window=2048, **masks))
+  np.testing.assert_allclose(out, twin, rtol=TOL_TWIN, atol=TOL_TWIN)
+  ref = numpy_attention(*args[:6], 2990, 2, 2048, **masks)
+  np.testing.assert_allclose(out, ref, rtol=TOL_F64, atol=TOL_F64)
+  plain = np.asarray(ring_attention_reference(*args, layer=2, window=2048))
+  assert np.abs(out - plain).max() > 1e-3

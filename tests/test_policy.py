@@ -362,8 +362,9 @@ def test_pieces_compose_as_a_new_family_would(impl):
                              rtol=1e-6, atol=1e-6)
   np.testing.assert_array_equal(np.asarray(logits),
                                 np.asarray(S.block_step(params, ring, id_last, n_past, impl=impl)))
-  drafts = fam.readout(logits, h)
-  np.testing.assert_array_equal(np.asarray(drafts), np.asarray(S.greedy_drafts(logits)))
+  d = fam.readout(params, impl, logits[None], h[None], id_last[None])
+  np.testing.assert_array_equal(np.asarray(d.drafts[0]), np.asarray(S.greedy_drafts(logits)))
+  np.testing.assert_array_equal(np.asarray(d.logits[0]), np.asarray(logits))
 
 
 # ---------------------------------------------------------------------------- import layers

@@ -77,37 +77,3 @@ def existing_file(text: str) -> str:
   if not os.path.isfile(text):
     raise argparse.ArgumentTypeError(f"no such file: {text!r}")
   return text
-
-
-def drafter_for_target(dcfg, w: dict, embed, head, dtype, q8_0_blocks=None):
-  """The drafter's device params (`prepare_weights` of its own tensors `w`) with the target's
-  token embedding and LM head, device arrays, borrowed as they are on the device (docs/SPEC.md
-  section 1): cast there to the drafter's dtype, or shared when it is theirs. Only a 1-byte
-  drafter format (fp8, q8_0) brings the head to the host, in its stored dtype, for the host
-  quantizer. No float32 host copy of either is made. Raises ValueError as prepare_weights."""
-  import jax.numpy as jnp
-  import numpy as np
-
-  from dflash_jax import quant
-  from dflash_jax.dispatch import QuantWeight
-  from dflash_jax.drafter.weights import prepare_weights
-
-  n_vocab = int(embed.shape[0])
-  if not 0 <= dcfg.mask_token_id < n_vocab:
-    raise ValueError(f"mask_token_id {dcfg.mask_token_id} is outside the target vocab "
-                     f"[0, {n_vocab})")
-  if tuple(embed.shape) != (n_vocab, dcfg.n_embd) or tuple(head.shape) != tuple(embed.shape):
-    raise ValueError(f"the target's embedding {tuple(embed.shape)} and LM head "
-                     f"{tuple(head.shape)} must both be [n_vocab, n_embd {dcfg.n_embd}]")
-  # prepare_weights sets the drafter's own tensors and picks the dtypes; one-row stand-ins take
-  # the target's places (the mask token's row must exist), replaced right after.
-  stand_in = np.zeros((dcfg.mask_token_id + 1, dcfg.n_embd), np.float32)
-  p = prepare_weights(dcfg, {**w, "tok_embd": stand_in, "lm_head": stand_in}, dtype, q8_0_blocks)
-  if isinstance(p.lm_head, QuantWeight):
-    quantize = quant.quantize_fp8 if p.lm_head.fmt == "fp8" else quant.quantize_q8_0
-    data, scale = quantize(np.asarray(head))
-    lm_head = QuantWeight(data=jnp.asarray(data), scale=jnp.asarray(scale), fmt=p.lm_head.fmt)
-  else:
-    lm_head = head if head.dtype == p.lm_head.dtype else head.astype(p.lm_head.dtype)
-  tok_embd = embed if embed.dtype == p.tok_embd.dtype else embed.astype(p.tok_embd.dtype)
-  return p.replace(tok_embd=tok_embd, lm_head=lm_head)

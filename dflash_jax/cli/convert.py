@@ -1,5 +1,9 @@
 """`python -m dflash_jax convert SRC DST`: a drafter from GGUF to an HF checkpoint folder, or back.
 
+Every family converts (DFlash, DFlash2, DSpark); what GGUF cannot hold (a DSpark gated or rnn
+Markov head, a confidence head without the Markov feature, per-layer DFlash2 causality, an
+input embedding scale) is refused with the reason.
+
 SRC is a drafter GGUF or an HF checkpoint folder (or its config.json); DST is a `.gguf` file or
 a folder (created if needed; --format overrides the choice by name). --type is the stored
 matrix type: F32, F16, BF16 or Q8_0 for GGUF, f32, f16 or bf16 for HF (any case; default F32,

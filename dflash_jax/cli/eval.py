@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from dflash_jax.cli import drafter_for_target, int_in
+from dflash_jax.cli import int_in
 from dflash_jax.cli import train_common as C
 from dflash_jax.io import atomic
 
@@ -63,7 +63,8 @@ def evaluate(args) -> int:
       raise C.arg_error("--drafter", e)
     try:
       drafters.append((os.path.basename(os.path.normpath(path)),
-                       drafter_for_target(cfg, w, target.embed, target.head, args.dtype)))
+                       dfj.prepare_weights(cfg, {**w, "tok_embd": target.embed,
+                                                 "lm_head": target.head}, args.dtype)))
     except ValueError as e:
       raise C.arg_error("--drafter", f"{path} does not fit the target: {e}")
   try:

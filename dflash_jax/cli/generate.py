@@ -14,7 +14,7 @@ import os
 import sys
 import time
 
-from dflash_jax.cli import CLIError, drafter_for_target, float_in, int_in
+from dflash_jax.cli import CLIError, float_in, int_in
 
 def _ids(text: str) -> list[int]:
   try:
@@ -95,8 +95,8 @@ def _load(args):
                         f"hidden_size {tcfg.hidden_size}")
   wdtype = "bf16" if tparams.embed.dtype == jnp.bfloat16 else "fp32"
   try:   # the target's embedding and LM head stay on the device (shared when dtypes agree)
-    dparams = drafter_for_target(dcfg, w, tparams.embed, tparams.head,
-                                 args.drafter_dtype or wdtype)
+    dparams = dfj.prepare_weights(dcfg, {**w, "tok_embd": tparams.embed, "lm_head": tparams.head},
+                                  args.drafter_dtype or wdtype)
   except ValueError as e:
     raise CLIError(f"argument --drafter: {e}") from None
   return tcfg, tparams, dparams, wdtype

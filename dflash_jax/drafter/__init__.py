@@ -6,6 +6,6 @@ from dflash_jax.drafter.step import (KVCache, RingState, accept, block_step, blo
                                      draft_round, draft_round_batched, encode, greedy_drafts,
                                      init_batched_ring, init_ring, inject, inject_batched,
                                      inject_slot, reset_slot, ring_nbytes)
-from dflash_jax.drafter.weights import (DrafterParams, InjectParams, LayerParams,
-                                        prepare_weights, validate_weights)
+from dflash_jax.drafter.weights import (ConvParams, DFlash2Params, DrafterParams, DSparkParams,
+                                        InjectParams, LayerParams, prepare_weights)
 from dflash_jax.drafter.wrappers import BatchedDrafter, CapturedStep, DFlashDrafter

@@ -244,25 +244,57 @@ class Block(NamedTuple):
 
 class Family(NamedTuple):
   """A drafter family's block step: embed(blk, tokens [rows]) -> x [rows, E] float32;
-  layer(blk, l, x) -> x; head(blk, x) -> (logits [rows, V], h [rows, E]); readout(logits
-  [..., w, V], h [..., w, E]) -> drafts [..., w-1]."""
+  layer(blk, l, x) -> x; head(blk, x) -> (logits [rows, V], h [rows, E]); readout(params,
+  impl, logits [S, w, V], h [S, w, E], id_last [S], temperature, key) -> Draft (the drafts of
+  S blocks: greedy at temperature 0, else sampled with key [S], one PRNG key per block)."""
   embed: Callable
   layer: Callable
   head: Callable
   readout: Callable
 
 
+@flax.struct.dataclass
+class Draft:
+  """S blocks' drafts (SPEC_dflash2_dspark section 14), n drafts per block.
+
+  drafts [S, n] int32; top_prob [S, n]: the top probability of each draft row's distribution
+  at temperature 1, given the drafts before it (softmax of the row's logits; DFlash2: of the
+  walk's scores from the chosen predecessor): the p-min cut's input. A greedy draft is that
+  top token, so this is the drafter's own probability of it; a sampled draft is not, and a cut
+  must not read the draft it cuts (that would bias which drafts get verified: the loop would
+  no longer be lossless). logits [S, w, V]: the family's output logits
+  (DFlash2: after the multiplier and softcap; DSpark: Markov-corrected along the chosen path
+  on the draft rows). At temperature > 0, q: the proposal distribution along the sampled path,
+  [S, n, V] (DFlash, DSpark), or [S, n, k] over `candidates` (DFlash2, a sparse q; None at
+  temperature 0). DFlash2: candidates [S, n, k] (each row's top-k ids, largest logit first)
+  and scores [S, n, k] (the walk's s_p along the chosen path). DSpark with a confidence head:
+  conf [S, n] (sigmoid values).
+  """
+  drafts: jax.Array
+  top_prob: jax.Array
+  logits: jax.Array
+  q: jax.Array | None = None
+  candidates: jax.Array | None = None
+  scores: jax.Array | None = None
+  conf: jax.Array | None = None
+
+
+def _route(params: DrafterParams, ring: RingState, kind: str, w: int, impl: str,
+           n_slots: int | None, block_mask: bool = False) -> dispatch.Attention:
+  """The attention launch of one kind's layers, routed by params.policy (block_mask: the
+  block's own keys are masked, `dispatch.attention`)."""
+  cfg, cache = params.cfg, ring.cache(kind)
+  return dispatch.attention(
+      n_seqs=n_slots or 1, n_head_kv=cfg.n_head_kv, t=w, group=cfg.group,
+      head_dim=cfg.head_dim, slots=cache.slots, window=cache.window, ring_dtype=cache.k.dtype,
+      impl=impl, policy=params.policy, block_mask=block_mask)
+
+
 def _context(params: DrafterParams, ring: RingState, n_past: jax.Array, w: int, impl: str,
              n_slots: int | None) -> Block:
   """The Block of one block step: each attention kind's launch routed by params.policy."""
-  cfg = params.cfg
-  attention = {}
-  for kind, _ in cfg.kind_groups:
-    cache = ring.cache(kind)
-    attention[kind] = dispatch.attention(
-        n_seqs=n_slots or 1, n_head_kv=cfg.n_head_kv, t=w, group=cfg.group,
-        head_dim=cfg.head_dim, slots=cache.slots, window=cache.window, ring_dtype=cache.k.dtype,
-        impl=impl, policy=params.policy)
+  attention = {kind: _route(params, ring, kind, w, impl, n_slots)
+               for kind, _ in params.cfg.kind_groups}
   act_dtype = jnp.float32 if params.weight_format == "fp32" else jnp.bfloat16
   return Block(params, ring, n_past, w, n_slots, impl, attention, act_dtype)
 
@@ -289,18 +321,24 @@ def sublayer_norm(blk: Block, x: jax.Array, w_norm: jax.Array, w, gate_up: bool 
                          gate_up=gate_up)
 
 
-def attend(blk: Block, l: int, qkv: jax.Array) -> jax.Array:
+def attend(blk: Block, l: int, qkv: jax.Array, causal: bool = False,
+           band: int | None = None) -> jax.Array:
   """Layer l's qk norm + rope and ring attention of the fused q/k/v projection (its split-K
   partials [P, rows, (Hq + 2 Hkv) D], summed inside qk_norm_rope: no extra launch) -> o
-  [rows, Hq D] in blk.act_dtype."""
+  [rows, Hq D] in blk.act_dtype. causal / band: DFlash2's masks of the block's own keys
+  (`ring_attention`); with either, the launch is routed for a masked block."""
   cfg, params, lp = blk.cfg, blk.params, blk.params.layers[l]
   ops = kernels(blk.impl)
   kind = cfg.kinds[l]
   cache = blk.ring.cache(kind)
   route = blk.attention[kind]
+  masks = {}
+  if causal or band is not None:
+    masks = dict(causal=causal, band=band)
+    route = _route(params, blk.ring, kind, blk.w, blk.impl, blk.n_slots, block_mask=True)
   knobs = route.knobs.kwargs() if route.kernel == "triton" else {}
   attend_one = functools.partial(ops.ring_attention, layer=cfg.index_in_kind(l),
-                                 window=cache.window, out_dtype=blk.act_dtype, **knobs)
+                                 window=cache.window, out_dtype=blk.act_dtype, **masks, **knobs)
 
   def norm_rope(qkv, n_past, parts=False):
     kw = dict(parts=True) if parts else {}   # the jnp twin (impl "xla") takes no parts
@@ -381,14 +419,262 @@ def dflash_head(blk: Block, x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return project(blk, h, params.lm_head), h
 
 
-def dflash_readout(logits: jax.Array, h: jax.Array) -> jax.Array:
-  """DFlash v1 drafts greedily: the argmax of block rows 1..w-1 (`greedy_drafts`)."""
-  del h
-  return greedy_drafts(logits)
+def _top_prob(logits: jax.Array) -> jax.Array:
+  """max softmax(logits) over the last axis: 1 / sum exp(logits - max)."""
+  z = logits.astype(jnp.float32)
+  return 1.0 / jnp.sum(jnp.exp(z - jnp.max(z, axis=-1, keepdims=True)), axis=-1)
 
 
-FAMILIES = {"dflash": Family(embed=dflash_embed, layer=dflash_layer, head=dflash_head,
-                             readout=dflash_readout)}
+def _row_keys(key: jax.Array, n: int) -> jax.Array:
+  """One PRNG key per block [S] -> one per draft row [S, n]."""
+  return jax.vmap(lambda k: jax.random.split(k, n))(key)
+
+
+def dflash_readout(params, impl: str, logits: jax.Array, h, id_last, temperature: float = 0.0,
+                   key: jax.Array | None = None) -> Draft:
+  """DFlash v1: block rows 1..w-1 each give a draft, the argmax (`greedy_drafts`), or at
+  temperature T > 0 a sample of softmax(logits / T) with key [S] (q that distribution)."""
+  del params, impl, h, id_last
+  q = None
+  if temperature == 0:
+    drafts = greedy_drafts(logits)
+  else:
+    z = logits[:, 1:].astype(jnp.float32) / temperature
+    drafts = jax.vmap(lambda k, zz: jax.random.categorical(k, zz, axis=-1))(key, z)
+    drafts = drafts.astype(jnp.int32)
+    q = jax.nn.softmax(z, axis=-1)
+  return Draft(drafts, _top_prob(logits[:, 1:]), logits, q=q)
+
+
+# -- DFlash2 (SPEC_dflash2_dspark 4-8): per-sublayer grouped dynamic causal convolutions, the
+# embedding scale, the logit multiplier and softcap, block causality, the candidate selector.
+# The readouts' row-by-row scans are unrolled (at most a block's rows): a rolled XLA loop on
+# the GPU reads its trip condition back to the host every iteration, a round trip per row.
+
+def conv_coefficients(blk: Block, a: jax.Array, conv) -> jax.Array:
+  """The dynamic coefficients of a sublayer from its normed input a [rows, E]: [rows, 2, K,
+  n_groups] float32 (projection feature f is side f // (K n_groups), tap (f // n_groups) % K,
+  group f % n_groups)."""
+  k = conv.base.shape[1]
+  d = project(blk, a, conv.proj)
+  return d.reshape(d.shape[0], 2, k, d.shape[1] // (2 * k))
+
+
+def causal_conv(blk: Block, y: jax.Array, base: jax.Array, coef: jax.Array) -> jax.Array:
+  """One side of the convolution along each block's rows: y [rows, E] (slot-major blocks of
+  blk.w rows), base [K, E], coef [rows, K, n_groups] -> out[i, c] = sum_t (base[t, c] +
+  coef[i, t, c // G]) y[i - t, c], rows before each block's row 0 zero (blocks never mix).
+  Elementwise jnp: XLA fuses it with its neighbours (the residual add on the finish side)."""
+  n, w = blk.n_slots or 1, blk.w
+  e = y.shape[-1]
+  k, n_groups = coef.shape[1], coef.shape[2]
+  y3 = y.astype(jnp.float32).reshape(n, w, e)
+  full = base[None, None] + jnp.repeat(coef.reshape(n, w, k, n_groups), e // n_groups, axis=-1)
+  out = full[:, :, 0] * y3
+  for t in range(1, min(k, w)):
+    out = out + full[:, :, t] * jnp.pad(y3, ((0, 0), (t, 0), (0, 0)))[:, :w]
+  return out.reshape(n * w, e)
+
+
+def dflash2_embed(blk: Block, tokens: jax.Array) -> jax.Array:
+  """The target's embedding of every block row, anchor included, times input_embedding_scale."""
+  return dflash_embed(blk, tokens) * jnp.float32(blk.cfg.dflash2.input_embedding_scale)
+
+
+def _block_masks(blk: Block, l: int) -> tuple[bool, int | None]:
+  """(causal, band) of layer l's block keys: the band of a sliding layer bites only for a
+  block wider than its window (SPEC_dflash2_dspark 5.4)."""
+  window = blk.ring.cache(blk.cfg.kinds[l]).window
+  return blk.cfg.block_causal(l), (window if window is not None and blk.w > window else None)
+
+
+def dflash2_layer(blk: Block, l: int, x: jax.Array) -> jax.Array:
+  """One DFlash2 layer (SPEC_dflash2_dspark 5.1): each sublayer's normed input (float32, which
+  the convolution reads unrounded) gives the coefficients (one GEMM) and goes through the
+  prepare side; the sublayer's output goes through the finish side before the residual add.
+  The coefficient GEMM cannot share the q/k/v or gate/up GEMM: those read the prepared rows,
+  which need the coefficients first."""
+  lp, conv = blk.params.layers[l], blk.params.family
+  causal, band = _block_masks(blk, l)
+  with jax.named_scope("attn_norm"):
+    a = rms_norm(x, lp.attn_norm, blk.cfg.eps)
+  with jax.named_scope("attn_conv"):
+    cp = conv.attn_conv[l]
+    d = conv_coefficients(blk, a, cp)
+    a = causal_conv(blk, a, cp.base[0], d[:, 0])
+  with jax.named_scope("qkv"):
+    qkv = project(blk, a, lp.wqkv, partials=True)
+  o = attend(blk, l, qkv, causal=causal, band=band)
+  with jax.named_scope("o"):
+    x = x + causal_conv(blk, project(blk, o, lp.wo), cp.base[1], d[:, 1])
+  with jax.named_scope("ffn/norm"):
+    b = rms_norm(x, lp.ffn_norm, blk.cfg.eps)
+  with jax.named_scope("ffn/conv"):
+    cp = conv.ffn_conv[l]
+    e = conv_coefficients(blk, b, cp)
+    b = causal_conv(blk, b, cp.base[0], e[:, 0])
+  with jax.named_scope("ffn/gate_up"):
+    hidden = project(blk, b, lp.wgu, gate_up=True, out_dtype=blk.act_dtype)
+  with jax.named_scope("ffn/down"):
+    return x + causal_conv(blk, project(blk, hidden, lp.wd), cp.base[1], e[:, 1])
+
+
+def logit_transform(raw: jax.Array, multiplier: float, softcap: float | None) -> jax.Array:
+  """SPEC_dflash2_dspark 6: raw * multiplier, then c tanh(z / c) when the softcap c is set."""
+  z = raw * jnp.float32(multiplier)
+  if softcap:
+    c = jnp.float32(softcap)
+    z = c * jnp.tanh(z / c)
+  return z
+
+
+def dflash2_head(blk: Block, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """DFlash's head, then the logit multiplier and softcap (XLA fuses them into one pass)."""
+  logits, h = dflash_head(blk, x)
+  f = blk.cfg.dflash2
+  with jax.named_scope("logit_transform"):
+    return logit_transform(logits, f.output_multiplier, f.final_logit_softcapping), h
+
+
+def _dot(a: jax.Array, b: jax.Array, spec: str) -> jax.Array:
+  """A float32 einsum at full precision (no TF32 on the GPU)."""
+  return jnp.einsum(spec, a, b, precision=lax.Precision.HIGHEST,
+                    preferred_element_type=jnp.float32)
+
+
+def dflash2_readout(params: DrafterParams, impl: str, logits: jax.Array, h: jax.Array,
+                    id_last: jax.Array, temperature: float = 0.0,
+                    key: jax.Array | None = None) -> Draft:
+  """The candidate selector (SPEC_dflash2_dspark 7) over draft rows p = 1..w-1 of S blocks.
+
+  Candidates C_p: each row's top k logits (largest first, ties to the lower id); g_p =
+  hidden_projection h_p. The k x k edge scores of every row (from each candidate of the row
+  before; from the anchor for the first row) are one gathered-row product computed up front
+  (the lattice form), so the walk itself is a scan of P small argmax steps on device: s_p =
+  unary + edge from the chosen predecessor, argmax (greedy) or a draw from softmax(s_p / T)
+  with one key per row, the choice feeding the next row. q: softmax(s_p / T) over C_p.
+  """
+  fp, k = params.family, params.cfg.dflash2.selector_top_k
+  s, w, _ = logits.shape
+  n = w - 1
+  with jax.named_scope("selector"):
+    unary, cand = lax.top_k(logits[:, 1:].astype(jnp.float32), k)       # [S, n, k]
+    g = linear(h[:, 1:].reshape(s * n, -1), fp.hidden, policy=params.policy, impl=impl)
+    g = g.reshape(s, n, -1)                                                # [S, n, R]
+    succ = fp.successor[cand].astype(jnp.float32)                          # [S, n, k, R]
+    r = succ.shape[-1]
+    anchor = jnp.broadcast_to(fp.predecessor[id_last][:, None, None].astype(jnp.float32),
+                              (s, 1, k, r))
+    prev = jnp.concatenate([anchor, fp.predecessor[cand[:, :-1]].astype(jnp.float32)], axis=1)
+    # edge[s, p, i, j] = sum_r A[pred_i, r] g_p[r] S[C_p[j], r] (row 0: every i the anchor)
+    edge = _dot(prev * g[:, :, None], succ, "spir,spjr->spij")
+    keys = None if temperature == 0 else jnp.swapaxes(_row_keys(key, n), 0, 1)
+
+    def walk(prev_i, xs):
+      u, e, kp = xs                                                        # [S, k], [S, k, k]
+      score = u + jnp.take_along_axis(e, prev_i[:, None, None], axis=1)[:, 0]
+      if temperature == 0:
+        j = jnp.argmax(score, axis=-1).astype(jnp.int32)
+      else:
+        j = jax.vmap(jax.random.categorical)(kp, score / temperature).astype(jnp.int32)
+      return j, (score, j)
+
+    _, (scores, chosen) = lax.scan(
+        walk, jnp.zeros((s,), jnp.int32),
+        (jnp.swapaxes(unary, 0, 1), jnp.swapaxes(edge, 0, 1), keys), unroll=True)
+    scores, chosen = jnp.swapaxes(scores, 0, 1), jnp.swapaxes(chosen, 0, 1)
+    drafts = jnp.take_along_axis(cand, chosen[..., None], axis=-1)[..., 0].astype(jnp.int32)
+    q = None if temperature == 0 else jax.nn.softmax(scores / temperature, axis=-1)
+    return Draft(drafts, _top_prob(scores), logits, q=q, candidates=cand.astype(jnp.int32),
+                 scores=scores)
+
+
+# -- DSpark (SPEC_dflash2_dspark 9-12): DFlash's backbone, shifted rows, the Markov chain and
+# the confidence head.
+
+def _sigmoid(x: jax.Array) -> jax.Array:
+  return 0.5 * (1.0 + jnp.tanh(0.5 * x))
+
+
+def dspark_readout(params: DrafterParams, impl: str, logits: jax.Array, h: jax.Array,
+                   id_last: jax.Array, temperature: float = 0.0,
+                   key: jax.Array | None = None) -> Draft:
+  """The Markov chain over the draft rows (all w rows with shifted rows, else 1..w-1) of S
+  blocks, then the confidence head along the chosen path.
+
+  Row i's predecessor is id_last for the first draft row, then the previous row's chosen
+  token; its logits are the backbone's plus W2 times the head's R-vector (vanilla: W1[prev];
+  gated: sigmoid(Wg [h ; W1[prev]] + bg) * W1[prev]; rnn: tanh(o) of its state update, the
+  state zero at each block's first row). The chain is a scan of one rank-R product and one
+  vocab-wide argmax (or draw from softmax(logits / T)) per row, on device. Without a Markov
+  head the rows are independent. conf_i = sigmoid(w . [h_i (; W1[prev_i])] + b).
+  """
+  cfg, fp = params.cfg, params.family
+  f = cfg.dspark
+  first = cfg.first_draft_row
+  lin = functools.partial(linear, policy=params.policy, impl=impl)
+  base = logits[:, first:].astype(jnp.float32)
+  hr = h[:, first:].astype(jnp.float32)
+  s, n, _ = base.shape
+  keys = None if temperature == 0 else _row_keys(key, n)                  # [S, n]
+
+  def choose(z, kp):
+    if temperature == 0:
+      return jnp.argmax(z, axis=-1).astype(jnp.int32)
+    return jax.vmap(jax.random.categorical)(kp, z / temperature).astype(jnp.int32)
+
+  with jax.named_scope("markov"):
+    if not f.markov_rank:
+      chain = base
+      drafts = jax.vmap(choose, in_axes=(1, None if keys is None else 1), out_axes=1)(
+          base, keys)
+    else:
+      r = f.markov_rank
+
+      def row(carry, xs):
+        prev, state = carry
+        b, hi, kp = xs
+        e = fp.markov_w1[prev].astype(jnp.float32)                        # [S, R]
+        if f.markov_head_type == "vanilla":
+          v = e
+        elif f.markov_head_type == "gated":
+          v = _sigmoid(lin(jnp.concatenate([hi, e], -1), fp.gate) + fp.gate_bias) * e
+        else:
+          z = lin(jnp.concatenate([state, e, hi], -1), fp.joint) + fp.joint_bias
+          gate = _sigmoid(z[:, :r])
+          state = gate * state + (1.0 - gate) * jnp.tanh(z[:, r:2 * r])
+          v = jnp.tanh(z[:, 2 * r:])
+        li = b + lin(v, fp.markov_w2)
+        d = choose(li, kp)
+        return (d, state), (li, d)
+
+      xs = (jnp.swapaxes(base, 0, 1), jnp.swapaxes(hr, 0, 1),
+            None if keys is None else jnp.swapaxes(keys, 0, 1))
+      init = (id_last.astype(jnp.int32), jnp.zeros((s, r), jnp.float32))
+      _, (chain, drafts) = lax.scan(row, init, xs, unroll=True)
+      chain, drafts = jnp.swapaxes(chain, 0, 1), jnp.swapaxes(drafts, 0, 1)
+  conf = None
+  if f.confidence_head:
+    with jax.named_scope("confidence"):
+      feats = hr
+      if f.confidence_with_markov:
+        prevs = jnp.concatenate([id_last[:, None].astype(jnp.int32), drafts[:, :-1]], axis=1)
+        feats = jnp.concatenate([hr, fp.markov_w1[prevs].astype(jnp.float32)], axis=-1)
+      c = lin(feats.reshape(s * n, -1), fp.conf)[:, 0] + fp.conf_bias[0]
+      conf = _sigmoid(c).reshape(s, n)
+  q = None if temperature == 0 else jax.nn.softmax(chain / temperature, axis=-1)
+  out = jnp.concatenate([logits[:, :first].astype(jnp.float32), chain], axis=1)
+  return Draft(drafts, _top_prob(chain), out, q=q, conf=conf)
+
+
+FAMILIES = {
+    "dflash": Family(embed=dflash_embed, layer=dflash_layer, head=dflash_head,
+                     readout=dflash_readout),
+    "dflash2": Family(embed=dflash2_embed, layer=dflash2_layer, head=dflash2_head,
+                      readout=dflash2_readout),
+    "dspark": Family(embed=dflash_embed, layer=dflash_layer, head=dflash_head,
+                     readout=dspark_readout),
+}
 
 
 def family(cfg: DFlashConfig) -> Family:
@@ -420,9 +706,11 @@ def block_step(params: DrafterParams, ring: RingState, id_last: jax.Array, n_pas
   """One denoising pass over [id_last, mask x (w-1)] at positions n_past.. -> logits
   [w, n_vocab], w = width (static; default block_size; 2 <= w <= block_size).
 
-  The block's own keys are its w rows (non-causal). Each layer reads its kind's cache (a
-  sliding layer the slots within its window, a full-attention layer every position
-  < n_past); the ring is never written.
+  The block's own keys are its w rows (non-causal; DFlash2's causal layers see rows <= their
+  own). Each layer reads its kind's cache (a sliding layer the slots within its window, a
+  full-attention layer every position < n_past); the ring is never written. The logits are the
+  family's head's: DFlash2's after the multiplier and softcap, DSpark's the backbone's (its
+  Markov head runs in the readout, `propose_round_batched`).
   """
   w = params.cfg.resolve_width(width)
   logits, _ = _block(params, ring, jnp.asarray(id_last, jnp.int32),
@@ -453,16 +741,18 @@ def draft_round(params: DrafterParams, ring: RingState, new_features: jax.Array,
   new_features [R, n_target_layers n_embd] holds the committed rows' features padded to a
   static R (block_size in the usual loop); rows 0..n_new-1 are injected at positions
   n_past - n_new + i (the rows committed since the last round end at n_past - 1).
-  Returns (ring, drafts [w-1] int32, logits [w, n_vocab]).
+  Returns (ring, drafts [n] int32, logits [w, n_vocab]): the family's greedy drafts (n =
+  cfg.n_drafts(w)) and output logits (`Draft`).
   """
   n_past = jnp.asarray(n_past, jnp.int32)
   n_new = jnp.asarray(n_new, jnp.int32)
+  id_last = jnp.asarray(id_last, jnp.int32)
   positions = n_past - n_new + jnp.arange(new_features.shape[0], dtype=jnp.int32)
   ring = inject(params, ring, encode(params, new_features, impl=impl), positions, n_new,
                 impl=impl)
-  logits, h = _block(params, ring, jnp.asarray(id_last, jnp.int32), n_past,
-                     params.cfg.resolve_width(width), impl, None)
-  return ring, family(params.cfg).readout(logits, h), logits
+  logits, h = _block(params, ring, id_last, n_past, params.cfg.resolve_width(width), impl, None)
+  d = family(params.cfg).readout(params, impl, logits[None], h[None], id_last[None])
+  return ring, d.drafts[0], d.logits[0]
 
 
 # ------------------------------------------------------------------ batches of sequences
@@ -563,12 +853,29 @@ def draft_round_batched(params: DrafterParams, ring: RingState, new_features: ja
   in one launch. An inactive slot (active[s] False) injects nothing (its ring stays bitwise
   unchanged) and drafts the empty sequence (the mask token at n_past 0): its drafts and
   logits depend on none of its inputs; ignore them.
-  Returns (ring, drafts [S, w-1] int32, logits [S, w, n_vocab]).
+  Returns (ring, drafts [S, n] int32, logits [S, w, n_vocab]): the family's greedy drafts
+  (n = cfg.n_drafts(w)) and output logits (`propose_round_batched` gives the whole Draft).
   """
+  ring, d = propose_round_batched(params, ring, new_features, n_new, id_last, n_past, active,
+                                  width=width, impl=impl)
+  return ring, d.drafts, d.logits
+
+
+def propose_round_batched(params: DrafterParams, ring: RingState, new_features: jax.Array,
+                          n_new: jax.Array, id_last: jax.Array, n_past: jax.Array,
+                          active: jax.Array, *, width: int | None = None, impl: str = "pallas",
+                          temperature: float = 0.0, key: jax.Array | None = None
+                          ) -> tuple[RingState, Draft]:
+  """`draft_round_batched` returning the whole `Draft` of the family's readout: greedy at
+  temperature 0 (static), else sampled at that temperature with key [S] (one PRNG key per
+  slot). The speculative loop's drafter call."""
   n = _slots_of(ring, "draft_round_batched", new_features=new_features, n_new=n_new,
                 id_last=id_last, n_past=n_past, active=active)
   cfg = params.cfg
   w = cfg.resolve_width(width)
+  if temperature < 0 or (temperature > 0 and key is None):
+    raise ValueError(f"temperature must be >= 0, and > 0 needs key (one per slot); got "
+                     f"{temperature!r}, key {key!r}")
   r = new_features.shape[1]
   n_new = jnp.where(jnp.asarray(active, jnp.bool_), jnp.asarray(n_new, jnp.int32), 0)
   id_last, n_past = _empty_inactive(cfg, active, id_last, n_past)
@@ -577,7 +884,7 @@ def draft_round_batched(params: DrafterParams, ring: RingState, new_features: ja
   ring = _inject(params, ring, h, positions, n_new, impl, n)
   logits, h = _block(params, ring, id_last, n_past, w, impl, n)
   logits, h = logits.reshape(n, w, -1), h.reshape(n, w, -1)
-  return ring, family(cfg).readout(logits, h), logits
+  return ring, family(cfg).readout(params, impl, logits, h, id_last, temperature, key)
 
 
 # Jitted entry points. The ring is donated wherever it is returned.
@@ -594,3 +901,6 @@ inject_batched_jit = jax.jit(inject_batched, static_argnames=("impl",),
 block_step_batched_jit = jax.jit(block_step_batched, static_argnames=("width", "impl"))
 draft_round_batched_jit = jax.jit(draft_round_batched, static_argnames=("width", "impl"),
                                   donate_argnames=("ring",))
+propose_round_batched_jit = jax.jit(propose_round_batched,
+                                    static_argnames=("width", "impl", "temperature"),
+                                    donate_argnames=("ring",))

@@ -238,7 +238,8 @@ class DFlashDrafter(_Drafter):
     w = width rows (default block_size): one dispatch.
 
     new_features [R, n_target_layers n_embd] (R static, padded); rows 0..n_new-1 go to positions
-    n_past - n_new .. n_past - 1. Returns (drafts [w-1], logits [w, V]).
+    n_past - n_new .. n_past - 1. Returns (drafts [n], logits [w, V]): the family's greedy
+    drafts (n = cfg.n_drafts(w): w - 1, or w for DSpark's shifted rows) and output logits.
     """
     w = self.cfg.resolve_width(width)
     n_new_i = _host_int(n_new, "n_new")
@@ -398,8 +399,8 @@ class BatchedDrafter(_Drafter):
 
   def draft_round(self, new_features, n_new, id_last, n_past, width: int | None = None):
     """Every active slot's round in one dispatch: inject its n_new[s] new rows, then draft a
-    block of w = width rows (default block_size). Returns (drafts [S, w-1], logits [S, w, V])
-    on device."""
+    block of w = width rows (default block_size). Returns (drafts [S, n], logits [S, w, V])
+    on device (the family's greedy drafts, n = cfg.n_drafts(w))."""
     w = self.cfg.resolve_width(width)
     f = jnp.asarray(new_features)
     self._check_feature_shape(f, 3)

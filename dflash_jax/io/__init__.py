@@ -23,12 +23,14 @@ __all__ = ["DrafterFormatError", "load_drafter", "read_q8_0", "save_drafter"]
 
 
 def load_drafter(path: str | os.PathLike) -> tuple[DFlashConfig, dict[str, np.ndarray]]:
-  """Reads and validates a drafter: a GGUF file, or an HF checkpoint folder (or its
-  config.json / safetensors file; see `hf.load_hf_drafter`).
+  """Reads and validates a drafter of any family (DFlash, DFlash2, DSpark): a GGUF file, or an
+  HF checkpoint folder (or its config.json / safetensors file; see `hf.load_hf_drafter`).
 
   Returns the config and a dict of writable, C-contiguous float32 arrays in (out, in) layout,
-  keyed by GGUF tensor name without `.weight`. Raises DrafterFormatError (naming the file and
-  the culprit) on any deviation, FileNotFoundError when nothing is there.
+  keyed like `config.drafter_tensor_shapes` (GGUF tensor names without `.weight`); a DSpark
+  file's copies of the target's embedding and LM head come as `tok_embd` / `lm_head`. Raises
+  DrafterFormatError (naming the file and the culprit) on any deviation, FileNotFoundError
+  when nothing is there.
   """
   path = os.fspath(path)
   if hf.checkpoint_folder(path) is not None:
@@ -43,8 +45,10 @@ def save_drafter(path: str | os.PathLike, cfg: DFlashConfig, w: Mapping[str, np.
   `format` is "gguf" or "hf"; None picks by the path: a `.gguf` file name means GGUF, anything
   else (a folder) HF. Matrices are stored as `tensor_type`: F32, F16, BF16 or Q8_0 for GGUF;
   f32, f16 or bf16 (any case) for HF. 1-D norms are always F32. The target's
-  `tok_embd`/`lm_head` in `w` are not written. `w` is fully validated and encoded before
-  anything touches the disk, and each file appears only complete (temp file + rename).
+  `tok_embd`/`lm_head` in `w` are not written (except a DSpark drafter's copies). What a format
+  cannot say is refused with the reason (e.g. a gated DSpark Markov head as GGUF). `w` is fully
+  validated and encoded before anything touches the disk, and each file appears only complete
+  (temp file + rename).
   """
   path = os.fspath(path)
   if format is None:

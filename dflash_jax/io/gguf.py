@@ -1,5 +1,10 @@
-"""Drafter GGUF files (docs/SPEC.md section 2): a loader that fails loudly, an atomic saver, raw
-Q8_0.
+"""Drafter GGUF files (docs/SPEC.md section 2, SPEC_dflash2_dspark 3.3 and 10.3): a loader that
+fails loudly, an atomic saver, raw Q8_0.
+
+llama.cpp's `dflash` architecture holds all three families, told apart by their tensors:
+`selector_hidden.weight` makes a DFlash2 file (with its convolution and selector keys),
+`markov_w1.weight` or `conf_proj.weight` a DSpark one; a file whose keys name a family its
+tensors do not (or the reverse) is refused rather than guessed at.
 
 Parsing, writing and (de)quantization are the `gguf` package's; this module adds the DFlash
 conventions (keys, tensor names, shapes) and the checks that make a bad file fail at load time
@@ -14,10 +19,12 @@ from typing import Any, Mapping
 import gguf
 import numpy as np
 
-from dflash_jax.config import (DEFAULT_BLOCK_SIZE, FULL, SLIDING, DFlashConfig, RopeScaling,
-                               drafter_tensor_shapes)
+from dflash_jax.config import (DEFAULT_BLOCK_SIZE, FULL, SLIDING, DFlash2Fields, DFlashConfig,
+                               DSparkFields, RopeScaling, drafter_tensor_shapes, gguf_tensor_name,
+                               resolve_is_causal)
 from dflash_jax.io import atomic
-from dflash_jax.io.errors import DrafterFormatError, GGUFFormatError, checked_drafter_weights
+from dflash_jax.io.errors import (DrafterFormatError, GGUFFormatError, checked_drafter_weights,
+                                  drafter_vocab, stored_target_copies)
 from dflash_jax.io.errors import drafter_error as _fail
 from dflash_jax.io.gguf_guard import open_gguf
 
@@ -42,6 +49,25 @@ KEY_YARN_BETA_SLOW = _ROPE_KEYS.SCALING_YARN_BETA_SLOW.format(arch=ARCH)
 KEY_YARN_LOG_MUL = _ROPE_KEYS.SCALING_YARN_LOG_MUL.format(arch=ARCH)
 KEY_YARN_EXT_FACTOR = _ROPE_KEYS.SCALING_YARN_EXT_FACTOR.format(arch=ARCH)
 KEY_YARN_ATTN_FACTOR = _ROPE_KEYS.SCALING_YARN_ATTN_FACTOR.format(arch=ARCH)
+KEY_CAUSAL = "dflash.attention.causal"            # bool; absent = non-causal (llama.cpp)
+# DFlash2 (SPEC_dflash2_dspark 3.3).
+DFLASH2_INT_KEYS = {
+    "conv_kernel_size": "dflash.conv_kernel_size",
+    "conv_group_size": "dflash.conv_group_size",
+    "selector_rank": "dflash.selector_rank",
+    "selector_top_k": "dflash.selector_top_k",
+}
+KEY_LOGIT_SCALE = "dflash.logit_scale"            # the HF output_multiplier
+KEY_SOFTCAP = "dflash.final_logit_softcapping"
+# A fork's unverified key for input_embedding_scale; upstream llama.cpp has none (3.3).
+KEY_EMBED_SCALE = "dflash.embedding_scale"
+# DSpark (10.3).
+KEY_ANCHOR = "dflash.sample_from_anchor"           # bool; absent = true
+KEY_HAS_CONF = "dflash.has_confidence_head"        # bool; absent = the tensor decides
+DFLASH2_MARK = "selector_hidden.weight"
+DSPARK_MARKS = ("markov_w1.weight", "conf_proj.weight")
+# DSpark's optional copies of the target's tensors, by llama.cpp's names.
+COPY_NAMES = {"tok_embd": "token_embd.weight", "lm_head": "output.weight"}
 # Required scalar keys, by DFlashConfig field.
 INT_KEYS = {
     "n_layer": "dflash.block_count",
@@ -203,6 +229,7 @@ def _read_config(reader: gguf.GGUFReader, path: str) -> DFlashConfig:
                 f"{KEY_WINDOW!r} (their window)")
   fields["layer_types"] = tuple(SLIDING if p else FULL for p in pattern)
   fields["rope_scaling"] = _read_rope(reader, path, fields["context_length"])
+  fields["family"], fields["family_fields"] = _read_family(reader, path, fields)
   try:
     cfg = DFlashConfig(**fields)
   except ValueError as e:
@@ -291,6 +318,75 @@ def _rope_keys(cfg: DFlashConfig, where: str) -> list[tuple[str, Any, Any]]:
       keys.append((KEY_ROPE_ATTN_FACTOR, s.attention_scaling / default.attention_scaling,
                    _VT.FLOAT32))
   return keys
+def _get_bool(reader: gguf.GGUFReader, path: str, key: str) -> bool | None:
+  v = _get(reader, path, key, {_VT.BOOL}, "a bool", required=False)
+  return None if v is None else bool(v)
+
+
+def _read_family(reader: gguf.GGUFReader, path: str, fields: dict[str, Any]
+                 ) -> tuple[str, DFlash2Fields | DSparkFields | None]:
+  """(family, family_fields) from the file's tensors and keys (module docstring)."""
+  tensors = {t.name: t for t in reader.tensors}
+  dflash2 = DFLASH2_MARK in tensors
+  dspark = [m for m in DSPARK_MARKS if m in tensors]
+  d2_keys = [k for k in (*DFLASH2_INT_KEYS.values(), KEY_LOGIT_SCALE, KEY_SOFTCAP,
+                         KEY_EMBED_SCALE) if reader.get_field(k) is not None]
+  ds_keys = [k for k in (KEY_ANCHOR, KEY_HAS_CONF) if reader.get_field(k) is not None]
+  if dflash2 and dspark:
+    raise _fail(path, f"holds {DFLASH2_MARK!r} (DFlash2) and {dspark} (DSpark): one drafter "
+                "file is one family")
+  if not dflash2 and d2_keys:
+    raise _fail(path, f"has DFlash2 metadata {d2_keys} but no tensor {DFLASH2_MARK!r}: llama.cpp "
+                "would run it as a DFlash drafter without them")
+  if not dspark and ds_keys:
+    raise _fail(path, f"has DSpark metadata {ds_keys} but no tensor of {list(DSPARK_MARKS)}: "
+                "llama.cpp would run it as a DFlash drafter")
+  causal = _get_bool(reader, path, KEY_CAUSAL)
+  if causal and not dflash2:
+    raise _fail(path, f"{KEY_CAUSAL!r} is true, but only DFlash2 drafters have causal blocks")
+  try:
+    if dflash2:
+      ints = {f: _get_int(reader, path, k) for f, k in DFLASH2_INT_KEYS.items()}
+      if ints["selector_top_k"] == 0:
+        raise _fail(path, f"{DFLASH2_INT_KEYS['selector_top_k']!r} is 0 with the selector's "
+                    "tensors present: llama.cpp then skips the selector; a DFlash2 drafter "
+                    "needs k > 0")
+      scale = _get_optional_float(reader, path, KEY_EMBED_SCALE)
+      if scale is not None and scale != 1.0:
+        raise _fail(path, f"{KEY_EMBED_SCALE!r} = {scale}: upstream llama.cpp has no input "
+                    "embedding scale and this fork key's meaning is unverified "
+                    "(SPEC_dflash2_dspark 3.3); convert from the HF checkpoint instead")
+      mult = _get_optional_float(reader, path, KEY_LOGIT_SCALE)
+      kinds = fields["layer_types"]
+      return "dflash2", DFlash2Fields(
+          **ints, output_multiplier=1.0 if mult is None else mult,
+          final_logit_softcapping=_get_optional_float(reader, path, KEY_SOFTCAP),
+          is_causal=resolve_is_causal(causal, kinds, "gguf"))
+    if dspark:
+      w1 = tensors.get("markov_w1.weight")
+      rank = _numpy_shape(w1)[-1] if w1 is not None else 0
+      conf = "conf_proj.weight" in tensors
+      declared = _get_bool(reader, path, KEY_HAS_CONF)
+      if declared is not None and declared != conf:
+        raise _fail(path, f"{KEY_HAS_CONF!r} is {declared}, but the file "
+                    f"{'holds' if conf else 'lacks'} conf_proj.weight")
+      if conf and not rank:
+        raise _fail(path, "conf_proj.weight without markov_w1.weight: a confidence head without "
+                    "the Markov feature has no GGUF form (llama.cpp reads [h ; W1[prev]])")
+      anchor = _get_bool(reader, path, KEY_ANCHOR)
+      return "dspark", DSparkFields(
+          sample_from_anchor=True if anchor is None else anchor, markov_rank=rank,
+          markov_head_type="vanilla" if rank else None, confidence_head=conf,
+          confidence_with_markov=conf)
+  except ValueError as e:
+    if isinstance(e, DrafterFormatError):
+      raise
+    raise _fail(path, str(e)) from e
+  return "dflash", None
+
+
+def _get_optional_float(reader: gguf.GGUFReader, path: str, key: str) -> float | None:
+  return None if reader.get_field(key) is None else _get_float(reader, path, key)
 
 
 def _numpy_shape(t: Any) -> tuple[int, ...]:
@@ -299,11 +395,14 @@ def _numpy_shape(t: Any) -> tuple[int, ...]:
 
 
 def _drafter_tensors(reader: gguf.GGUFReader, cfg: DFlashConfig, path: str) -> dict[str, Any]:
-  """name -> ReaderTensor for exactly the drafter's tensors, with names and shapes checked."""
-  expected = drafter_tensor_shapes(cfg)
+  """weights key -> ReaderTensor for exactly the drafter's tensors (and a DSpark file's copies
+  of the target's), with names and shapes checked."""
+  # The names do not depend on the target's vocabulary: any vocab size gives the same keys.
+  keys = {gguf_tensor_name(k): k for k in drafter_tensor_shapes(cfg, n_vocab=1)}
+  copies = {COPY_NAMES[k]: k for k in stored_target_copies(cfg)}
   by_name, extra, limit = {}, [], 8
   for t in reader.tensors:   # built one at a time: a flood of unknown tensors stops early
-    if t.name.endswith(".weight") and t.name.removesuffix(".weight") in expected:
+    if t.name in keys or t.name in copies:
       by_name[t.name] = t
     else:
       extra.append(t.name)
@@ -312,16 +411,24 @@ def _drafter_tensors(reader: gguf.GGUFReader, cfg: DFlashConfig, path: str) -> d
   if extra:
     more = " and more" if len(extra) > limit else ""
     raise _fail(path, f"unknown tensors {extra[:limit]}{more} (the file holds "
-                f"{len(reader.tensors)}; a DFlash drafter has {len(expected)} tensors for "
+                f"{len(reader.tensors)}; a {cfg.family} drafter has {len(keys)} tensors for "
                 f"n_layer={cfg.n_layer})")
-  missing = [n + ".weight" for n in expected if n + ".weight" not in by_name]
+  missing = [n for n in keys if n not in by_name]
   if missing:
     raise _fail(path, f"missing tensors {_names(missing)}")
-  tensors = {n: by_name[n + ".weight"] for n in expected}
+  present = [n for n in copies if n in by_name]
+  if present and len(present) != len(copies):
+    raise _fail(path, f"holds {present} but not {sorted(set(copies) - set(present))}: a DSpark "
+                "file stores both copies of the target's tensors or neither")
+  keys.update({n: copies[n] for n in present})
+  tensors = {keys[n]: t for n, t in by_name.items()}
   _check_heads(tensors, cfg, path)
+  n_vocab = drafter_vocab(cfg, {k: _numpy_shape(t) for k, t in tensors.items()}, path)
+  expected = drafter_tensor_shapes(cfg, n_vocab)
+  expected.update({copies[n]: (n_vocab, cfg.n_embd) for n in present})
   for name, t in tensors.items():
     if _numpy_shape(t) != expected[name]:
-      raise _fail(path, f"tensor {name}.weight has shape {_numpy_shape(t)}, expected "
+      raise _fail(path, f"tensor {t.name} has shape {_numpy_shape(t)}, expected "
                   f"{expected[name]}")
   return tensors
 
@@ -373,9 +480,12 @@ def save_gguf_drafter(path: str | os.PathLike, cfg: DFlashConfig, w: Mapping[str
                       tensor_type: str = "F32") -> str:
   """Writes a drafter GGUF (llama.cpp conventions); returns its path.
 
-  Matrices are stored as `tensor_type` (F32, F16, BF16 or Q8_0); 1-D norms are always F32.
-  The target's `tok_embd`/`lm_head` in `w` are not written. `w` is fully validated and encoded
-  before anything touches the disk, and the file appears only complete (temp file + rename).
+  Matrices are stored as `tensor_type` (F32, F16, BF16 or Q8_0); 1-D norms and biases and
+  DFlash2's base kernels are always F32. The target's `tok_embd`/`lm_head` in `w` are not
+  written, except a DSpark drafter's copies (as llama.cpp's `token_embd` / `output`). A config
+  GGUF cannot say is refused with the reason (`_check_gguf_form`). `w` is fully validated and
+  encoded before anything touches the disk, and the file appears only complete (temp file +
+  rename).
   """
   path = os.fspath(path)
   if tensor_type not in SAVE_TYPES:
@@ -390,15 +500,42 @@ def save_gguf_drafter(path: str | os.PathLike, cfg: DFlashConfig, w: Mapping[str
                 "docs/SPEC.md section 2): give the config one (dataclasses.replace(cfg, "
                 "window=2048))")
   rope = _rope_keys(cfg, where)
+  _check_gguf_form(cfg, where)
   arrays = checked_drafter_weights(cfg, w, where)
   encoded = {name: _encode(name, a, qtype, where) for name, a in arrays.items()}
   _write_atomically(path, lambda writer: _fill_writer(writer, cfg, rope, encoded, qtype))
   return path
 
 
+def _check_gguf_form(cfg: DFlashConfig, where: str) -> None:
+  """Refuses what llama.cpp's GGUF cannot say (SPEC_dflash2_dspark 3.3, 10.3), naming why."""
+  if cfg.family == "dflash2":
+    f = cfg.dflash2
+    if not isinstance(f.is_causal, bool):
+      raise _fail(where, f"is_causal {f.is_causal} differs between layers; the GGUF holds one "
+                  f"{KEY_CAUSAL!r} for every layer")
+    if f.input_embedding_scale != 1.0:
+      raise _fail(where, f"input_embedding_scale is {f.input_embedding_scale}; upstream "
+                  "llama.cpp has no GGUF key for it (it would run the drafter unscaled)")
+  elif cfg.family == "dspark":
+    f = cfg.dspark
+    if f.markov_head_type not in (None, "vanilla"):
+      raise _fail(where, f"markov_head_type {f.markov_head_type!r} has no GGUF form; llama.cpp "
+                  "runs only the vanilla Markov head")
+    if f.confidence_head and not f.confidence_with_markov:
+      raise _fail(where, "a confidence head without the Markov feature has no GGUF form; "
+                  "llama.cpp's conf_proj reads [h ; W1[prev]]")
+    if not f.markov_rank:
+      raise _fail(where, "a DSpark drafter without a Markov head has no GGUF form: llama.cpp "
+                  "tells DSpark files by their markov_w1 / conf_proj tensors, so it would run "
+                  "this one as DFlash")
+
+
 def _encode(name: str, a: np.ndarray, qtype: Any, where: str) -> tuple[np.ndarray, Any]:
-  """(data, ggml type) as the writer takes it; norms stay F32 as in llama.cpp's converter."""
-  if a.ndim == 1 or qtype == _QT.F32:
+  """(data, ggml type) as the writer takes it; norms, biases and DFlash2's [2, K, H] base
+  kernels stay F32 (llama.cpp's converter keeps 1-D tensors F32, and ggml adds the base kernels
+  to F32 coefficients)."""
+  if a.ndim != 2 or qtype == _QT.F32:
     return a, _QT.F32
   if qtype == _QT.Q8_0 and a.shape[-1] % _Q8_0_BLOCK:
     raise _fail(where, f"weight {name} has {a.shape[-1]} columns, not a multiple of the Q8_0 "
@@ -428,10 +565,22 @@ def _fill_writer(writer: gguf.GGUFWriter, cfg: DFlashConfig, rope: list[tuple[st
   if cfg.context_length is not None:
     writer.add_uint32(KEY_CONTEXT, cfg.context_length)
   writer.add_uint32(KEY_MASK, cfg.mask_token_id)
+  if cfg.family == "dflash2":
+    f = cfg.dflash2
+    for field, key in DFLASH2_INT_KEYS.items():
+      writer.add_uint32(key, getattr(f, field))
+    writer.add_bool(KEY_CAUSAL, f.is_causal)   # explicit: the formats' defaults differ
+    writer.add_float32(KEY_LOGIT_SCALE, f.output_multiplier)
+    if f.final_logit_softcapping is not None:
+      writer.add_float32(KEY_SOFTCAP, f.final_logit_softcapping)
+  elif cfg.family == "dspark":
+    writer.add_bool(KEY_ANCHOR, cfg.dspark.sample_from_anchor)
+    writer.add_bool(KEY_HAS_CONF, cfg.dspark.confidence_head)
   writer.add_file_type(_FILE_TYPES[qtype])
   writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
   for name, (data, dtype) in encoded.items():
-    writer.add_tensor(name + ".weight", data, raw_dtype=dtype)
+    writer.add_tensor(COPY_NAMES[name] if name in COPY_NAMES else gguf_tensor_name(name), data,
+                      raw_dtype=dtype)
 
 
 def _write_atomically(path: str, fill: Any) -> None:

@@ -1,10 +1,15 @@
-"""HF / z-lab DFlash drafter checkpoints (docs/SPEC.md section 8): config.json plus safetensors.
+"""HF drafter checkpoints (docs/SPEC.md section 8, SPEC_dflash2_dspark 3 and 10): config.json
+plus safetensors.
 
 The folder layout is the one z-lab's and SpecForge's `DFlashDraftModel.save_pretrained` write:
 tensors `fc`, `hidden_norm`, `norm` and `layers.i.*` (no `model.` prefix, no embedding or LM
-head), usually bf16, and a Qwen3-style `config.json` with a `dflash_config`. Loading returns
-the same `(cfg, weights)` pair as the GGUF loader; every deviation fails at load time with an
-error naming the file and the tensor or key.
+head), usually bf16, and a Qwen3-style `config.json` with a `dflash_config`. `architectures`
+names the family: `DFlash2DraftModel` (z-lab's DFlash2: its keys in `dflash_config` or at the
+top level, the convolutions' and the selector's tensors) or `Qwen3DSparkModel` (DeepSpec's
+DSpark: every key at the top level, the Markov and confidence heads' tensors and copies of the
+target's `embed_tokens` / `lm_head`); anything else is DFlash. Loading returns the same
+`(cfg, weights)` pair as the GGUF loader; every deviation fails at load time with an error
+naming the file and the tensor or key.
 """
 from __future__ import annotations
 
@@ -14,12 +19,13 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from dflash_jax.config import (DEFAULT_BLOCK_SIZE, FULL, LAYER_TYPES, SLIDING, DFlashConfig,
-                               RopeScaling, drafter_tensor_shapes, rope_from_hf)
+from dflash_jax.config import (DEFAULT_BLOCK_SIZE, FULL, LAYER_TYPES, SLIDING, DFlash2Fields,
+                               DFlashConfig, DSparkFields, RopeScaling, drafter_tensor_shapes,
+                               resolve_is_causal, rope_from_hf)
 from dflash_jax.io import atomic
 from dflash_jax.io import safetensors as safetensors_io
 from dflash_jax.io.errors import (DrafterFormatError, SafetensorsFormatError,
-                                  checked_drafter_weights)
+                                  checked_drafter_weights, drafter_vocab, stored_target_copies)
 from dflash_jax.io.errors import drafter_error as _fail
 
 CONFIG_FILE = "config.json"
@@ -30,26 +36,63 @@ STORED_DTYPES = ("F32", "F16", "BF16")
 # use_sliding_window, sliding_window and i >= max_window_layers.
 QWEN3_MAX_WINDOW_LAYERS = 28
 _LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm.weight", "ffn_norm": "post_attention_layernorm.weight",
+    "attn_q": "self_attn.q_proj.weight", "attn_k": "self_attn.k_proj.weight",
+    "attn_v": "self_attn.v_proj.weight", "attn_output": "self_attn.o_proj.weight",
+    "attn_q_norm": "self_attn.q_norm.weight", "attn_k_norm": "self_attn.k_norm.weight",
+    "ffn_gate": "mlp.gate_proj.weight", "ffn_up": "mlp.up_proj.weight",
+    "ffn_down": "mlp.down_proj.weight",
+    # DFlash2 (SPEC_dflash2_dspark 3.2): the base kernels carry no `.weight` suffix.
+    "attn_conv_base": "attention_conv.base_kernel",
+    "attn_conv_proj": "attention_conv.kernel_projection.weight",
+    "ffn_conv_base": "mlp_conv.base_kernel", "ffn_conv_proj": "mlp_conv.kernel_projection.weight",
 }
-_GLOBAL_NAMES = {"fc": "fc", "enc.output_norm": "hidden_norm", "output_norm": "norm"}
+_GLOBAL_NAMES = {
+    "fc": "fc.weight", "enc.output_norm": "hidden_norm.weight", "output_norm": "norm.weight",
+    # DFlash2: the codebooks carry no `.weight` suffix in the file (z-lab adds it on load).
+    "selector_predecessor": "candidate_selector.predecessor_codebook",
+    "selector_successor": "candidate_selector.successor_codebook",
+    "selector_hidden": "candidate_selector.hidden_projection.weight",
+    # DSpark (SPEC_dflash2_dspark 10.2).
+    "markov_w1": "markov_head.markov_w1.weight", "markov_w2": "markov_head.markov_w2.weight",
+    "markov_gate": "markov_head.gate_proj.weight", "markov_gate.bias": "markov_head.gate_proj.bias",
+    "markov_joint": "markov_head.joint_proj.weight",
+    "markov_joint.bias": "markov_head.joint_proj.bias",
+    "conf_proj": "confidence_head.proj.weight", "conf_proj.bias": "confidence_head.proj.bias",
+    # DSpark's copies of the target's tensors (stored_target_copies).
+    "tok_embd": "embed_tokens.weight", "lm_head": "lm_head.weight",
+}
+ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel",
+                 "dspark": "Qwen3DSparkModel"}
+# What vLLM names DSparkDraftModel is its DeepSeek-V4 class (SPEC_dflash2_dspark 10.1): another
+# model, refused rather than read as one of these.
+_OTHER_ARCHITECTURES = ("DSparkDraftModel",)
+_DFLASH2_INT_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+_DFLASH2_KEYS = _DFLASH2_INT_KEYS + ("output_multiplier", "final_logit_softcapping",
+                                     "input_embedding_scale")
+_DSPARK_KEYS = ("markov_rank", "markov_head_type", "enable_confidence_head",
+                "confidence_head_with_markov", "sample_from_anchor")
 _MISSING = object()
 
 
+def _key_name(key: str) -> str:
+  """A weights key's name in HF: `blk.i.x` -> `layers.i.<x's HF name>`, else the global name."""
+  if key.startswith("blk."):
+    _, layer, suffix = key.split(".", 2)
+    return f"layers.{layer}.{_LAYER_NAMES[suffix]}"
+  return _GLOBAL_NAMES[key]
+
+
 def hf_tensor_names(cfg: DFlashConfig) -> dict[str, str]:
-  """Weights-dict key (as `load_drafter` returns it) -> HF tensor name, for every tensor."""
-  names = {}
-  for key in drafter_tensor_shapes(cfg):
-    if key.startswith("blk."):
-      _, layer, suffix = key.split(".", 2)
-      names[key] = f"layers.{layer}.{_LAYER_NAMES[suffix]}.weight"
-    else:
-      names[key] = _GLOBAL_NAMES[key] + ".weight"
-  return names
+  """Weights-dict key (as `load_drafter` returns it) -> HF tensor name, for every tensor the
+  file must hold (DSpark's optional target copies: `hf_copy_names`)."""
+  # The names do not depend on the target's vocabulary: any vocab size gives the same keys.
+  return {key: _key_name(key) for key in drafter_tensor_shapes(cfg, n_vocab=1)}
+
+
+def hf_copy_names(cfg: DFlashConfig) -> dict[str, str]:
+  """The optional target copies a file of cfg's family may hold (`stored_target_copies`)."""
+  return {key: _key_name(key) for key in stored_target_copies(cfg)}
 
 
 def checkpoint_folder(path: str | os.PathLike) -> str | None:
@@ -72,15 +115,23 @@ def config_from_hf(config: Mapping[str, Any] | str | os.PathLike) -> DFlashConfi
   """DFlashConfig from a z-lab / SpecForge / DeepSpec `config.json` (a dict or a path).
 
   HF `target_layer_ids` name the layer whose *output* is captured; llama.cpp (and this
-  library) store the index of the layer whose *input* is captured, i.e. ids + 1.
+  library) store the index of the layer whose *input* is captured, i.e. ids + 1 (DSpark's
+  ids may start at -1, the target's embedding output: target layer 0).
   `target_layer_ids`, `mask_token_id` and `block_size` are read from `dflash_config` or the top
   level (DeepSpec's files); present in both, they must agree. Attention kinds follow
   transformers' Qwen3Config: `layer_types` (any mix of sliding and full layers) with
   `sliding_window`; without `layer_types`, its `use_sliding_window` / `max_window_layers` rule.
   `max_position_embeddings` becomes `context_length`. The rope: `rope_theta` and its scaling
   (none, linear, llama3, yarn) from `rope_scaling` / `rope_parameters` (`config.rope_from_hf`).
-  Raises DrafterFormatError naming the file (or "config.json" for a dict) and the key.
+  The family comes from `architectures` (`_family_fields`). Raises DrafterFormatError naming
+  the file (or "config.json" for a dict) and the key.
   """
+  return _config_and_vocab(config)[0]
+
+
+def _config_and_vocab(config: Mapping[str, Any] | str | os.PathLike
+                      ) -> tuple[DFlashConfig, int | None]:
+  """(config_from_hf's config, the file's `vocab_size` or None)."""
   if isinstance(config, Mapping):
     where = CONFIG_FILE
   else:
@@ -91,12 +142,18 @@ def config_from_hf(config: Mapping[str, Any] | str | os.PathLike) -> DFlashConfi
     dflash = {}
   elif not isinstance(dflash, Mapping):
     raise _fail(where, f"dflash_config is {type(dflash).__name__}, expected an object")
+  family = _family(config, dflash, where)
   ids = _pick(config, dflash, "target_layer_ids", where)
   if ids is None:
     raise _fail(where, "no dflash_config.target_layer_ids (nor top-level target_layer_ids): "
                 "not a DFlash drafter config")
-  if not isinstance(ids, list) or not ids or not all(_is_int(i) and i >= 0 for i in ids):
-    raise _fail(where, f"target_layer_ids must be a non-empty list of ints >= 0, got {ids!r}")
+  # DeepSpec reads id -1 as the target's embedding output (SPEC_dflash2_dspark 10.1).
+  lowest = -1 if family == "dspark" else 0
+  if (not isinstance(ids, list) or not ids or not all(_is_int(i) and i >= lowest for i in ids)
+      or (family == "dspark" and any(b <= a for a, b in zip(ids, ids[1:])))):
+    order = ", strictly increasing" if family == "dspark" else ""
+    raise _fail(where, f"target_layer_ids must be a non-empty list of ints >= {lowest}{order}, "
+                f"got {ids!r}")
   n_target = _pick(config, dflash, "num_target_layers", where)
   if n_target is not None:
     n_target = _int({"num_target_layers": n_target}, "num_target_layers", where)
@@ -107,7 +164,7 @@ def config_from_hf(config: Mapping[str, Any] | str | os.PathLike) -> DFlashConfi
   if mask is None:
     raise _fail(where, "missing key dflash_config.mask_token_id (nor top-level mask_token_id)")
   block = _pick(config, dflash, "block_size", where)
-  _check_plain_qwen3(config, dflash, where)
+  _check_plain_qwen3(config, dflash, where, family)
   n_layer = _int(config, "num_hidden_layers", where)
   n_embd = _int(config, "hidden_size", where)
   n_head = _int(config, "num_attention_heads", where)
@@ -120,6 +177,9 @@ def config_from_hf(config: Mapping[str, Any] | str | os.PathLike) -> DFlashConfi
   layer_types, window = _attention_kinds(config, n_layer, where)
   context = config.get("max_position_embeddings")
   theta, rope_scaling = _rope(config, where)
+  vocab = config.get("vocab_size")
+  if vocab is not None:
+    vocab = _int(config, "vocab_size", where)
   fields = dict(
       n_layer=n_layer, n_embd=n_embd, n_ff=_int(config, "intermediate_size", where),
       n_head=n_head, n_head_kv=_int(config, "num_key_value_heads", where, default=n_head),
@@ -131,42 +191,160 @@ def config_from_hf(config: Mapping[str, Any] | str | os.PathLike) -> DFlashConfi
       _int({"block_size": block}, "block_size", where),
       window=window, layer_types=layer_types,
       context_length=None if context is None else
-      _int(config, "max_position_embeddings", where))
+      _int(config, "max_position_embeddings", where),
+      family=family, family_fields=_family_fields(family, config, dflash, layer_types, where))
   try:
-    return DFlashConfig(**fields)
+    return DFlashConfig(**fields), vocab
   except ValueError as e:
     raise _fail(where, str(e)) from e
 
 
-def config_to_hf(cfg: DFlashConfig, dtype: str = "bf16") -> dict[str, Any]:
-  """The z-lab-style `config.json` dict for `cfg` (`config_from_hf` of it equals `cfg`).
+def _family(config: Mapping[str, Any], dflash: Mapping[str, Any], where: str) -> str:
+  """The drafter family `architectures` names (SPEC_dflash2_dspark 2, 10.1); a file carrying
+  another family's keys is refused: the reference code of the family it names ignores them, so
+  what the author meant is unclear."""
+  arch = config.get("architectures")
+  if arch is not None and (not isinstance(arch, list)
+                           or not all(isinstance(a, str) for a in arch)):
+    raise _fail(where, f"architectures is {arch!r}, expected a list of strings")
+  arch = arch or []
+  other = [a for a in arch if a in _OTHER_ARCHITECTURES]
+  if other:
+    raise _fail(where, f"architectures {arch} names {other[0]}, which is not a DFlash-family "
+                "drafter this library reads (DeepSpec's DSpark is Qwen3DSparkModel)")
+  named = [f for f, a in ARCHITECTURES.items() if a in arch and f != "dflash"]
+  if len(named) > 1 or (named and len(arch) > 1):
+    raise _fail(where, f"architectures {arch} names more than one model; a drafter file names "
+                "exactly one")
+  family = named[0] if named else "dflash"
+  for fam, keys in (("dflash2", _DFLASH2_KEYS), ("dspark", _DSPARK_KEYS)):
+    present = [k for k in keys if k in config or k in dflash]
+    if fam != family and present:
+      raise _fail(where, f"{present} are {fam} keys, but architectures is {arch!r}, not "
+                  f"[{ARCHITECTURES[fam]!r}]: that family's code would ignore them (give the "
+                  "file the architecture it was trained as)")
+  return family
+
+
+def _family_fields(family: str, config: Mapping[str, Any], dflash: Mapping[str, Any],
+                   kinds: tuple[str, ...], where: str) -> DFlash2Fields | DSparkFields | None:
+  """The family's own fields. DFlash2 (z-lab `_draft_value`): each key from `dflash_config`,
+  else the top level; `is_causal` from the top level only (z-lab reads it there), absent ->
+  config.resolve_is_causal's HF default. DSpark (DeepSpec `build_draft_config`): top level;
+  `sample_from_anchor` absent -> true (DeepSpec always shifts the rows)."""
+  if family == "dflash":
+    return None
+  try:
+    if family == "dflash2":
+      ints = {}
+      for key in _DFLASH2_INT_KEYS:
+        v = _pick(config, dflash, key, where)
+        if v is None:
+          raise _fail(where, f"missing key dflash_config.{key} (nor top-level {key}): a "
+                      "DFlash2DraftModel needs it")
+        ints[key] = _int({key: v}, key, where)
+      mult = _pick(config, dflash, "output_multiplier", where)
+      cap = _pick(config, dflash, "final_logit_softcapping", where)
+      scale = _pick(config, dflash, "input_embedding_scale", where)
+      top, nested = config.get("is_causal"), dflash.get("is_causal")
+      if nested is not None and nested != top:
+        raise _fail(where, f"dflash_config.is_causal = {nested!r} but top-level is_causal = "
+                    f"{top!r}: z-lab's code reads the top level only, so the file is ambiguous")
+      if top is not None and not isinstance(top, bool):
+        raise _fail(where, f"is_causal is {top!r}, expected true or false")
+      return DFlash2Fields(
+          **ints, output_multiplier=1.0 if mult is None else _number(mult, "output_multiplier",
+                                                                     where),
+          final_logit_softcapping=None if cap is None else _number(
+              cap, "final_logit_softcapping", where),
+          input_embedding_scale=1.0 if scale is None else _number(
+              scale, "input_embedding_scale", where),
+          is_causal=resolve_is_causal(top, kinds, "hf"))
+    rank = _pick(config, dflash, "markov_rank", where)
+    rank = 0 if rank is None else _int({"markov_rank": rank}, "markov_rank", where)
+    head = _pick(config, dflash, "markov_head_type", where)
+    if rank > 0 and head is None:
+      raise _fail(where, "markov_rank > 0 but no markov_head_type (vanilla, gated or rnn)")
+    conf = _bool(_pick(config, dflash, "enable_confidence_head", where),
+                 "enable_confidence_head", where, False)
+    with_markov = _pick(config, dflash, "confidence_head_with_markov", where)
+    if conf and rank > 0 and with_markov is None:
+      raise _fail(where, "enable_confidence_head is true but confidence_head_with_markov is "
+                  "missing: the head's input ([h] or [h ; W1[prev]]) is ambiguous")
+    return DSparkFields(
+        sample_from_anchor=_bool(_pick(config, dflash, "sample_from_anchor", where),
+                                 "sample_from_anchor", where, True),
+        markov_rank=rank, markov_head_type=head if rank else None, confidence_head=conf,
+        confidence_with_markov=conf and _bool(with_markov, "confidence_head_with_markov",
+                                              where, False))
+  except ValueError as e:
+    if isinstance(e, DrafterFormatError):
+      raise
+    raise _fail(where, str(e)) from e
+
+
+def config_to_hf(cfg: DFlashConfig, dtype: str = "bf16",
+                 n_vocab: int | None = None) -> dict[str, Any]:
+  """The `config.json` dict for `cfg` (`config_from_hf` of it equals `cfg`): z-lab's layout
+  for DFlash and DFlash2 (`DFlash2DraftModel`, its keys in `dflash_config`), DeepSpec's for
+  DSpark (`Qwen3DSparkModel`, every key at the top level). n_vocab: the target's vocabulary,
+  written as `vocab_size` when given.
 
   `dtype` ("f32", "f16", "bf16") is recorded as the checkpoint's dtype. A config with sliding
   layers needs a window (HF has no "caller's choice" spelling); ids are written as HF
-  `target_layer_ids` = target_layers - 1, so target layer 0 cannot be written.
+  `target_layer_ids` = target_layers - 1, so target layer 0 cannot be written (DSpark: id -1).
+  DFlash2's causality is one top-level bool in z-lab's files: per-layer causality is written
+  only where it is that format's default for absent `is_causal` (sliding layers causal, full
+  layers not), by leaving the key out.
   """
   if dtype not in SAVE_DTYPES:
     raise ValueError(f"dtype must be one of {sorted(SAVE_DTYPES)}, got {dtype!r}")
   if SLIDING in cfg.kinds and cfg.window is None:
     raise ValueError("the config has sliding layers but no window; config.json needs "
                      "sliding_window: give the config one (dataclasses.replace(cfg, window=2048))")
-  if min(cfg.target_layers) < 1:
+  if cfg.family != "dspark" and min(cfg.target_layers) < 1:
     raise ValueError(f"target_layers {cfg.target_layers} include 0 (the embedding output), "
                      "which HF target_layer_ids (= target_layers - 1) cannot express")
+  ids = {"target_layer_ids": [t - 1 for t in cfg.target_layers],
+         "mask_token_id": cfg.mask_token_id}
   out: dict[str, Any] = {
-      "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+      "architectures": [ARCHITECTURES[cfg.family]], "model_type": "qwen3",
       "hidden_size": cfg.n_embd, "intermediate_size": cfg.n_ff,
       "num_hidden_layers": cfg.n_layer, "num_attention_heads": cfg.n_head,
       "num_key_value_heads": cfg.n_head_kv, "head_dim": cfg.head_dim,
       "hidden_act": "silu", "attention_bias": False, "rms_norm_eps": cfg.eps,
       "rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling.to_hf(),
       "block_size": cfg.block_size,
-      "dflash_config": {"target_layer_ids": [t - 1 for t in cfg.target_layers],
-                        "mask_token_id": cfg.mask_token_id},
       "layer_types": list(cfg.kinds), "sliding_window": cfg.window,
       "use_sliding_window": cfg.window is not None, "tie_word_embeddings": False,
       "dtype": SAVE_DTYPES[dtype],
   }
+  if cfg.family == "dspark":
+    f = cfg.dspark
+    out.update(ids, markov_rank=f.markov_rank, enable_confidence_head=f.confidence_head,
+               sample_from_anchor=f.sample_from_anchor)
+    if f.markov_rank:
+      out["markov_head_type"] = f.markov_head_type
+    if f.confidence_head:
+      out["confidence_head_with_markov"] = f.confidence_with_markov
+  else:
+    out["dflash_config"] = ids
+  if cfg.family == "dflash2":
+    f = cfg.dflash2
+    out["dflash_config"].update(
+        conv_kernel_size=f.conv_kernel_size, conv_group_size=f.conv_group_size,
+        selector_rank=f.selector_rank, selector_top_k=f.selector_top_k,
+        output_multiplier=f.output_multiplier, input_embedding_scale=f.input_embedding_scale)
+    if f.final_logit_softcapping is not None:
+      out["dflash_config"]["final_logit_softcapping"] = f.final_logit_softcapping
+    if isinstance(f.is_causal, bool):
+      out["is_causal"] = f.is_causal
+    elif f.is_causal != resolve_is_causal(None, cfg.kinds, "hf"):
+      raise ValueError(f"is_causal {f.is_causal} (per layer) is not expressible in config.json: "
+                       "z-lab's files hold one bool, or leave it out for sliding layers causal "
+                       f"and full layers not ({resolve_is_causal(None, cfg.kinds, 'hf')} here)")
+  if n_vocab is not None:
+    out["vocab_size"] = int(n_vocab)
   if cfg.context_length is not None:
     out["max_position_embeddings"] = cfg.context_length
   return out
@@ -213,17 +391,32 @@ def _float(config: Mapping[str, Any], key: str, where: str) -> float:
   return float(v)
 
 
-def _check_plain_qwen3(config: Mapping[str, Any], dflash: Mapping[str, Any], where: str) -> None:
+def _number(v: Any, key: str, where: str) -> float:
+  return _float({key: v}, key, where)
+
+
+def _bool(v: Any, key: str, where: str, default: bool) -> bool:
+  if v is None:
+    return default
+  if not isinstance(v, bool):
+    raise _fail(where, f"{key} is {v!r}, expected true or false")
+  return v
+
+
+def _check_plain_qwen3(config: Mapping[str, Any], dflash: Mapping[str, Any], where: str,
+                       family: str) -> None:
   """Refuses the variants whose tensors look like DFlash's but compute something else."""
   act = config.get("hidden_act", "silu")
   if act != "silu":
     raise _fail(where, f"hidden_act is {act!r}; DFlash drafters use silu")
   if config.get("attention_bias"):
     raise _fail(where, "attention_bias is true; DFlash drafters have no attention biases")
-  for name, v in (("is_causal", config.get("is_causal")), ("dflash_config.causal",
-                                                           dflash.get("causal"))):
+  flags = [("dflash_config.causal", dflash.get("causal"))]
+  if family != "dflash2":   # only DFlash2 has causal blocks (its is_causal: _family_fields)
+    flags.append(("is_causal", config.get("is_causal")))
+  for name, v in flags:
     if v:
-      raise _fail(where, f"{name} is true; the DFlash block attention is non-causal")
+      raise _fail(where, f"{name} is true; the {family} block attention is non-causal")
 
 
 def _rope(config: Mapping[str, Any], where: str) -> tuple[float, RopeScaling]:
@@ -278,13 +471,15 @@ def _attention_kinds(config: Mapping[str, Any], n_layer: int,
 
 
 def load_hf_drafter(path: str | os.PathLike) -> tuple[DFlashConfig, dict[str, np.ndarray]]:
-  """Reads and validates an HF DFlash checkpoint folder (or its config.json / safetensors).
+  """Reads and validates an HF drafter checkpoint folder (or its config.json / safetensors).
 
   Returns the config and a dict of writable, C-contiguous float32 arrays in (out, in) layout,
-  keyed like `load_drafter`'s (fc, enc.output_norm, output_norm, blk.i.*). Tensors may be F32,
-  F16 or BF16, in one file or sharded. Raises DrafterFormatError naming the file and the
-  tensor or key: missing or extra tensors, wrong shapes or dtypes, missing config keys, a
-  truncated or corrupt safetensors file, a folder that is not a drafter.
+  keyed like `load_drafter`'s (fc, enc.output_norm, output_norm, blk.i.*, the family's tensors;
+  a DSpark file's copies of the target's embedding and LM head as tok_embd / lm_head when it
+  holds them). Tensors may be F32, F16 or BF16, in one file or sharded. Raises
+  DrafterFormatError naming the file and the tensor or key: missing or extra tensors, wrong
+  shapes or dtypes, missing config keys, a truncated or corrupt safetensors file, a folder that
+  is not a drafter.
   """
   folder = checkpoint_folder(path)
   if folder is None:
@@ -295,8 +490,7 @@ def load_hf_drafter(path: str | os.PathLike) -> tuple[DFlashConfig, dict[str, np
     if not os.path.exists(folder):
       raise FileNotFoundError(f"{folder}: no such checkpoint folder")
     raise _fail(folder, f"no {CONFIG_FILE}: not an HF drafter checkpoint folder")
-  cfg = config_from_hf(config_path)
-  names = hf_tensor_names(cfg)
+  cfg, stated_vocab = _config_and_vocab(config_path)
   try:
     specs = safetensors_io.tensor_specs(folder)
   except FileNotFoundError as e:
@@ -304,7 +498,14 @@ def load_hf_drafter(path: str | os.PathLike) -> tuple[DFlashConfig, dict[str, np
                 f"{safetensors_io.INDEX_FILE}") from e
   except SafetensorsFormatError as e:
     raise DrafterFormatError(str(e)) from e
-  _check_specs(cfg, names, specs, folder, config_path)
+  names = hf_tensor_names(cfg)
+  copies = {k: n for k, n in hf_copy_names(cfg).items() if n in specs}
+  if copies and len(copies) != len(hf_copy_names(cfg)):
+    raise _fail(folder, f"holds {sorted(copies.values())} but not "
+                f"{sorted(set(hf_copy_names(cfg).values()) - set(copies.values()))}: a DSpark "
+                "file stores both copies of the target's tensors or neither")
+  names.update(copies)
+  _check_specs(cfg, names, specs, folder, config_path, stated_vocab)
   try:
     arrays = safetensors_io.read_tensors(folder, names=names.values())
   except SafetensorsFormatError as e:
@@ -322,7 +523,8 @@ def load_hf_drafter(path: str | os.PathLike) -> tuple[DFlashConfig, dict[str, np
 
 def _check_specs(cfg: DFlashConfig, names: Mapping[str, str],
                  specs: Mapping[str, safetensors_io.TensorSpec], folder: str,
-                 config_path: str) -> None:
+                 config_path: str, stated_vocab: int | None) -> dict[str, tuple[int, ...]]:
+  """Checks the headers against the names and shapes cfg implies; returns the shapes."""
   wanted = set(names.values())
   extra = sorted(set(specs) - wanted)
   if extra:
@@ -330,13 +532,19 @@ def _check_specs(cfg: DFlashConfig, names: Mapping[str, str],
     if all(n.startswith("model.") for n in specs):
       hint = " (every name has a 'model.' prefix; DFlash checkpoints have none, SPEC.md section 8)"
     raise _fail(folder, f"unknown tensors {extra[:8]}{' ...' if len(extra) > 8 else ''} in "
-                f"{_files(specs, extra)}: a DFlash drafter with n_layer={cfg.n_layer} has only "
-                f"{len(names)} tensors{hint}")
+                f"{_files(specs, extra)}: a {cfg.family} drafter with n_layer={cfg.n_layer} has "
+                f"only {len(names)} tensors{hint}")
   missing = [n for n in names.values() if n not in specs]
   if missing:
     raise _fail(folder, f"missing tensors {missing[:8]}{' ...' if len(missing) > 8 else ''} "
-                f"(expected by {CONFIG_FILE}: n_layer={cfg.n_layer})")
-  shapes = drafter_tensor_shapes(cfg)
+                f"(expected by {CONFIG_FILE}: family {cfg.family}, n_layer={cfg.n_layer})")
+  n_vocab = drafter_vocab(cfg, {k: specs[n].shape for k, n in names.items()}, folder,
+                          stated_vocab)
+  try:
+    shapes = drafter_tensor_shapes(cfg, n_vocab)
+  except ValueError as e:
+    raise _fail(folder, str(e)) from e
+  shapes.update({k: (n_vocab, cfg.n_embd) for k in hf_copy_names(cfg) if k in names})
   for key, name in names.items():
     spec = specs[name]
     if spec.dtype not in STORED_DTYPES:
@@ -345,6 +553,7 @@ def _check_specs(cfg: DFlashConfig, names: Mapping[str, str],
     if spec.shape != shapes[key]:
       raise _fail(spec.file, f"tensor {name} has shape {spec.shape}, expected {shapes[key]} "
                   f"from {config_path}")
+  return shapes
 
 
 def _files(specs: Mapping[str, safetensors_io.TensorSpec], names: list[str]) -> str:
@@ -353,13 +562,15 @@ def _files(specs: Mapping[str, safetensors_io.TensorSpec], names: list[str]) -> 
 
 def save_hf_drafter(folder: str | os.PathLike, cfg: DFlashConfig, w: Mapping[str, np.ndarray],
                     dtype: str = "bf16", max_shard_bytes: int | None = None) -> str:
-  """Writes an HF DFlash checkpoint folder (config.json + safetensors) and returns its path.
+  """Writes an HF drafter checkpoint folder (config.json + safetensors) and returns its path.
 
-  Matrices are stored as `dtype` ("f32", "f16" or "bf16", rounded to nearest even); 1-D norm
-  weights stay F32, as in the GGUF convention, so GGUF <-> HF conversions are exact where the
-  matrix types agree. The target's `tok_embd` / `lm_head` in `w` are not written. `w` and
-  `cfg` are fully validated and encoded before anything touches the disk; each file appears
-  only complete (temp name + rename), config.json last.
+  Matrices and DFlash2's base kernels are stored as `dtype` ("f32", "f16" or "bf16", rounded
+  to nearest even); 1-D norm weights and biases stay F32, as in the GGUF convention, so GGUF
+  <-> HF conversions are exact where the matrix types agree. The target's `tok_embd` /
+  `lm_head` in `w` are not written, except a DSpark drafter's copies (DeepSpec's files hold
+  them as `embed_tokens` / `lm_head`). `w` and `cfg` are fully validated and encoded before
+  anything touches the disk; each file appears only complete (temp name + rename), config.json
+  last.
   """
   folder = os.fspath(folder)
   where = f"save_hf_drafter({folder})"
@@ -369,15 +580,17 @@ def save_hf_drafter(folder: str | os.PathLike, cfg: DFlashConfig, w: Mapping[str
     raise TypeError(f"cfg must be a DFlashConfig, got {type(cfg).__name__}")
   if os.path.exists(folder) and not os.path.isdir(folder):
     raise _fail(where, "exists and is not a folder")
+  arrays = checked_drafter_weights(cfg, w, where)
+  n_vocab = drafter_vocab(cfg, {k: a.shape for k, a in arrays.items()}, where)
   try:
-    config = config_to_hf(cfg, dtype)
+    config = config_to_hf(cfg, dtype, n_vocab)
   except ValueError as e:
     raise _fail(where, str(e)) from e
-  names = hf_tensor_names(cfg)
   tensors = {}
-  for key, a in checked_drafter_weights(cfg, w, where).items():
+  for key, a in arrays.items():
+    name = _key_name(key)
     try:
-      tensors[names[key]] = a if a.ndim == 1 else safetensors_io.cast(names[key], a, dtype)
+      tensors[name] = a if a.ndim == 1 else safetensors_io.cast(name, a, dtype)
     except ValueError as e:
       raise _fail(where, str(e)) from e
   safetensors_io.write_tensors(folder, tensors, dtype=None, max_shard_bytes=max_shard_bytes)
