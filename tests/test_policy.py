@@ -89,7 +89,8 @@ def test_two_policies_compile_two_programs():
 
 def test_target_params_carry_a_policy():
   """qwen3.TargetParams.policy routes the target's GEMMs (impl="pallas"): a second policy is
-  a second program."""
+  a second program. The target's products are batch invariant up to invariant_max_rows rows
+  (the skinny GEMM whatever skinny_max_m); with that off they follow skinny_max_m."""
   cfg = Q.TargetConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                        rope_theta=1e4, max_position_embeddings=64)
@@ -97,9 +98,13 @@ def test_target_params_carry_a_policy():
   assert params.policy == KernelPolicy()
   cache = Q.init_cache(cfg, 1, 32)
   tokens = jnp.ones((1, 8), jnp.int32)
-  texts = [Q.verify_jit.lower(p, cfg, cache, tokens, impl="pallas").as_text()
-           for p in (params, params.replace(policy=KernelPolicy(skinny_max_m=0)))]
-  assert "skinny_matmul" in texts[0] and "skinny_matmul" not in texts[1]
+  policies = (KernelPolicy(), KernelPolicy(skinny_max_m=0),
+              KernelPolicy(skinny_max_m=0, invariant_max_rows=0),
+              KernelPolicy(invariant_max_rows=0))
+  texts = [Q.verify_jit.lower(params.replace(policy=p), cfg, cache, tokens,
+                              impl="pallas").as_text() for p in policies]
+  assert [("skinny_matmul" in t) for t in texts] == [True, True, False, True]
+  assert texts[0] == texts[1]   # skinny_max_m does not route a batch-invariant product
 
 
 # --------------------------------------------------------- the default routing, kernel by kernel
