@@ -237,17 +237,18 @@ def cache_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, start:
   )(start, q, cache_k, cache_v)
 
   hq_d = hkv * g * d
-  seq = lambda p, i: p // hkv
+  # Program (b Hkv + h, i): every chunk's partials of kv head h of sequence b (whole blocks:
+  # the kernel reads the live chunks' rows of its row group), that sequence's output.
+  stat_spec = pl.BlockSpec((None, None, n_chunks, rows), lambda p, i: (p // hkv, p % hkv, 0, 0))
   return pl.pallas_call(
       functools.partial(_combine_kernel, t=t, group=g, rows=rows, d=d, n_slots=s, chunk=chunk,
                         n_head_kv=hkv),
       grid=(b * hkv, pl.cdiv(rows, COMBINE_ROWS)),
-      in_specs=[pl.BlockSpec((1,), lambda p, i: (seq(p, i),)),
+      in_specs=[pl.BlockSpec((1,), lambda p, i: (p // hkv,)),
                 pl.BlockSpec((None, None, n_chunks, rows, d),
-                             lambda p, i: (seq(p, i), p % hkv, 0, 0, 0)),
-                pl.BlockSpec((None, None, n_chunks, rows), lambda p, i: (seq(p, i), p % hkv, 0, 0)),
-                pl.BlockSpec((None, None, n_chunks, rows), lambda p, i: (seq(p, i), p % hkv, 0, 0))],
-      out_specs=pl.BlockSpec((None, t, hq_d), lambda p, i: (seq(p, i), 0, 0)),
+                             lambda p, i: (p // hkv, p % hkv, 0, 0, 0)),
+                stat_spec, stat_spec],
+      out_specs=pl.BlockSpec((None, t, hq_d), lambda p, i: (p // hkv, 0, 0)),
       out_shape=jax.ShapeDtypeStruct((b, t, hq_d), out_dtype),
       compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
       interpret=interpret, name="cache_attn_combine",
