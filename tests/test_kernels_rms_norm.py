@@ -105,7 +105,8 @@ def test_gemm_input_norm_routes_with_the_batched_gemm():
 
 # --- add_rms_norm: the target's pre-norm ----------------------------------------------------------
 
-@pytest.mark.parametrize("m, k, n_parts", [(1, 64, None), (5, 100, 3), (16, 48, 1), (3, 6656 // 8, 4)])
+@pytest.mark.parametrize("m, k, n_parts", [(1, 64, None), (5, 100, 3), (16, 48, 1),
+                                           (3, 6656 // 8, 4)])
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
 def test_add_rms_norm_matches_oracle_and_twin(m, k, n_parts, out_dtype):
   """The new residual (x plus the partials, added in order: the twin's bits) and its norm."""
