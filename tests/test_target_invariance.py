@@ -114,6 +114,23 @@ def test_llama_variant_rows_are_invariant():
                        capture=(0, 2))
 
 
+def test_wide_prefill_on_the_pallas_path_matches_the_reference():
+  """impl="pallas" with a prefill wider than target_pallas_max_width (a 40-token prompt in a
+  64-row bucket: XLA's attention, the Pallas norms and GEMMs), then 5-row verifies of 2
+  sequences: the float64 forward's logits (fp32 weights)."""
+  from reference.targets.qwen3 import hidden_states
+  params = Q.init_params(CFG, jax.random.key(8), "fp32")
+  tokens = np.random.default_rng(9).integers(0, CFG.vocab_size, (2, 70)).astype(np.int32)
+  cache = Q.init_cache(CFG, 2, 80, "fp32")
+  cache, _ = Q.prefill_jit(params, CFG, cache, tokens[:, :64], jnp.asarray([40, 33], jnp.int32),
+                           impl="pallas")
+  vt = np.stack([tokens[0, 40:45], tokens[1, 33:38]])
+  _, logits, _ = Q.verify_jit(params, CFG, cache, vt, impl="pallas")
+  for i, n in enumerate((40, 33)):
+    want = hidden_states(params, CFG, tokens[i, :n + 5])[1][n:]
+    np.testing.assert_allclose(logits[i], want, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_greedy_speculative_equals_target_only(dtype):
   """The decoding loop with the Pallas target: target-only decoding (1 row per slot) against
