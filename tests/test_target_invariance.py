@@ -28,6 +28,7 @@ from benchmarks.oracle import Oracle
 from dflash_jax import decode as D
 from dflash_jax.dispatch import KernelPolicy
 from dflash_jax.models import qwen3 as Q
+from dflash_jax.models.base import prefill_bucket
 
 pytestmark = pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
 
@@ -44,9 +45,11 @@ def _bits(a) -> np.ndarray:
 
 
 def _prefilled(cfg, params, dtype, tokens, lengths, capacity, impl="pallas"):
+  """A cache holding each sequence's first lengths[b] tokens (one prefill, bucketed)."""
   cache = Q.init_cache(cfg, len(lengths), capacity, dtype)
-  cache, _ = Q.prefill_jit(params, cfg, cache, tokens[:, :16], jnp.asarray(lengths, jnp.int32),
-                           impl=impl)
+  bucket = prefill_bucket(max(lengths))
+  cache, _ = Q.prefill_jit(params, cfg, cache, tokens[:, :bucket],
+                           jnp.asarray(lengths, jnp.int32), impl=impl)
   return cache
 
 
@@ -63,7 +66,7 @@ def check_rows_invariant(cfg, params, dtype, lengths, capacity, widths=(5,), dec
   [T]) -> logits [T, V]: the W-row verify's logits are also checked against it."""
   b = len(lengths)
   rng = np.random.default_rng(7)
-  tokens = rng.integers(0, cfg.vocab_size, (b, 16 + W)).astype(np.int32)
+  tokens = rng.integers(0, cfg.vocab_size, (b, prefill_bucket(max(lengths)) + W)).astype(np.int32)
   cache = _prefilled(cfg, params, dtype, tokens, lengths, capacity)
   vt = np.stack([tokens[i, n:n + W] for i, n in enumerate(lengths)])
   big_cache, big, _ = Q.verify_jit(params, cfg, _copy(cache), vt, capture_layers=capture,
