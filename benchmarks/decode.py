@@ -217,28 +217,44 @@ def _pass_tokens(su: Setup, w: int) -> jax.Array:
   return jax.random.randint(jax.random.key(5), (1, w), 0, su.target.vocab_size, jnp.int32)
 
 
-def target_section(su: Setup, res: dict, tp, cache, bw: float) -> None:
-  """Section 3 (module docstring)."""
+def _guarded(what: str, f, *args, **kw):
+  """f(*args, **kw), or {"error": ...} when it raises (a configuration that does not compile
+  or run is a result: the rest of the benchmark still runs)."""
+  try:
+    return f(*args, **kw)
+  except Exception as e:  # noqa: BLE001 -- recorded and printed, not hidden
+    print(f"  {what}: {type(e).__name__}: {str(e)[:400]}", flush=True)
+    return {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+
+
+def target_section(su: Setup, res: dict, tp, cache, bw: float, variants) -> None:
+  """Section 3 (module docstring) for the named variants (results merged into res)."""
   tc, dc = su.target, su.drafter
   live0 = int(cache.length[0])
-  out = {}
-  for name, (impl, policy) in VARIANTS.items():
+  out = res.setdefault("target", {})
+  for name in variants:
+    impl, policy = VARIANTS[name]
     p = tp.replace(policy=policy)
     r = {}
     for label, w, capture in (("decode1", 1, ()), ("verify16", dc.block_size, dc.target_layers)):
       t0 = time.perf_counter()
-      m = measure_pass(su, p, cache, _pass_tokens(su, w), capture, impl)
-      floor = (weight_bytes(tp) + kv_bytes(tc, live0 + w)) / bw * 1e3
-      r[label] = dict(**m, floor_ms=floor, floor_fraction=floor / m["ms"],
-                      compile_and_measure_s=time.perf_counter() - t0)
-    r["verify16_over_decode1"] = r["verify16"]["ms"] / r["decode1"]["ms"]
+      m = _guarded(f"{name} {label}", measure_pass, su, p, cache, _pass_tokens(su, w), capture,
+                   impl)
+      if "error" not in m:
+        floor = (weight_bytes(tp) + kv_bytes(tc, live0 + w)) / bw * 1e3
+        m.update(floor_ms=floor, floor_fraction=floor / m["ms"])
+      r[label] = dict(**m, compile_and_measure_s=time.perf_counter() - t0)
+      print(f"  {name} {label}: {r[label]}", flush=True)
+    if "ms" in r["decode1"] and "ms" in r["verify16"]:
+      r["verify16_over_decode1"] = r["verify16"]["ms"] / r["decode1"]["ms"]
     out[name] = r
+  ms = lambda name, label: out.get(name, {}).get(label, {}).get("ms")
   for label in ("decode1", "verify16"):
-    out[f"invariance_cost_{label}"] = (out["pallas"][label]["ms"]
-                                       / out["pallas_fast"][label]["ms"] - 1)
-    out[f"speedup_over_xla_{label}"] = out["xla"][label]["ms"] / out["pallas"][label]["ms"]
+    if ms("pallas", label) and ms("pallas_fast", label):
+      out[f"invariance_cost_{label}"] = ms("pallas", label) / ms("pallas_fast", label) - 1
+    if ms("pallas", label) and ms("xla", label):
+      out[f"speedup_over_xla_{label}"] = ms("xla", label) / ms("pallas", label)
   out["live_slots"] = live0
-  res["target"] = out
 
 
 def launches_section(su: Setup, res: dict) -> None:
@@ -272,8 +288,12 @@ def long_section(su: Setup, res: dict, tp, bw: float, chunks: tuple[int, ...]) -
   rows = []
 
   def one(p, impl, live, label, w, capture, **extra):
-    m = measure_pass(su, p, cache.replace(length=jnp.array([live - w], jnp.int32)),
-                     _pass_tokens(su, w), capture, impl)
+    m = _guarded(f"long {label} {impl} {live}", measure_pass, su, p,
+                 cache.replace(length=jnp.array([live - w], jnp.int32)), _pass_tokens(su, w),
+                 capture, impl)
+    if "error" in m:
+      rows.append(dict(pass_=label, impl=impl, live=live, capacity=cap, **extra, **m))
+      return
     kv = kv_bytes(tc, live)
     floor = (weight_bytes(tp) + kv) / bw * 1e3
     r = dict(pass_=label, impl=impl, live=live, capacity=cap, **extra, **m, floor_ms=floor,
@@ -306,6 +326,8 @@ def main(argv=None) -> int:
   p.add_argument("--target-impl", choices=("pallas", "xla"), default=None,
                  help="the target of target-only, round, oracle and batched (default: pallas "
                       "on a GPU, xla on the CPU)")
+  p.add_argument("--variants", default=",".join(VARIANTS),
+                 help=f"the target section's variants (default {','.join(VARIANTS)})")
   p.add_argument("--ks", default=None, help="drafts per round, oracle and batched (default 3,7,15)")
   p.add_argument("--slots", default=None, help="sequences of the batched section (default "
                  "1,4,8,16,32)")
@@ -326,6 +348,9 @@ def main(argv=None) -> int:
   unknown = only - {"target", "launches", "long", "round", "oracle", "batched"}
   if unknown:
     p.error(f"--only: unknown sections {sorted(unknown)}")
+  variants = tuple(v for v in args.variants.split(",") if v)
+  if set(variants) - set(VARIANTS):
+    p.error(f"--variants: unknown {sorted(set(variants) - set(VARIANTS))}")
   if max(su.live) > su.long_capacity:
     p.error(f"--live: contexts must be <= {su.long_capacity} (the long section's cache)")
   impl = "pallas" if C.ON_GPU else "xla"   # the drafter's kernels (interpret mode is slow)
@@ -360,7 +385,7 @@ def main(argv=None) -> int:
   save("bytes")
 
   if "target" in only:
-    target_section(su, res, tp, st.cache, bw)
+    target_section(su, res, tp, st.cache, bw, variants)
     save("target")
   if "launches" in only:
     launches_section(su, res)
@@ -393,7 +418,8 @@ def main(argv=None) -> int:
   if "batched" in only:
     res["batched"] = []
     for n_seqs in su.slots:
-      res["batched"].append(batched_run(su, models, n_seqs, impl, target_impl))
+      res["batched"].append(_guarded(f"batched S {n_seqs}", batched_run, su, models, n_seqs,
+                                     impl, target_impl))
       save("batched")
   print(C.save_results(out_dir, "decode", res, markdown(res)))
   return 0
@@ -434,8 +460,9 @@ def round_section(su, res, models, reduced, st, prompt, oracle, impl, target_imp
   res["compile_and_measure_draft_parts_s"] = time.perf_counter() - t0
   vt = jnp.concatenate([st.id_last[:, None], drafts], 1)
   t0 = time.perf_counter()
-  prior = res.get("target", {}).get("pallas" if target_impl == "pallas" else "xla")
-  if prior is not None and prior["verify16"]["ms"] > 0:   # the target section measured them
+  prior = res.get("target", {}).get("pallas" if target_impl == "pallas" else "xla", {})
+  if "ms" in prior.get("verify16", {}) and "ms" in prior.get("decode1", {}):
+    # The target section measured them (same state, same passes).
     parts["verify_block"] = prior["verify16"]["ms"]
     parts["decode1"] = prior["decode1"]["ms"]
   else:
@@ -557,17 +584,23 @@ def markdown(res: dict) -> str:
               "| kernels per pass (1 / 16 rows) | attention ms (1 / 16) |",
               "|---|---|---|---|---|---|---|---|"]
     for name in VARIANTS:
-      v = tg[name]
+      v = tg.get(name)
+      if v is None:
+        continue
       d, w = v["decode1"], v["verify16"]
+      if "ms" not in d or "ms" not in w:
+        lines.append(f"| {name} | {d.get('error', '')} {w.get('error', '')} |")
+        continue
       lines.append(f"| {name} | {d['ms']:.3f} | {d['floor_fraction']:.3f} | {w['ms']:.3f} | "
                    f"{w['floor_fraction']:.3f} | {v['verify16_over_decode1']:.3f} | "
                    f"{d['launches']:.1f} / {w['launches']:.1f} | {d['attention_ms']:.4f} / "
                    f"{w['attention_ms']:.4f} |")
-    lines += ["", f"cost of invariance (pallas / pallas_fast - 1): decode1 "
-              f"{100 * tg['invariance_cost_decode1']:+.2f}%, verify16 "
-              f"{100 * tg['invariance_cost_verify16']:+.2f}%; pallas over xla: decode1 "
-              f"{tg['speedup_over_xla_decode1']:.3f}x, verify16 "
-              f"{tg['speedup_over_xla_verify16']:.3f}x"]
+    for label in ("decode1", "verify16"):
+      if f"invariance_cost_{label}" in tg:
+        lines.append(f"- {label}: cost of invariance (pallas / pallas_fast - 1) "
+                     f"{100 * tg[f'invariance_cost_{label}']:+.2f}%")
+      if f"speedup_over_xla_{label}" in tg:
+        lines.append(f"- {label}: pallas over xla {tg[f'speedup_over_xla_{label}']:.3f}x")
   if res.get("launches"):
     lines += ["", "Kernels per decoder layer: " + ", ".join(
         f"{k} {v}" for k, v in res["launches"].items())]
@@ -576,6 +609,10 @@ def markdown(res: dict) -> str:
               "| attention share | attention bw frac |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["long"]:
+      if "error" in r:
+        lines.append(f"| {r['pass_']} | {r['impl']} | {r.get('chunk', '-')} | {r['live']} | "
+                     f"{r['error']} |")
+        continue
       bwf = "-" if r["attention_bw_fraction"] is None else f"{r['attention_bw_fraction']:.3f}"
       lines.append(f"| {r['pass_']} | {r['impl']} | {r.get('chunk', '-')} | {r['live']} | "
                    f"{r['ms']:.3f} | {r['floor_ms']:.3f} | {r['floor_fraction']:.3f} | "
@@ -604,6 +641,9 @@ def markdown(res: dict) -> str:
     lines += ["", "| S | target-only tokens/s | k | tokens/s | speedup | tau | matches target-only "
               "| oracle runs (fixed point) |", "|---|---|---|---|---|---|---|---|"]
     for r in res["batched"]:
+      if "error" in r:
+        lines.append(f"| {r['error']} |")
+        continue
       for o in r["speculative"]:
         lines.append(f"| {r['slots']} | {r['target_only_tokens_per_s']:.1f} | {o['k']} | "
                      f"{o['tokens_per_s']:.1f} | {o['speedup']:.2f}x | {o['tau']:.2f} | "

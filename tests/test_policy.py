@@ -43,6 +43,11 @@ def _params(policy=KernelPolicy(), dtype="bf16", cfg=CFG):
     ("mgpu_attention_seqs", (1,), r"mgpu_attention_seqs must be None or a \(min, max\) pair"),
     ("fold_own_min_seqs", 0, "fold_own_min_seqs must be None or an int >= 1"),
     ("mosaic_gpu", "yes", "mosaic_gpu must be None, True or False"),
+    ("target_pallas_max_width", -1, "target_pallas_max_width must be an int >= 0"),
+    ("invariant_max_rows", 1.5, "invariant_max_rows must be an int >= 0"),
+    ("target_invariant_attention", None, "target_invariant_attention must be True or False"),
+    ("target_attention_chunk", 100, "target_attention_chunk must be a power of 2 >= 16"),
+    ("target_attention_chunk", 8, "target_attention_chunk must be a power of 2 >= 16"),
 ])
 def test_policy_fields_are_checked(field, value, msg):
   with pytest.raises(ValueError, match="KernelPolicy." + msg):
