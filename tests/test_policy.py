@@ -190,6 +190,35 @@ def test_attention_routing_follows_the_policy():
   assert not route(dataclasses.replace(on, fold_own_min_seqs=None), n_seqs=17).knobs.fold_own
 
 
+def test_target_routing_follows_the_policy():
+  """dispatch.target_attention: the Pallas cache pieces up to target_pallas_max_width rows per
+  sequence, their query tile sized for that width (batch invariant) or for this pass, the
+  policy's chunk; XLA's composition beyond, and for impl "xla". residual_norm writes the
+  GEMM's input dtype on the Pallas path, float32 on XLA's."""
+  def route(policy=KernelPolicy(), t=1, group=4, head_dim=128, impl="pallas"):
+    return dispatch.target_attention(t=t, group=group, head_dim=head_dim,
+                                     cache_dtype=jnp.bfloat16, impl=impl, policy=policy)
+
+  assert route(t=1) == route(t=16) and route(t=1).block_q == 64
+  assert route(t=1).chunk == 512 and route(KernelPolicy(target_attention_chunk=256)).chunk == 256
+  fast = KernelPolicy(target_invariant_attention=False)
+  assert route(fast, t=1).block_q == 16 and route(fast, t=16).block_q == 64
+  assert route(group=8).block_q == 128 and route(group=3).block_q == 64
+  assert route(t=17) is None and route(impl="xla") is None
+  assert route(KernelPolicy(target_pallas_max_width=0)) is None
+  with pytest.raises(ValueError, match="head_dim must be a multiple of 16 in \\[16, 256\\] "
+                                       "\\(got 8\\)"):
+    route(head_dim=8)
+  x = jnp.ones((3, 64), jnp.float32)
+  for w, want in ((jnp.ones((8, 64), jnp.bfloat16), jnp.bfloat16),
+                  (jnp.ones((8, 64), jnp.float32), jnp.float32)):
+    new, y = dispatch.residual_norm(x, jnp.ones((2, 3, 64), jnp.float32), jnp.ones(64), 1e-6, w,
+                                    policy=KernelPolicy())
+    assert y.dtype == want and float(new[0, 0]) == 3.0
+    assert dispatch.residual_norm(x, None, jnp.ones(64), 1e-6, w, impl="xla")[1].dtype == (
+        jnp.float32)
+
+
 @pytest.mark.gpu
 def test_gpu_default_policy_launch_count_of_the_seed_step():
   """The bf16 seed step (V 8192, a full 2048-slot bf16 ring) under the default policy
