@@ -1,5 +1,6 @@
 """Kernel dispatch: which kernel runs each GEMM, GEMM-input norm and ring-attention launch of
-the drafter step and the target, and with which knobs.
+the drafter step and the target, and with which knobs (the target's cached passes: its
+pre-norms, `residual_norm`, and its cache attention, `target_attention`).
 
 `KernelPolicy` holds every routing threshold: a frozen record that the prepared params carry
 as a static field (`DrafterParams.policy`, `qwen3.TargetParams.policy`), so it is part of
@@ -20,8 +21,10 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import batched_gemm, skinny_gemm
+from pallas_kernels import cache_attention as cache_attn_k
 from pallas_kernels import ring_attention as attn_k
 from pallas_kernels import ring_attention_mgpu as attn_mgpu
+from pallas_kernels import limits
 from pallas_kernels import rms_norm as norm_k
 from pallas_kernels._common import hopper_available
 
@@ -65,10 +68,23 @@ class KernelPolicy:
   fold_own_min_seqs: int | None = 4
   # Mosaic GPU kernels: None where the backend is a Hopper GPU; True / False force it (tests)
   mosaic_gpu: bool | None = None
+  # The target (models/qwen3.py and the families reusing its layers), impl="pallas"; the
+  # section these come from is "Target side (issue 41)".
+  # target passes of up to this many rows per sequence: Pallas q/k norm + rope + cache write and
+  # the live-slot cache attention; wider passes (prompt prefill) keep XLA's attention
+  target_pallas_max_width: int = 16
+  # GEMMs of up to this many rows called batch_invariant (the target's) run the skinny GEMM
+  # with 16-row M tiles and K splits set by the weight alone (bf16 and fp32); 0: usual routing
+  invariant_max_rows: int = 64
+  # the cache attention's query tile sized for the widest pass (batch invariant), else this one
+  target_invariant_attention: bool = True
+  # cache slots per attention partial (the split over the cache length; a power of 2)
+  target_attention_chunk: int = 512
 
   def __post_init__(self):
     for name in ("skinny_max_m", "fp8_small_weights", "fp8_small_min_rows", "fp8_deep_k",
-                 "fp8_k_split_max_m", "skinny_fp8_swap_min_m"):
+                 "fp8_k_split_max_m", "skinny_fp8_swap_min_m", "target_pallas_max_width",
+                 "invariant_max_rows"):
       v = getattr(self, name)
       if isinstance(v, bool) or not isinstance(v, int) or v < 0:
         raise ValueError(f"KernelPolicy.{name} must be an int >= 0, got {v!r}")
@@ -80,6 +96,13 @@ class KernelPolicy:
     if self.mosaic_gpu not in (None, True, False):
       raise ValueError(f"KernelPolicy.mosaic_gpu must be None, True or False, got "
                        f"{self.mosaic_gpu!r}")
+    if self.target_invariant_attention not in (True, False):
+      raise ValueError(f"KernelPolicy.target_invariant_attention must be True or False, got "
+                       f"{self.target_invariant_attention!r}")
+    v = self.target_attention_chunk
+    if isinstance(v, bool) or not isinstance(v, int) or v < 16 or v & (v - 1):
+      raise ValueError(f"KernelPolicy.target_attention_chunk must be a power of 2 >= 16, got "
+                       f"{v!r}")
 
   @property
   def mosaic(self) -> bool:
@@ -198,6 +221,36 @@ def gemm_knobs(fmt: str, n: int, k: int, gate_up: bool = False, m: int = 16, *,
                                    swap_ab_min_m=policy.skinny_fp8_swap_min_m)
 
 
+# The M tile of a batch-invariant GEMM: the rows of one drafted block, the tile a 1-row decode
+# already runs; a larger tile could move the MMA to another instruction (wgmma from 64 rows).
+INVARIANT_BLOCK_M = 16
+
+
+def _invariant_knobs(x: jax.Array, w, gate_up: bool, policy: KernelPolicy
+                     ) -> skinny_gemm.Knobs | None:
+  """The skinny GEMM's knobs for a batch-invariant product, or None where it does not run one
+  (a quantized weight, or more rows than policy.invariant_max_rows)."""
+  if isinstance(w, QuantWeight) or x.ndim != 2 or x.shape[0] > policy.invariant_max_rows:
+    return None
+  fmt = matrix_format(w)
+  n, k = w.shape
+  knobs = gemm_knobs(fmt, n // 2 if gate_up else n, k, gate_up, INVARIANT_BLOCK_M,
+                     policy=policy)
+  # A gate+up product with split K would sum its partials in an XLA reduction (whose order
+  # XLA may choose by shape); its tiles never split.
+  assert not (gate_up and knobs.split_k > 1), knobs
+  return dataclasses.replace(knobs, block_m=INVARIANT_BLOCK_M)
+
+
+def sum_in_order(parts: jax.Array) -> jax.Array:
+  """parts[0] + parts[1] + ... of split-K partials [S, ...], in that order (elementwise adds:
+  the same order for every element and every shape, unlike a reduction XLA may tile)."""
+  out = parts[0]
+  for i in range(1, parts.shape[0]):
+    out = out + parts[i]
+  return out
+
+
 def _routing_policy(policy: KernelPolicy | None, impl: str, what: str) -> KernelPolicy | None:
   if impl != "xla" and not isinstance(policy, KernelPolicy):
     raise ValueError(f"{what}: impl={impl!r} routes by a KernelPolicy; pass policy= (the "
@@ -207,7 +260,7 @@ def _routing_policy(policy: KernelPolicy | None, impl: str, what: str) -> Kernel
 
 def linear(x: jax.Array, w, *, policy: KernelPolicy | None = None, impl: str = "pallas",
            gate_up: bool = False, partials: bool = False, residual: jax.Array | None = None,
-           out_dtype=jnp.float32) -> jax.Array:
+           out_dtype=jnp.float32, batch_invariant: bool = False) -> jax.Array:
   """y = x @ w^T for a weight in (out, in) layout: THE GEMM entry point of the step.
 
   Dense bf16 weights: the activation is rounded to bf16 (the rounding SPEC.md section 5 names)
@@ -226,6 +279,12 @@ def linear(x: jax.Array, w, *, policy: KernelPolicy | None = None, impl: str = "
   residual + x @ w^T in float32, the add inside the batched GEMM's epilogue where that runs. A
   `Reduced` weight (inside a sharded call) is the product over this device's columns, psummed
   over its axis. policy: the KernelPolicy that routes the product (impl="xla" reads none).
+
+  batch_invariant (the target's products): up to policy.invariant_max_rows rows, dense bf16
+  and fp32 weights run the skinny GEMM with 16-row M tiles, its K split set by the weight's
+  shape alone, and split partials added in order (`sum_in_order`), so each row of the result
+  is bitwise the same whatever number of rows shares the call; past that row count (or for
+  quantized weights) the usual routing.
   """
   policy = _routing_policy(policy, impl, "linear")
   if partials and gate_up:
@@ -237,19 +296,31 @@ def linear(x: jax.Array, w, *, policy: KernelPolicy | None = None, impl: str = "
     if tuple(residual.shape) != tuple(x.shape[:-1]) + (n_out,):
       raise ValueError(f"linear: residual must be {tuple(x.shape[:-1]) + (n_out,)} (the "
                        f"product's shape), got {tuple(residual.shape)}")
-    if impl != "xla" and not isinstance(w, Reduced):
+    if (impl != "xla" and not isinstance(w, Reduced)
+        and not (batch_invariant and _invariant_knobs(x, w, False, policy))):
       knobs = _batched_knobs(x, w, False, jnp.float32, policy)
       if knobs is not None:
         data, scale = _batched_operands(w)
         return batched_gemm.batched_matmul(x.astype(jnp.bfloat16), data,
                                            residual.astype(jnp.float32), scale=scale,
                                            epilogue="residual", **knobs.kwargs())
-    return residual.astype(jnp.float32) + linear(x, w, policy=policy, impl=impl)
+    return residual.astype(jnp.float32) + linear(x, w, policy=policy, impl=impl,
+                                                 batch_invariant=batch_invariant)
   if isinstance(w, Reduced):
     if partials or gate_up:
       raise ValueError("linear: a Reduced (column-split) weight takes neither partials nor "
                        "gate_up (its partial sums must be added before any epilogue)")
-    return jax.lax.psum(linear(x, w.w, policy=policy, impl=impl), w.axis).astype(out_dtype)
+    return jax.lax.psum(linear(x, w.w, policy=policy, impl=impl,
+                               batch_invariant=batch_invariant), w.axis).astype(out_dtype)
+  inv = (_invariant_knobs(x, w, gate_up, policy) if batch_invariant and impl != "xla"
+         else None)
+  if inv is not None:
+    fmt = matrix_format(w)
+    if gate_up:
+      return skinny_gemm.skinny_matmul_gate_up(x, w, None, fmt=fmt, out_dtype=out_dtype,
+                                               **inv.kwargs())
+    y = skinny_gemm.skinny_matmul(x, w, None, fmt=fmt, keep_splits=True, **inv.kwargs())
+    return y if partials else sum_in_order(y).astype(out_dtype)
   knobs = None if impl == "xla" else _batched_knobs(x, w, gate_up, out_dtype, policy)
   if knobs is not None:
     data, scale = _batched_operands(w)
@@ -305,6 +376,48 @@ def gemm_input_norm(x: jax.Array, w_norm: jax.Array, eps: float, w, *,
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
   x = x.astype(jnp.float32)
   return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def input_dtype(w) -> jnp.dtype:
+  """The dtype `linear(., w)` takes its input in: float32 for a float32 weight, else bf16 (the
+  rounding every other format applies), so a producer may write it so."""
+  inner = w.w if isinstance(w, Reduced) else w
+  return jnp.dtype(jnp.float32 if matrix_format(inner) == "fp32" else jnp.bfloat16)
+
+
+def residual_norm(x: jax.Array, parts: jax.Array | None, w_norm: jax.Array, eps: float, w, *,
+                  policy: KernelPolicy | None = None, impl: str = "pallas",
+                  out_dtype=None) -> tuple[jax.Array, jax.Array]:
+  """The target's pre-norm: (x + sum(parts), its RMS norm as the input of linear(., w)) for
+  the residual stream x [M, E] float32 and a sublayer's split-K partials [S, M, E] float32
+  (or None). impl "pallas": one Pallas launch (`rms_norm.add_rms_norm`: the partials added in
+  order, one row per program, so the norm is batch invariant), the norm written in
+  `input_dtype(w)` (or out_dtype); "xla": XLA's add and float32 norm."""
+  policy = _routing_policy(policy, impl, "residual_norm")
+  if impl == "xla":
+    x = x if parts is None else x + sum_in_order(parts)
+    y = rms_norm(x, w_norm, eps)
+    return x, (y if out_dtype is None else y.astype(out_dtype))
+  return norm_k.add_rms_norm(x, parts, w_norm, eps=eps,
+                             out_dtype=input_dtype(w) if out_dtype is None else out_dtype)
+
+
+def target_attention(*, t: int, group: int, head_dim: int, cache_dtype, impl: str,
+                     policy: KernelPolicy | None) -> cache_attn_k.Knobs | None:
+  """How a target pass of t rows per sequence attends its cache: the Pallas pieces
+  (`norm_rope.qk_norm_rope_cache`, `cache_attention.cache_attention` with these knobs) for
+  up to policy.target_pallas_max_width rows, None for XLA's composition (impl "xla", or
+  wider passes). The query tile is sized for the widest pass when
+  policy.target_invariant_attention (every width runs the same tile: batch invariance), else
+  for this one. A head_dim the kernels do not take is a ValueError naming it."""
+  policy = _routing_policy(policy, impl, "target_attention")
+  if impl == "xla" or t > policy.target_pallas_max_width:
+    return None
+  limits.check_head_dim("the target's Pallas attention (impl='pallas')", head_dim)
+  width = policy.target_pallas_max_width if policy.target_invariant_attention else t
+  return cache_attn_k.default_knobs(rows=width * group, head_dim=head_dim,
+                                    cache_dtype=cache_dtype,
+                                    chunk=policy.target_attention_chunk)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -56,6 +56,39 @@ def bf16_parts(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   return hi.astype(jnp.bfloat16), (x - hi).astype(jnp.bfloat16)
 
 
+def split_parts(x: jax.Array, terms: int) -> list[jax.Array]:
+  """x float32 -> `terms` bf16 parts whose sum is x to ~8 `terms` mantissa bits: each part is
+  the bf16 rounding of what the earlier parts leave (3 parts: float32 accuracy)."""
+  parts = []
+  for _ in range(terms):
+    part = x.astype(jnp.bfloat16)
+    parts.append(part)
+    x = x - part.astype(jnp.float32)
+  return parts
+
+
+def _bdot(a: jax.Array, b: jax.Array, contract_b: int) -> jax.Array:
+  return lax.dot_general(a, b, (((1,), (contract_b,)), ((), ())),
+                         preferred_element_type=jnp.float32)
+
+
+def split_dot(a_parts: list[jax.Array], b: jax.Array, contract_b: int) -> jax.Array:
+  """(sum of a_parts) times b (contracting a's axis 1 with b's axis contract_b), accurate to
+  the parts' precision with bf16 MMAs: b is bf16 (exact as one part) or float32 (split into as
+  many parts); the part products of order < terms are summed, smallest first, so they are not
+  lost against the large ones. Runs in Pallas Triton kernel bodies (where a float32 dot would
+  run as TF32) and in interpret mode alike."""
+  terms = len(a_parts)
+  b_parts = [b] if b.dtype == jnp.bfloat16 else split_parts(b, terms)
+  pairs = sorted(((i, j) for i in range(terms) for j in range(len(b_parts)) if i + j < terms),
+                 key=lambda ij: -(ij[0] + ij[1]))
+  out = None
+  for i, j in pairs:
+    prod = _bdot(a_parts[i], b_parts[j], contract_b)
+    out = prod if out is None else out + prod
+  return out
+
+
 def is_pow2(n: int) -> bool:
   return n > 0 and (n & (n - 1)) == 0
 

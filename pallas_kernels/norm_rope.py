@@ -4,6 +4,11 @@ One launch, one program per head: it sums the projection's split-K partials, the
 normalises and ropes a query or key head or copies a value head, emitting the layouts
 `ring_attention` reads (ARCHITECTURE.md, "Kernel signatures"). Any block width T, group G
 and head_dim: rows past T and head-half lanes past D/2 of the power-of-2 tiles are masked.
+
+`qk_norm_rope_cache` is the target's form: several sequences, each at its own position, the
+optional q/k norm (Llama has none), the queries laid out for `cache_attention` and the keys
+and values written into the K/V cache in place. Its row tile is fixed (`block_rows`), so a row
+is normalised and roped by the same tile code whatever the call's width (batch invariance).
 """
 from __future__ import annotations
 
@@ -16,8 +21,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels._common import (bf16_parts, check, load_tile, next_pow2, resolve_interpret,
-                                    store_tile)
+from pallas_kernels._common import (bf16_parts, check, is_pow2, load_tile, next_pow2,
+                                    resolve_interpret, store_tile)
 from pallas_kernels.limits import check_head_dim, check_width
 
 
@@ -36,8 +41,14 @@ def rms_rope_halves(x1: jax.Array, x2: jax.Array, w1: jax.Array, w2: jax.Array,
   """
   ms = (jnp.sum(x1 * x1, axis=-1) + jnp.sum(x2 * x2, axis=-1)) / head_dim
   r = lax.rsqrt(ms + eps)[:, None]
-  a = x1 * r * w1[None, :]
-  b = x2 * r * w2[None, :]
+  return rope_halves(x1 * r * w1[None, :], x2 * r * w2[None, :], pos, inv_freq,
+                     attention_scaling)
+
+
+def rope_halves(a: jax.Array, b: jax.Array, pos: jax.Array, inv_freq: jax.Array,
+                attention_scaling: float = 1.0) -> tuple[jax.Array, jax.Array]:
+  """NEOX rope of rows split into halves a, b [R, H] at positions pos [R] (`rms_rope_halves`
+  without the norm)."""
   angle = pos.astype(jnp.float32)[:, None] * inv_freq[None, :]
   c, s = jnp.cos(angle), jnp.sin(angle)
   if attention_scaling != 1.0:
@@ -234,3 +245,196 @@ def qk_norm_rope_reference(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array,
   k = norm_rope(heads[:, n_head:n_head + n_head_kv], k_norm)
   v = jnp.transpose(heads[:, n_head + n_head_kv:], (1, 0, 2))
   return q, k, v
+
+
+# --- the target's form: several sequences, the K/V cache written in place ---------------------
+
+def _cache_kernel(start_ref, inv_ref, qn_ref, kn_ref, x_ref, _ck_in, _cv_in, q_out, ck_out,
+                  cv_out, *, group: int, t: int, d: int, eps: float, qk_norm: bool,
+                  attention_scaling: float, n_row_tiles: int):
+  # Program (b * n_row_tiles + rt, h, j): query head h*G + j for j < G, kv head h's k for
+  # j == G, its v for j == G + 1, on rows rt*TP .. rt*TP + TP - 1 of sequence b.
+  h = d // 2
+  tp = x_ref.shape[1]
+  hp = next_pow2(h)
+  rt = pl.program_id(0) % n_row_tiles
+  row_lim = None if t % tp == 0 else t - rt * tp
+  lims = (row_lim, None if hp == h else h)
+  j = pl.program_id(2)
+  x1, x2 = _part_sum(x_ref, 0, (tp, hp), lims), _part_sum(x_ref, h, (tp, hp), lims)
+  n_slots = ck_out.shape[0]
+  rows = rt * tp + jnp.arange(tp, dtype=jnp.int32)
+  slot = start_ref[0] + rows
+  keep = (rows < t) & (slot < n_slots)
+  # Dropped rows get distinct out-of-range slots: the mask stops them on the GPU, and interpret
+  # mode's masked scatter drops them instead of racing a live row on a shared slot.
+  dst = jnp.where(keep, slot, n_slots + jnp.arange(tp, dtype=jnp.int32))[:, None]
+  half = jnp.arange(hp, dtype=jnp.int32)[None, :]
+  m = keep[:, None] if hp == h else keep[:, None] & (half < h)
+
+  def write(ref, y1, y2):
+    plt.store(ref.at[dst, half], y1.astype(ref.dtype), mask=m)
+    plt.store(ref.at[dst, half + h], y2.astype(ref.dtype), mask=m)
+
+  @pl.when(j == group + 1)
+  def _():
+    write(cv_out, x1, x2)
+
+  @pl.when(j <= group)
+  def _():
+    inv = load_tile(inv_ref, (0,), (hp,), lims[1:])
+    if qk_norm:
+      is_k = j == group
+
+      def norm_half(c0):
+        return jnp.where(is_k, load_tile(kn_ref, (c0,), (hp,), lims[1:]),
+                         load_tile(qn_ref, (c0,), (hp,), lims[1:]))
+
+      y1, y2 = rms_rope_halves(x1, x2, norm_half(0), norm_half(h), slot, inv, eps, d,
+                               attention_scaling)
+    else:
+      y1, y2 = rope_halves(x1, x2, slot, inv, attention_scaling)
+
+    @pl.when(j == group)
+    def _():
+      write(ck_out, y1, y2)
+
+    @pl.when(j < group)
+    def _():
+      store_tile(q_out, (0, 0), y1.astype(q_out.dtype), lims)
+      store_tile(q_out, (0, h), y2.astype(q_out.dtype), lims)
+
+
+def _check_cache_shapes(name: str, parts, q_norm, k_norm, cache_k, cache_v, start, inv_freq,
+                        n_head: int, n_head_kv: int) -> tuple[int, int, int, int]:
+  """Checks shared by `qk_norm_rope_cache` and its twin; returns (B, T, G, D)."""
+  check(n_head_kv > 0 and n_head > 0 and n_head % n_head_kv == 0, name,
+        "n_head must be a positive multiple of n_head_kv", (n_head, n_head_kv))
+  check(parts.ndim == 5, name, "parts must be [P, B, T, n_head + 2 n_head_kv, D]", parts.shape)
+  check(parts.dtype == jnp.float32, name, "parts dtype must be float32", parts.dtype)
+  n_parts, b, t, nh, d = parts.shape
+  check(n_parts >= 1 and b >= 1 and t >= 1, name, "P, B and T must be >= 1", parts.shape)
+  check(nh == n_head + 2 * n_head_kv, name, "parts must hold n_head + 2 n_head_kv heads",
+        (nh, n_head, n_head_kv))
+  check(d >= 2 and d % 2 == 0, name, "head_dim must be even and >= 2", d)
+  check(cache_k.ndim == 4 and cache_k.shape[0] == b and cache_k.shape[1] == n_head_kv
+        and cache_k.shape[3] == d, name, "cache_k must be [B, n_head_kv, S, D]",
+        (cache_k.shape, b, n_head_kv, d))
+  check(cache_v.shape == cache_k.shape and cache_v.dtype == cache_k.dtype, name,
+        "cache_v must match cache_k", (cache_v.shape, cache_v.dtype, cache_k.dtype))
+  check(cache_k.dtype in (jnp.float32, jnp.bfloat16), name,
+        "cache dtype must be float32 or bfloat16", cache_k.dtype)
+  for arr, nm, shape in ((q_norm, "q_norm", (d,)), (k_norm, "k_norm", (d,)),
+                         (inv_freq, "inv_freq", (d // 2,))):
+    check(arr.shape == shape, name, f"{nm} shape must be {shape}", arr.shape)
+    check(arr.dtype == jnp.float32, name, f"{nm} dtype must be float32", arr.dtype)
+  check(start.shape == (b,) and start.dtype == jnp.int32, name, "start must be int32 [B]",
+        (start.shape, start.dtype))
+  return b, t, n_head // n_head_kv, d
+
+
+@functools.partial(jax.jit, static_argnames=["n_head", "n_head_kv", "eps", "qk_norm",
+                                             "attention_scaling", "block_rows",
+                                             "num_warps", "interpret"])
+def qk_norm_rope_cache(parts: jax.Array, q_norm: jax.Array, k_norm: jax.Array,
+                       cache_k: jax.Array, cache_v: jax.Array, start: jax.Array,
+                       inv_freq: jax.Array, *, n_head: int, n_head_kv: int, eps: float,
+                       qk_norm: bool = True, attention_scaling: float = 1.0,
+                       block_rows: int = 16, num_warps: int = 4,
+                       interpret: bool | None = None
+                       ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """A target pass's q/k/v from its fused projection: q and k normalised (q_norm / k_norm,
+  when qk_norm) and roped (NEOX) at positions start[b] + t, cos and sin times attention_scaling
+  (`rms_rope_halves`), v as is.
+
+  parts: the projection's split-K partials [P, B, T, n_head + 2 n_head_kv, D] float32 (summed
+  parts[0] + parts[1] + ... here; P = 1 for an unsplit product; the [P, B T, W] partials
+  reshape to this for free). cache_k, cache_v: [B, n_head_kv, S, D] float32 or bfloat16;
+  rows t < T go to slots start[b] + t (rows at slots >= S write nothing; the caller keeps
+  start + T <= S). Returns (q [B, n_head_kv, T G, D] in the cache dtype, row t G + g = token
+  t, query head h G + g; the updated cache_k and cache_v, aliased to the inputs: in place
+  under a donating jit). `block_rows` rows per program (a power of 2), the same tile for
+  every T. D a multiple of 16 up to 256.
+  """
+  name = "qk_norm_rope_cache"
+  b, t, g, d = _check_cache_shapes(name, parts, q_norm, k_norm, cache_k, cache_v, start,
+                                   inv_freq, n_head, n_head_kv)
+  check_head_dim(name, d)
+  check(is_pow2(block_rows), name, "block_rows must be a power of 2", block_rows)
+  hkv, n_parts = n_head_kv, parts.shape[0]
+  n_rt = pl.cdiv(t, block_rows)
+  dp = 2 * next_pow2(d // 2)
+  s = cache_k.shape[2]
+
+  def head_of(h, j):
+    return jnp.where(j < g, h * g + j, jnp.where(j == g, n_head + h, n_head + hkv + h))
+
+  cache_spec = pl.BlockSpec((None, None, s, d), lambda p, h, j: (p // n_rt, h, 0, 0))
+  q, ck, cv = pl.pallas_call(
+      functools.partial(_cache_kernel, group=g, t=t, d=d, eps=eps, qk_norm=qk_norm,
+                        attention_scaling=attention_scaling, n_row_tiles=n_rt),
+      grid=(b * n_rt, hkv, g + 2),
+      in_specs=[
+          pl.BlockSpec((1,), lambda p, h, j: (p // n_rt,)),
+          pl.BlockSpec((dp // 2,), lambda p, h, j: (0,)),
+          pl.BlockSpec((dp,), lambda p, h, j: (0,)),
+          pl.BlockSpec((dp,), lambda p, h, j: (0,)),
+          # Row tiles past T and a head width past D hang over the arrays' ends (masked).
+          pl.BlockSpec((n_parts, None, block_rows, None, dp),
+                       lambda p, h, j: (0, p // n_rt, p % n_rt, head_of(h, j), 0)),
+          cache_spec, cache_spec,
+      ],
+      # Programs j >= G map to q's last head block but store nothing there.
+      out_specs=[pl.BlockSpec((None, None, block_rows, None, dp),
+                              lambda p, h, j: (p // n_rt, h, p % n_rt, jnp.minimum(j, g - 1), 0)),
+                 cache_spec, cache_spec],
+      out_shape=[jax.ShapeDtypeStruct((b, hkv, t, g, d), cache_k.dtype),
+                 jax.ShapeDtypeStruct(cache_k.shape, cache_k.dtype),
+                 jax.ShapeDtypeStruct(cache_v.shape, cache_v.dtype)],
+      input_output_aliases={5: 1, 6: 2},
+      compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
+      interpret=resolve_interpret(interpret),
+      name=name,
+  )(start, inv_freq, q_norm, k_norm, parts, cache_k, cache_v)
+  # [B, Hkv, T, G, D] -> [B, Hkv, T*G, D] merges adjacent axes: a free bitcast in XLA.
+  return q.reshape(b, hkv, t * g, d), ck, cv
+
+
+@functools.partial(jax.jit, static_argnames=["n_head", "n_head_kv", "eps", "qk_norm",
+                                             "attention_scaling"])
+def qk_norm_rope_cache_reference(parts: jax.Array, q_norm: jax.Array, k_norm: jax.Array,
+                                 cache_k: jax.Array, cache_v: jax.Array, start: jax.Array,
+                                 inv_freq: jax.Array, *, n_head: int, n_head_kv: int,
+                                 eps: float, qk_norm: bool = True, attention_scaling: float = 1.0
+                                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Pure-jnp twin of `qk_norm_rope_cache` (same arguments, minus the tuning knobs)."""
+  b, t, g, d = _check_cache_shapes("qk_norm_rope_cache_reference", parts, q_norm, k_norm,
+                                   cache_k, cache_v, start, inv_freq, n_head, n_head_kv)
+  h, hkv, s = d // 2, n_head_kv, cache_k.shape[2]
+  x = parts[0]
+  for i in range(1, parts.shape[0]):
+    x = x + parts[i]                                       # [B, T, heads, D]
+  pos = start[:, None] + jnp.arange(t, dtype=jnp.int32)    # [B, T]
+
+  def norm_rope(heads, w):   # [B, T, n, D] -> [B, n, T, D]
+    n = heads.shape[2]
+    rows = heads.transpose(0, 2, 1, 3).reshape(b * n * t, d)
+    p = jnp.broadcast_to(pos[:, None], (b, n, t)).reshape(-1)
+    if qk_norm:
+      y1, y2 = rms_rope_halves(rows[:, :h], rows[:, h:], w[:h], w[h:], p, inv_freq, eps, d,
+                               attention_scaling)
+    else:
+      y1, y2 = rope_halves(rows[:, :h], rows[:, h:], p, inv_freq, attention_scaling)
+    return jnp.concatenate([y1, y2], axis=-1).reshape(b, n, t, d)
+
+  q = norm_rope(x[:, :, :n_head], q_norm).reshape(b, hkv, g, t, d)
+  q = q.transpose(0, 1, 3, 2, 4).reshape(b, hkv, t * g, d).astype(cache_k.dtype)
+  k = norm_rope(x[:, :, n_head:n_head + hkv], k_norm)
+  v = x[:, :, n_head + hkv:].transpose(0, 2, 1, 3)
+  slot = jnp.where(pos < s, pos, s)                         # s: dropped
+  bi = jnp.arange(b)[:, None]
+
+  def write(cache, rows):   # rows [B, Hkv, T, D] -> cache[b, :, slot[b, t]]
+    return cache.at[bi, :, slot].set(rows.transpose(0, 2, 1, 3).astype(cache.dtype), mode="drop")
+
+  return q, write(cache_k, k), write(cache_v, v)

@@ -37,7 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._common import (KnobsBase, check, is_pow2, load_tile, next_pow2,
-                                    resolve_interpret, store_tile)
+                                    resolve_interpret, split_dot, split_parts, store_tile)
 from pallas_kernels.limits import check_head_dim, check_width
 
 # Finite so that fully masked rows, tiles and splits never produce inf - inf = NaN: a row
@@ -58,34 +58,6 @@ MASK = -0.7 * float(np.finfo(np.float32).max)
 # GPU numerics.
 
 
-def _split(x: jax.Array, terms: int) -> list[jax.Array]:
-  parts = []
-  for _ in range(terms):
-    part = x.astype(jnp.bfloat16)
-    parts.append(part)
-    x = x - part.astype(jnp.float32)
-  return parts
-
-
-def _bdot(a: jax.Array, b: jax.Array, contract_b: int) -> jax.Array:
-  return lax.dot_general(a, b, (((1,), (contract_b,)), ((), ())),
-                         preferred_element_type=jnp.float32)
-
-
-def _split_dot(a_parts: list[jax.Array], b: jax.Array, contract_b: int) -> jax.Array:
-  """(sum of a_parts) times b, fp32-accurate; b is bf16 (exact) or float32 (split too)."""
-  terms = len(a_parts)
-  b_parts = [b] if b.dtype == jnp.bfloat16 else _split(b, terms)
-  # Smallest products first, so they are not lost against the large ones.
-  pairs = sorted(((i, j) for i in range(terms) for j in range(len(b_parts)) if i + j < terms),
-                 key=lambda ij: -(ij[0] + ij[1]))
-  out = None
-  for i, j in pairs:
-    prod = _bdot(a_parts[i], b_parts[j], contract_b)
-    out = prod if out is None else out + prod
-  return out
-
-
 def _partial_kernel(n_past_ref, pos_ref, q_ref, k_ref, v_ref, rk_ref, rv_ref,
                     o_ref, m_ref, l_ref, *, rows: int, t: int, d: int, n_slots: int, group: int,
                     window: int | None, block_k: int, terms: int, n_chunks: int,
@@ -100,7 +72,7 @@ def _partial_kernel(n_past_ref, pos_ref, q_ref, k_ref, v_ref, rk_ref, rv_ref,
     r0 = (pl.program_id(0) % n_row_tiles) * block_q
   row_lim = None if rows % block_q == 0 else rows - r0
   q = load_tile(q_ref, (0, 0), (block_q, dp), (row_lim, col_lim))
-  q_parts = _split(q * (1.0 / math.sqrt(d)), terms)
+  q_parts = split_parts(q * (1.0 / math.sqrt(d)), terms)
 
   def row_ids():
     r = jnp.arange(block_q, dtype=jnp.int32)
@@ -114,7 +86,7 @@ def _partial_kernel(n_past_ref, pos_ref, q_ref, k_ref, v_ref, rk_ref, rv_ref,
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     corr = jnp.exp(m - m_new)
     p = jnp.exp(s - m_new[:, None])
-    acc = acc * corr[:, None] + _split_dot(_split(p, terms), v, 0)
+    acc = acc * corr[:, None] + split_dot(split_parts(p, terms), v, 0)
     return acc, m_new, l * corr + jnp.sum(p, axis=1)
 
   init = (jnp.zeros((block_q, dp), jnp.float32), jnp.full((block_q,), MASK, jnp.float32),
@@ -122,7 +94,7 @@ def _partial_kernel(n_past_ref, pos_ref, q_ref, k_ref, v_ref, rk_ref, rv_ref,
 
   def own_block(carry):
     key_lim = None if tp == t else t
-    sc = _split_dot(q_parts, load_tile(k_ref, (0, 0), (tp, dp), (key_lim, col_lim)), 1)
+    sc = split_dot(q_parts, load_tile(k_ref, (0, 0), (tp, dp), (key_lim, col_lim)), 1)
     if key_lim is not None:   # key tile columns past T are no keys
       sc = jnp.where(jnp.arange(tp, dtype=jnp.int32)[None, :] < t, sc, MASK)
     if causal or band is not None:   # DFlash2's block masks; the key t == token always stays
@@ -148,7 +120,7 @@ def _partial_kernel(n_past_ref, pos_ref, q_ref, k_ref, v_ref, rk_ref, rv_ref,
     vis = (pos[None, :] >= 0) & (pos[None, :] < n_past)
     if lo is not None:
       vis &= pos[None, :] > lo
-    sc = _split_dot(q_parts, load_tile(rk_ref, (start, 0), (block_k, dp), (slot_lim, col_lim)),
+    sc = split_dot(q_parts, load_tile(rk_ref, (start, 0), (block_k, dp), (slot_lim, col_lim)),
                     1)
     return update(carry, jnp.where(vis, sc, MASK),
                   load_tile(rv_ref, (start, 0), (block_k, dp), (slot_lim, col_lim)))

@@ -5,6 +5,11 @@ rounding SPEC.md section 5 names). One program per `rows` rows, each row read on
 power-of-2 tile (lanes past K masked). At a batched round's 64-128 rows XLA's fusions of the
 same norm take several times the bytes' time (benchmarks/RESULTS.md, the batched-round
 sections).
+
+`add_rms_norm` is the target's pre-norm: the residual x plus a sublayer's split-K partials
+(added in their order, then to x), written back as the new residual, and its norm, in one
+launch. One row per program, so a row's sums run in the same order (the same tile and
+reduction tree) whatever the row count of the call: the norm is batch invariant.
 """
 from __future__ import annotations
 
@@ -64,3 +69,67 @@ def rms_norm_reference(x: jax.Array, w: jax.Array, *, eps: float,
   """The jnp twin (the step's XLA norm, rounded to out_dtype)."""
   _check_args("rms_norm_reference", x, w)
   return (x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w).astype(out_dtype)
+
+
+def _add_kernel(x_ref, *refs, k: int, eps: float, n_parts: int):
+  if n_parts:
+    p_ref, w_ref, x_out, o_ref = refs
+  else:
+    w_ref, o_ref = refs
+  kp = x_ref.shape[1]
+  lims = (None, None if kp == k else k)
+  x = load_tile(x_ref, (0, 0), (1, kp), lims)
+  if n_parts:
+    s = load_tile(p_ref, (0, 0, 0), (None, 1, kp), (None,) + lims)
+    for i in range(1, n_parts):
+      s = s + load_tile(p_ref, (i, 0, 0), (None, 1, kp), (None,) + lims)
+    x = x + s
+    store_tile(x_out, (0, 0), x, lims)
+  w = load_tile(w_ref, (0,), (kp,), lims[1:])
+  r = jax.lax.rsqrt(jnp.sum(x * x, axis=1) / k + eps)
+  store_tile(o_ref, (0, 0), (x * r[:, None] * w[None, :]).astype(o_ref.dtype), lims)
+
+
+@functools.partial(jax.jit, static_argnames=["eps", "out_dtype", "num_warps", "interpret"])
+def add_rms_norm(x: jax.Array, parts: jax.Array | None, w: jax.Array, *, eps: float,
+                 out_dtype=jnp.bfloat16, num_warps: int = 8,
+                 interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
+  """(x + sum(parts), rms_norm of it) for x [M, K] float32, parts [P, M, K] float32 (a
+  sublayer's split-K partials, summed parts[0] + parts[1] + ... and then added to x) or None
+  (x as is: only the norm is written), w [K] float32. Returns (the new residual [M, K]
+  float32, the norm [M, K] out_dtype). One row per program."""
+  name = "add_rms_norm"
+  _check_args(name, x, w)
+  m, k = x.shape
+  if parts is not None:
+    check(parts.ndim == 3 and parts.shape[1:] == x.shape, name, f"parts must be [P, {m}, {k}]",
+          parts.shape)
+    check(parts.dtype == jnp.float32, name, "parts must be float32", parts.dtype)
+  n_parts = 0 if parts is None else parts.shape[0]
+  kp = next_pow2(k)
+  row = pl.BlockSpec((1, kp), lambda i: (i, 0))
+  in_specs = [row] + ([pl.BlockSpec((n_parts, 1, kp), lambda i: (0, i, 0))] if n_parts else [])
+  out = pl.pallas_call(
+      functools.partial(_add_kernel, k=k, eps=eps, n_parts=n_parts),
+      grid=(m,),
+      in_specs=in_specs + [pl.BlockSpec((kp,), lambda i: (0,))],
+      out_specs=[row] * (2 if n_parts else 1),
+      out_shape=([jax.ShapeDtypeStruct((m, k), jnp.float32)] if n_parts else [])
+      + [jax.ShapeDtypeStruct((m, k), out_dtype)],
+      compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
+      interpret=resolve_interpret(interpret),
+      name=name,
+  )(*([x] + ([parts] if n_parts else []) + [w]))
+  return (out[0], out[1]) if n_parts else (x, out[0])
+
+
+def add_rms_norm_reference(x: jax.Array, parts: jax.Array | None, w: jax.Array, *, eps: float,
+                           out_dtype=jnp.bfloat16) -> tuple[jax.Array, jax.Array]:
+  """The jnp twin of `add_rms_norm` (the partials added in the same order)."""
+  _check_args("add_rms_norm_reference", x, w)
+  if parts is not None:
+    s = parts[0]
+    for i in range(1, parts.shape[0]):
+      s = s + parts[i]
+    x = x + s
+  return x, rms_norm_reference(x, w, eps=eps, out_dtype=out_dtype)

@@ -5,6 +5,10 @@ w is [N, K], K contiguous (the GGUF/torch (out, in) layout), so every weight loa
 contiguous read of K-runs. Weight formats:
 
   "bf16": w bfloat16, scale None.
+  "fp32": w float32, scale None; x stays float32 and both operands are split into three bf16
+          parts (`_common.split_dot`: six bf16 MMAs per tile, float32 accuracy), so a float32
+          target's GEMMs run here with the same fixed reduction order as bf16 (batch
+          invariance) instead of a TF32 or cuBLAS product.
   "fp8":  w float8_e4m3fn, scale [N] float32 per output row (applied in the epilogue).
   "q8_0": w int8, scale [N, K // 32] float32 per 32-wide K block (llama.cpp Q8_0 with d
           widened from float16); each 32-block's partial dot is scaled inside the K loop.
@@ -46,11 +50,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels._common import KnobsBase, check, is_pow2, resolve_interpret
+from pallas_kernels._common import (KnobsBase, check, is_pow2, resolve_interpret, split_dot,
+                                    split_parts)
 
-FORMATS = ("bf16", "fp8", "q8_0")
+FORMATS = ("bf16", "fp8", "q8_0", "fp32")
 Q8_0_BLOCK = 32
-_WEIGHT_DTYPE = {"bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn, "q8_0": jnp.int8}
+FP32_TERMS = 3   # bf16 parts per float32 operand: float32 accuracy
+_WEIGHT_DTYPE = {"bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn, "q8_0": jnp.int8,
+                 "fp32": jnp.float32}
 _DOT_NT = (((1,), (1,)), ((), ()))  # x [m, k] . w [n, k] -> [m, n]
 MAX_DEFAULT_BLOCK_M = 64
 N_SMS = 132       # the H200's streaming multiprocessors: the GPU the default tiles are tuned on
@@ -92,7 +99,17 @@ def default_knobs(fmt: str, n: int, k: int, gate_up: bool = False, m: int = BLOC
   MMA (swap_ab) over one M tile of up to 128 rows and 64-row N tiles, 8 warps for a 128-row
   tile (faster than the 64-row-tile default past one block of rows; at one block the plain
   tiles stay ahead). Other formats keep block_m None (`skinny_matmul`'s rule).
+
+  fp32 (three bf16 parts per operand) takes 64-wide K tiles and 32-row N tiles: the parts of
+  both tiles live in registers at once.
   """
+  if fmt == "fp32":
+    block_k = min(64, max(16, pl.next_power_of_2(k)))
+    split_k = 4 if n <= 16384 and pl.cdiv(k, block_k) >= 32 else 1
+    if gate_up:
+      split_k = 1
+    return Knobs(block_n=min(32, max(16, pl.next_power_of_2(n))), block_k=block_k,
+                 split_k=split_k)
   long_k = not gate_up and k >= 16384
   block_k = 256 if fmt == "q8_0" or (long_k and fmt != "bf16") else 128
   block_k = min(block_k, max(Q8_0_BLOCK if fmt == "q8_0" else 16, pl.next_power_of_2(k)))
@@ -221,6 +238,10 @@ def _skinny_kernel(x_ref, *refs, fmt: str, gate_up: bool, m: int, n_out: int, k:
       k_mask = lax.broadcasted_iota(jnp.int32, (1, block_k), 1) < tail
       if owner is not True:
         k_mask &= owner
+    if fmt == "fp32":
+      x_parts = split_parts(load_x(k0, block_k, k_mask), FP32_TERMS)
+      return tuple(acc + split_dot(x_parts, load_w(w_ref, row0, k0, k_mask), 1)
+                   for w_ref, row0, acc in zip(w_refs, row0s, accs))
     if fmt != "q8_0":
       x = load_x(k0, block_k, k_mask)
       new = []
@@ -299,8 +320,8 @@ def _check_args(kernel: str, x, w, scale, fmt: str, block_m: int, block_n: int,
   check(x.dtype in (jnp.bfloat16, jnp.float32), kernel, "x dtype bfloat16 or float32", x.dtype)
   check(w.dtype == _WEIGHT_DTYPE[fmt], kernel, f"w dtype {jnp.dtype(_WEIGHT_DTYPE[fmt])} for "
         f"fmt={fmt!r}", w.dtype)
-  if fmt == "bf16":
-    check(scale is None, kernel, "scale must be None for fmt='bf16'", type(scale))
+  if fmt in ("bf16", "fp32"):
+    check(scale is None, kernel, f"scale must be None for fmt={fmt!r}", type(scale))
   else:
     want = (n,) if fmt == "fp8" else (n, k // Q8_0_BLOCK)
     check(scale is not None, kernel, f"scale {want} float32 required for fmt={fmt!r}", None)
@@ -390,7 +411,8 @@ def skinny_matmul(x: jax.Array, w: jax.Array, scale: jax.Array | None = None, *,
                   interpret: bool | None = None) -> jax.Array:
   """x [M, K] @ dequant(w [N, K])^T -> [M, N] out_dtype, float32 accumulation.
 
-  x (bfloat16 or float32) is rounded to bfloat16 for the dot, as a bf16-weight GEMM does.
+  x (bfloat16 or float32) is rounded to bfloat16 for the dot, as a bf16-weight GEMM does
+  (fmt="fp32": kept float32, the dot float32-accurate).
   block_m None: next power of 2 >= M, clamped to [16, 64]. split_k > 1: K blocks are divided
   among split_k programs per output tile and the float32 partials summed afterwards, unless
   keep_splits: then the float32 partials [split_k, M, N] are returned for the consumer to sum
@@ -401,7 +423,7 @@ def skinny_matmul(x: jax.Array, w: jax.Array, scale: jax.Array | None = None, *,
   block_m = _default_block_m(x.shape[0]) if block_m is None else block_m
   _check_args("skinny_matmul", x, w, scale, fmt, block_m, block_n, block_k, split_k,
               num_warps, w.shape[0] if w.ndim == 2 else 0)
-  out = _launch(x.astype(jnp.bfloat16), w, scale, fmt=fmt, gate_up=False, block_m=block_m,
+  out = _launch(_dot_input(x, fmt), w, scale, fmt=fmt, gate_up=False, block_m=block_m,
                 block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps,
                 num_stages=num_stages, swap_ab=swap_ab,
                 out_dtype=jnp.float32 if keep_splits else out_dtype,
@@ -430,7 +452,7 @@ def skinny_matmul_gate_up(x: jax.Array, w_gu: jax.Array, scale: jax.Array | None
   check(w_gu.ndim == 2 and w_gu.shape[0] % 2 == 0, kernel, "w_gu 2-D [2 n_ff, K]", w_gu.shape)
   n_ff = w_gu.shape[0] // 2
   _check_args(kernel, x, w_gu, scale, fmt, block_m, block_n, block_k, split_k, num_warps, n_ff)
-  xb = x.astype(jnp.bfloat16)
+  xb = _dot_input(x, fmt)
   interpret = resolve_interpret(interpret)
   if split_k == 1:
     return _launch(xb, w_gu, scale, fmt=fmt, gate_up=True, block_m=block_m, block_n=block_n,
@@ -444,8 +466,13 @@ def skinny_matmul_gate_up(x: jax.Array, w_gu: jax.Array, scale: jax.Array | None
   return _silu_mul(gu[:, :n_ff], gu[:, n_ff:]).astype(out_dtype)
 
 
+def _dot_input(x: jax.Array, fmt: str) -> jax.Array:
+  """The activation as the dot takes it: float32 for fp32 weights, else rounded to bf16."""
+  return x.astype(jnp.float32 if fmt == "fp32" else jnp.bfloat16)
+
+
 def _dequantize(w: jax.Array, scale: jax.Array | None, fmt: str) -> jax.Array:
-  if fmt == "bf16":
+  if fmt in ("bf16", "fp32"):
     return w.astype(jnp.float32)
   if fmt == "fp8":
     return w.astype(jnp.float32) * scale[:, None]
@@ -455,8 +482,9 @@ def _dequantize(w: jax.Array, scale: jax.Array | None, fmt: str) -> jax.Array:
 
 def skinny_matmul_reference(x: jax.Array, w: jax.Array, scale: jax.Array | None = None, *,
                             fmt: str, out_dtype=jnp.float32) -> jax.Array:
-  """Twin of `skinny_matmul`: float32 dequantized weights, x rounded to bf16, HIGHEST dot."""
-  xr = x.astype(jnp.bfloat16).astype(jnp.float32)
+  """Twin of `skinny_matmul`: float32 dequantized weights, x rounded to bf16 (float32 for
+  fp32), HIGHEST dot."""
+  xr = _dot_input(x, fmt).astype(jnp.float32)
   out = jnp.dot(xr, _dequantize(w, scale, fmt).T, precision=lax.Precision.HIGHEST,
                 preferred_element_type=jnp.float32)
   return out.astype(out_dtype)

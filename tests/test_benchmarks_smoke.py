@@ -157,3 +157,28 @@ def test_decode_benchmark_smoke_run_for_a_family(tmp_path, family):
   assert (plain["cut"], cut["cut"]) == (0.0, 0.5) and plain["k"] == cut["k"] == 3
   assert plain["tau"] == 4.0 and 1.0 <= cut["tau"] <= plain["tau"]
   assert plain["oracle_fixed_point"] and cut["matches_target_only"] == plain["matches_target_only"]
+def test_decode_benchmark_target_sections_smoke(tmp_path):
+  """benchmarks.decode's target sections at tiny dims: the three target variants with their
+  byte floors, launches per layer, the long-context rows (attention share, chunk A/B) and the
+  batched end-to-end rows (target-only and the oracle at each S)."""
+  from benchmarks import decode
+  assert decode.main(["--smoke", "--only", "target,launches,long,batched", "--slots", "2",
+                      "--ks", "3", "--live", "64", "--chunks", "32", "--out",
+                      str(tmp_path)]) == 0
+  res = json.loads((tmp_path / "decode.json").read_text())
+  t = res["target"]
+  assert set(decode.VARIANTS) <= set(t) and t["live_slots"] > 0
+  for name in decode.VARIANTS:
+    for p in ("decode1", "verify16"):
+      assert t[name][p]["ms"] > 0 and 0 < t[name][p]["floor_fraction"], (name, p)
+  assert {"invariance_cost_decode1", "speedup_over_xla_verify16"} <= set(t)
+  assert set(res["launches"]) == {"xla_w1", "xla_w8", "pallas_w1", "pallas_w8"}
+  rows = {(r["pass_"], r["impl"], r.get("chunk")) for r in res["long"]}
+  assert rows == {("decode1", "pallas", 512), ("verify16", "pallas", 512),
+                  ("decode1", "xla", None), ("decode1", "pallas", 32), ("verify16", "pallas", 32)}
+  assert all(r["live"] == 64 and r["ms"] > 0 for r in res["long"])
+  [b] = res["batched"]
+  [o] = b["speculative"]
+  assert b["slots"] == 2 and b["target_only_tokens_per_s"] > 0
+  assert o["k"] == 3 and o["tokens"] == 2 * 12 and o["oracle_fixed_point"]
+  assert (tmp_path / "decode.md").read_text().startswith("- device:")

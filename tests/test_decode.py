@@ -333,6 +333,17 @@ def test_generate_cli(folders, capsys):
     (root / "tokenizer.json").rename(root / "target" / "tokenizer.json")
 
 
+def test_generate_cli_compare_bf16_pallas_is_identical(folders, capsys):
+  """--compare in bf16 with the Pallas kernels (the batch-invariant target): the speculative
+  output is target-only decoding's, token for token."""
+  from dflash_jax.__main__ import main
+  root, _ = folders
+  assert main(["generate", "--target", str(root / "target"), "--drafter",
+               str(root / "drafter.gguf"), "--prompt", "w5 w9 w3 w7", "--max-new", "12",
+               "--dtype", "bf16", "--impl", "pallas", "--block", "5", "--compare"]) == 0
+  assert "output identical" in capsys.readouterr().out
+
+
 def test_generate_cli_full_attention_drafter_and_draft_window(folders, capsys, tmp_path):
   """A drafter GGUF without a window runs full attention (its cache holds every position);
   --draft-window 8 runs its layers in an 8-slot ring instead. Both stay lossless."""

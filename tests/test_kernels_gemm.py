@@ -623,3 +623,101 @@ def test_gpu_odd_shapes(fmt, name, n, k, gate_up):
     return
   out = skinny_matmul_gate_up(x, w, s, fmt=fmt, **knobs)
   _assert_gate_up_within(out, ref, b, f"{fmt} {name} {knobs}")
+
+
+# ---------------------------------------------------------------------------------------------
+# fp32 weights (three bf16 parts per operand) and the batch-invariant routing of the target
+
+
+@pytest.mark.parametrize("m, n, k, split_k, gate_up", [
+    (1, 48, 64, 1, False), (5, 40, 100, 2, False), (16, N, K, 3, False), (3, 24, 96, 1, True),
+    (20, 64, 2100, 4, False)])
+def test_fp32_matches_oracle(m, n, k, split_k, gate_up):
+  """fmt="fp32": x stays float32 and the product is float32-accurate (the bound of a float32
+  accumulation, x unrounded), masked N and K tails, split K, the fused gate+up."""
+  rng = np.random.default_rng(m * n + k)
+  x = rng.standard_normal((m, k)).astype(np.float32)
+  w = random_weights(rng, 2 * n if gate_up else n, k)
+  wd = w.astype(np.float64)
+  prod = x.astype(np.float64) @ wd.T
+  bound = ACC_RTOL * (np.abs(x.astype(np.float64)) @ np.abs(wd).T)
+  kw = dict(fmt="fp32", block_n=32, block_k=64, interpret=True)
+  if not gate_up:
+    out = skinny_matmul(jnp.asarray(x), jnp.asarray(w), split_k=split_k, **kw)
+    assert_within(out, prod, bound, "fp32 vs float64 oracle")
+    ref = skinny_matmul_reference(jnp.asarray(x), jnp.asarray(w), fmt="fp32")
+    assert_within(ref, prod, bound, "fp32 twin vs float64 oracle")
+    return
+  out = skinny_matmul_gate_up(jnp.asarray(x), jnp.asarray(w), **kw)
+  g, u, bg, bu = prod[:, :n], prod[:, n:], bound[:, :n], bound[:, n:]
+  want = silu(g) * u
+  assert_within(out, want, silu_mul_bound(g, u, bg, bu, want), "fp32 gate_up")
+
+
+def test_fp32_default_knobs_and_limits():
+  kn = G.default_knobs("fp32", 4096, 12288, False, 16, swap_ab_min_m=17)
+  assert (kn.block_n, kn.block_k, kn.split_k, kn.block_m) == (32, 64, 4, None)
+  assert G.default_knobs("fp32", 12288, 4096, True, 16, swap_ab_min_m=17).split_k == 1
+  x, w = jnp.ones((4, 64), jnp.float32), jnp.ones((32, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match="w dtype float32 for fmt='fp32'"):
+    skinny_matmul(x, w, fmt="fp32", interpret=True)
+  with pytest.raises(ValueError, match="scale must be None for fmt='fp32'"):
+    skinny_matmul(x, w.astype(jnp.float32), jnp.ones((32,), jnp.float32), fmt="fp32",
+                  interpret=True)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
+def test_batch_invariant_linear(dtype):
+  """dispatch.linear(batch_invariant=True): up to invariant_max_rows rows the skinny GEMM with
+  16-row M tiles and the weight's own K split, partials added in order, so every row of a
+  1, 5, 16, 48 or 64-row product is bitwise the same; plain, partials and gate+up; past the
+  bound (or with the bound at 0) the usual routing, XLA's GEMM for these row counts."""
+  from dflash_jax.dispatch import KernelPolicy, linear
+  rng = np.random.default_rng(3)
+  k, n = 300, 72   # K: 5 blocks of 64 in fp32, 3 of 128 in bf16 with a tail; N ragged
+  x = jnp.asarray(rng.standard_normal((64, k)), jnp.float32)
+  w = jnp.asarray(random_weights(rng, n, k), dtype)
+  w_gu = jnp.asarray(random_weights(rng, 2 * n, k), dtype)
+  pol = KernelPolicy()
+
+  def run(rows, **kw):
+    return np.asarray(linear(x[:rows], kw.pop("w", w), policy=pol, batch_invariant=True, **kw))
+
+  full = {name: run(64, **kw) for name, kw in (
+      ("plain", {}), ("parts", dict(partials=True)), ("gate_up", dict(w=w_gu, gate_up=True)))}
+  assert full["parts"].ndim == 3
+  for rows in (1, 5, 16, 48):
+    np.testing.assert_array_equal(run(rows), full["plain"][:rows])
+    np.testing.assert_array_equal(run(rows, partials=True), full["parts"][:, :rows])
+    np.testing.assert_array_equal(run(rows, w=w_gu, gate_up=True), full["gate_up"][:rows])
+  # The result is the product (the fp32 twin's bound; bf16 rounds x as every bf16 GEMM does).
+  xr = np.asarray(jnp.asarray(x).astype(dtype).astype(jnp.float32), np.float64)
+  wd = np.asarray(w.astype(jnp.float32), np.float64)
+  assert_within(full["plain"], xr @ wd.T, ACC_RTOL * (np.abs(xr) @ np.abs(wd).T), "invariant")
+  x65 = jnp.concatenate([x, x[:1]])
+  traced = lambda p, rows: str(jax.make_jaxpr(lambda a: linear(
+      a, w, policy=p, batch_invariant=True))(x65[:rows]))
+  assert "skinny_matmul" in traced(pol, 64) and "skinny_matmul" not in traced(pol, 65)
+  off = KernelPolicy(invariant_max_rows=0)
+  assert ("skinny_matmul" in traced(off, 16)) == (dtype == jnp.bfloat16)   # skinny_max_m
+  assert "skinny_matmul" not in traced(off, 17)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, k, gate_up", [(6144, 4096, False), (4096, 4096, False),
+                                           (12288, 4096, True), (4096, 12288, False),
+                                           (151936, 4096, False)])
+def test_gpu_batch_invariant_qwen3_8b(n, k, gate_up):
+  """Qwen3-8B's GEMMs (qkv, o, gate+up, down, the LM head) on the GPU through the invariant
+  route: rows of 1, 5, 16, 48 and 64-row products bitwise equal (the GPU's MMA and tiles)."""
+  from dflash_jax.dispatch import KernelPolicy, linear
+  kx, kw = jax.random.split(jax.random.key(n + k))
+  x = jax.random.normal(kx, (64, k), jnp.float32)
+  w = (jax.random.normal(kw, (2 * n if gate_up else n, k), jnp.float32) * 0.02).astype(
+      jnp.bfloat16)
+  f = jax.jit(lambda a: linear(a, w, policy=KernelPolicy(), batch_invariant=True,
+                               gate_up=gate_up, partials=not gate_up))
+  full = np.asarray(f(x))
+  for rows in (1, 5, 16, 48):
+    got = np.asarray(f(x[:rows]))
+    np.testing.assert_array_equal(got, full[:rows] if gate_up else full[:, :rows])

@@ -198,3 +198,59 @@ def test_published_shapes_lower_for_sm90(name):
   f, args = _published_cases()[name]
   text = lowered_text(f, args)
   assert "tt.func" in text and "__gpu$xla.gpu.triton" in text
+
+
+def _target_cases() -> dict:
+  """The target's kernels (issue 41) at Qwen3-8B shapes with the default policy's knobs, and
+  at shapes that take their masked paths (group 3, head_dim 96, several sequences, 8-wide
+  groups); lowered for sm90 as above (Triton's checks: power-of-2 tensors, no register
+  slicing, casts it has)."""
+  from dflash_jax.dispatch import target_attention
+  from pallas_kernels import cache_attention as CA
+  from pallas_kernels import rms_norm as RN
+  cases = {}
+  for dt in (BF16, F32):
+    for t in (1, 16):
+      kn = target_attention(t=t, group=4, head_dim=128, cache_dtype=dt, impl="pallas",
+                            policy=POLICY).kwargs()
+      cases[f"cache_attention_{jnp.dtype(dt).name}_t{t}"] = (
+          functools.partial(CA.cache_attention, t=t, out_dtype=BF16, interpret=False, **kn),
+          (S((1, 8, t * 4, 128), dt),) + (S((1, 8, 2048, 128), dt),) * 2 + (S((1,), I32),))
+  for b, t, hkv, g, d, s in ((3, 5, 8, 3, 96, 1000), (1, 16, 4, 8, 128, 4096)):
+    kn = target_attention(t=t, group=g, head_dim=d, cache_dtype=BF16, impl="pallas",
+                          policy=POLICY).kwargs()
+    cases[f"cache_attention_b{b}_t{t}_g{g}_d{d}"] = (
+        functools.partial(CA.cache_attention, t=t, interpret=False, **kn),
+        (S((b, hkv, t * g, d), BF16),) + (S((b, hkv, s, d), BF16),) * 2 + (S((b,), I32),))
+  for qk_norm in (True, False):
+    cases[f"qk_norm_rope_cache_qk{int(qk_norm)}"] = (
+        functools.partial(N.qk_norm_rope_cache, n_head=32, n_head_kv=8, eps=1e-6,
+                          qk_norm=qk_norm, interpret=False),
+        (S((4, 1, 16, 48, 128), F32), S((128,), F32), S((128,), F32))
+        + (S((1, 8, 2048, 128), BF16),) * 2 + (S((1,), I32), S((64,), F32)))
+  cases["qk_norm_rope_cache_d96"] = (
+      functools.partial(N.qk_norm_rope_cache, n_head=24, n_head_kv=8, eps=1e-6,
+                        interpret=False),
+      (S((1, 3, 5, 40, 96), F32), S((96,), F32), S((96,), F32))
+      + (S((3, 8, 1000, 96), F32),) * 2 + (S((3,), I32), S((48,), F32)))
+  cases["add_rms_norm"] = (functools.partial(RN.add_rms_norm, eps=1e-6, interpret=False),
+                           (S((16, 4096), F32), S((4, 16, 4096), F32), S((4096,), F32)))
+  cases["add_rms_norm_no_parts"] = (
+      lambda x, w: RN.add_rms_norm(x, None, w, eps=1e-6, out_dtype=F32, interpret=False),
+      (S((1, 4096), F32), S((4096,), F32)))
+  for name, n, k, gate_up in (("qkv", 6144, 4096, False), ("gate_up", 12288, 4096, True),
+                              ("down", 4096, 12288, False)):
+    kn = G.default_knobs("fp32", n, k, gate_up, swap_ab_min_m=POLICY.skinny_fp8_swap_min_m)
+    fn = G.skinny_matmul_gate_up if gate_up else functools.partial(G.skinny_matmul,
+                                                                   keep_splits=True)
+    cases[f"gemm_fp32_{name}"] = (
+        functools.partial(fn, fmt="fp32", interpret=False, **{**kn.kwargs(), "block_m": 16}),
+        (S((16, k), F32), S((2 * n if gate_up else n, k), F32)))
+  return cases
+
+
+@pytest.mark.parametrize("name", list(_target_cases()))
+def test_target_kernels_lower_for_sm90(name):
+  f, args = _target_cases()[name]
+  text = lowered_text(f, args)
+  assert "tt.func" in text and "__gpu$xla.gpu.triton" in text

@@ -101,3 +101,60 @@ def test_gemm_input_norm_routes_with_the_batched_gemm():
   with pytest.raises(ValueError, match="gemm_input_norm: impl='pallas' routes by a "
                                        "KernelPolicy; pass policy="):
     P.gemm_input_norm(x, wn, EPS, w)
+
+
+# --- add_rms_norm: the target's pre-norm ----------------------------------------------------------
+
+@pytest.mark.parametrize("m, k, n_parts", [(1, 64, None), (5, 100, 3), (16, 48, 1),
+                                           (3, 6656 // 8, 4)])
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+def test_add_rms_norm_matches_oracle_and_twin(m, k, n_parts, out_dtype):
+  """The new residual (x plus the partials, added in order: the twin's bits) and its norm."""
+  x, w = _inputs(m + k, m, k)
+  rng = np.random.default_rng(k)
+  parts = None if n_parts is None else rng.standard_normal((n_parts, m, k)).astype(np.float32)
+  jp = None if parts is None else jnp.asarray(parts)
+  new, got = RN.add_rms_norm(jnp.asarray(x), jp, jnp.asarray(w), eps=EPS, out_dtype=out_dtype)
+  t_new, twin = RN.add_rms_norm_reference(jnp.asarray(x), jp, jnp.asarray(w), eps=EPS,
+                                          out_dtype=out_dtype)
+  assert new.dtype == jnp.float32 and got.dtype == out_dtype and got.shape == (m, k)
+  np.testing.assert_array_equal(np.asarray(new), np.asarray(t_new))
+  x64 = x.astype(np.float64) + (0 if parts is None else parts.astype(np.float64).sum(0))
+  np.testing.assert_allclose(np.asarray(new), x64, rtol=1e-6, atol=1e-6)
+  ulp = BF16_EPS if out_dtype == jnp.bfloat16 else 2.0 ** -23
+  want = _oracle(np.asarray(new), w)
+  got = np.asarray(got.astype(jnp.float32), np.float64)
+  assert np.all(np.abs(got - want) <= (ulp + 1e-5) * np.abs(want) + 1e-30)
+  twin = np.asarray(twin.astype(jnp.float32), np.float64)
+  assert np.all(np.abs(got - twin) <= (2 * ulp + 1e-5) * np.abs(want) + 1e-30)
+
+
+def _rows_invariant(m, k):
+  x, w = _inputs(m, m, k)
+  parts = jnp.asarray(np.random.default_rng(1).standard_normal((4, m, k)), jnp.float32)
+  x, w = jnp.asarray(x), jnp.asarray(w)
+  new, y = RN.add_rms_norm(x, parts, w, eps=EPS)
+  for i in range(0, m, max(1, m // 5)):
+    n1, y1 = RN.add_rms_norm(x[i:i + 1], parts[:, i:i + 1], w, eps=EPS)
+    np.testing.assert_array_equal(np.asarray(n1)[0], np.asarray(new)[i])
+    np.testing.assert_array_equal(np.asarray(y1).view(np.uint16)[0],
+                                  np.asarray(y).view(np.uint16)[i])
+
+
+def test_add_rms_norm_rows_are_batch_invariant():
+  """One row per program: a row's bits do not depend on the call's row count."""
+  _rows_invariant(16, 96)
+
+
+def test_add_rms_norm_limits():
+  x, w = jnp.ones((4, 8), jnp.float32), jnp.ones((8,), jnp.float32)
+  with pytest.raises(ValueError, match="parts must be \\[P, 4, 8\\]"):
+    RN.add_rms_norm(x, jnp.ones((2, 3, 8), jnp.float32), w, eps=EPS)
+  with pytest.raises(ValueError, match="parts must be float32"):
+    RN.add_rms_norm(x, jnp.ones((2, 4, 8), jnp.bfloat16), w, eps=EPS)
+
+
+@pytest.mark.gpu
+def test_gpu_add_rms_norm_qwen3_8b_width():
+  _rows_invariant(64, 4096)
+  _check(16, 4096, 1, 8, seed=3)

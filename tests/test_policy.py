@@ -43,6 +43,11 @@ def _params(policy=KernelPolicy(), dtype="bf16", cfg=CFG):
     ("mgpu_attention_seqs", (1,), r"mgpu_attention_seqs must be None or a \(min, max\) pair"),
     ("fold_own_min_seqs", 0, "fold_own_min_seqs must be None or an int >= 1"),
     ("mosaic_gpu", "yes", "mosaic_gpu must be None, True or False"),
+    ("target_pallas_max_width", -1, "target_pallas_max_width must be an int >= 0"),
+    ("invariant_max_rows", 1.5, "invariant_max_rows must be an int >= 0"),
+    ("target_invariant_attention", None, "target_invariant_attention must be True or False"),
+    ("target_attention_chunk", 100, "target_attention_chunk must be a power of 2 >= 16"),
+    ("target_attention_chunk", 8, "target_attention_chunk must be a power of 2 >= 16"),
 ])
 def test_policy_fields_are_checked(field, value, msg):
   with pytest.raises(ValueError, match="KernelPolicy." + msg):
@@ -89,7 +94,8 @@ def test_two_policies_compile_two_programs():
 
 def test_target_params_carry_a_policy():
   """qwen3.TargetParams.policy routes the target's GEMMs (impl="pallas"): a second policy is
-  a second program."""
+  a second program. The target's products are batch invariant up to invariant_max_rows rows
+  (the skinny GEMM whatever skinny_max_m); with that off they follow skinny_max_m."""
   cfg = Q.TargetConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                        rope_theta=1e4, max_position_embeddings=64)
@@ -97,9 +103,13 @@ def test_target_params_carry_a_policy():
   assert params.policy == KernelPolicy()
   cache = Q.init_cache(cfg, 1, 32)
   tokens = jnp.ones((1, 8), jnp.int32)
-  texts = [Q.verify_jit.lower(p, cfg, cache, tokens, impl="pallas").as_text()
-           for p in (params, params.replace(policy=KernelPolicy(skinny_max_m=0)))]
-  assert "skinny_matmul" in texts[0] and "skinny_matmul" not in texts[1]
+  policies = (KernelPolicy(), KernelPolicy(skinny_max_m=0),
+              KernelPolicy(skinny_max_m=0, invariant_max_rows=0),
+              KernelPolicy(invariant_max_rows=0))
+  texts = [Q.verify_jit.lower(params.replace(policy=p), cfg, cache, tokens,
+                              impl="pallas").as_text() for p in policies]
+  assert [("skinny_matmul" in t) for t in texts] == [True, True, False, True]
+  assert texts[0] == texts[1]   # skinny_max_m does not route a batch-invariant product
 
 
 # --------------------------------------------------------- the default routing, kernel by kernel
@@ -178,6 +188,35 @@ def test_attention_routing_follows_the_policy():
   assert route(None, impl="xla") == dispatch.Attention("xla")   # the twins route nothing
   assert route(on, n_seqs=17).knobs.fold_own
   assert not route(dataclasses.replace(on, fold_own_min_seqs=None), n_seqs=17).knobs.fold_own
+
+
+def test_target_routing_follows_the_policy():
+  """dispatch.target_attention: the Pallas cache pieces up to target_pallas_max_width rows per
+  sequence, their query tile sized for that width (batch invariant) or for this pass, the
+  policy's chunk; XLA's composition beyond, and for impl "xla". residual_norm writes the
+  GEMM's input dtype on the Pallas path, float32 on XLA's."""
+  def route(policy=KernelPolicy(), t=1, group=4, head_dim=128, impl="pallas"):
+    return dispatch.target_attention(t=t, group=group, head_dim=head_dim,
+                                     cache_dtype=jnp.bfloat16, impl=impl, policy=policy)
+
+  assert route(t=1) == route(t=16) and route(t=1).block_q == 64
+  assert route(t=1).chunk == 512 and route(KernelPolicy(target_attention_chunk=256)).chunk == 256
+  fast = KernelPolicy(target_invariant_attention=False)
+  assert route(fast, t=1).block_q == 16 and route(fast, t=16).block_q == 64
+  assert route(group=8).block_q == 128 and route(group=3).block_q == 64
+  assert route(t=17) is None and route(impl="xla") is None
+  assert route(KernelPolicy(target_pallas_max_width=0)) is None
+  with pytest.raises(ValueError, match="head_dim must be a multiple of 16 in \\[16, 256\\] "
+                                       "\\(got 8\\)"):
+    route(head_dim=8)
+  x = jnp.ones((3, 64), jnp.float32)
+  for w, want in ((jnp.ones((8, 64), jnp.bfloat16), jnp.bfloat16),
+                  (jnp.ones((8, 64), jnp.float32), jnp.float32)):
+    new, y = dispatch.residual_norm(x, jnp.ones((2, 3, 64), jnp.float32), jnp.ones(64), 1e-6, w,
+                                    policy=KernelPolicy())
+    assert y.dtype == want and float(new[0, 0]) == 3.0
+    assert dispatch.residual_norm(x, None, jnp.ones(64), 1e-6, w, impl="xla")[1].dtype == (
+        jnp.float32)
 
 
 @pytest.mark.gpu

@@ -609,6 +609,26 @@ def test_qwen3_target(name):
   assert np.abs(np.asarray(plain) - np.asarray(logits)).max() > 1e-3
 
 
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_qwen3_cached_passes(impl):
+  """Prefill then verify past the original context, both impls (pallas: the q/k norm + rope
+  kernel that writes the cache, interpret mode on CPU): the logits are the reference's."""
+  cfg = Q.TargetConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                       rope_theta=1e4, max_position_embeddings=64,
+                       rope_scaling=TARGET_SCALINGS["yarn-explicit"])
+  p = Q.init_params(cfg, jax.random.key(5))
+  toks = _tokens(6, (2, T_TOKENS), cfg.vocab_size)
+  n_pre = T_TOKENS - 4
+  cache = cfg.init_cache(2, 32, "fp32")
+  cache, _ = Q.prefill_jit(p, cfg, cache, jnp.asarray(toks[:, :n_pre]),
+                           jnp.full((2,), n_pre, jnp.int32), impl=impl)
+  _, logits, _ = Q.verify_jit(p, cfg, cache, jnp.asarray(toks[:, n_pre:]), impl=impl)
+  for b in range(2):
+    ref = RQ.hidden_states(p, cfg, toks[b])[1]
+    np.testing.assert_allclose(np.asarray(logits[b]), ref[n_pre:], **TOL)
+
+
 @pytest.mark.parametrize("name", ["yarn", "yarn-explicit"])
 def test_muse_glimmer_target(name):
   cfg = MG.MuseGlimmerConfig(vocab_size=61, hidden_size=32, intermediate_size=48,

@@ -225,17 +225,18 @@ def test_verify_reads_only_the_routed_experts(impl):
   unchanged and finite. For the Pallas kernel this shows it reads no unlisted expert (a read
   reaches the result as NaN through the slot's zero routing weight); for the jnp twin, that
   its gather touches only listed experts' values (its unused slots are masked, so a read
-  there would not show)."""
-  cfg = dataclasses.replace(TINY, num_experts=32, num_experts_per_tok=2)
+  there would not show). The reference is the same impl on the unpoisoned weights (head_dim
+  16: the Pallas path's attention kernels take multiples of 16)."""
+  cfg = dataclasses.replace(TINY, num_experts=32, num_experts_per_tok=2, head_dim=16)
   _, p = _model(cfg, 13, "bf16")
   toks = _tokens(14, (2, 12))
   cache = cfg.init_cache(2, 16)
   cache, _ = Q.prefill_jit(p, cfg, cache, toks, jnp.int32(8))
   keep = jax.tree.map(jnp.copy, cache)
   vt = toks[:, 8:12]
-  _, want, _ = Q.verify_jit(p, cfg, jax.tree.map(jnp.copy, keep), vt, impl="xla")
+  _, want, _ = Q.verify_jit(p, cfg, jax.tree.map(jnp.copy, keep), vt, impl=impl)
   # Which experts each sparse layer's rows route to, from the same forward's routing.
-  touched = _touched_experts(p, cfg, keep, vt)
+  touched = _touched_experts(p, cfg, keep, vt, impl)
   # 8 rows x 2 choices: 16 slots; some unused (padding) and expert 0 untouched somewhere.
   assert all(0 < len(t) < 16 for t in touched.values()), touched
   assert any(0 not in t for t in touched.values()), touched
@@ -250,7 +251,7 @@ def test_verify_reads_only_the_routed_experts(impl):
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-def _touched_experts(p, cfg, cache, vt):
+def _touched_experts(p, cfg, cache, vt, impl="xla"):
   """layer -> the experts the verify rows route to (recomputed with the same pieces)."""
   seen, calls = {}, [0]
   orig = Q.route
@@ -263,7 +264,7 @@ def _touched_experts(p, cfg, cache, vt):
     return ids, w
   Q.route = spy
   try:
-    jax.block_until_ready(Q.verify(p, cfg, jax.tree.map(jnp.copy, cache), vt, impl="xla"))
+    jax.block_until_ready(Q.verify(p, cfg, jax.tree.map(jnp.copy, cache), vt, impl=impl))
   finally:
     Q.route = orig
   jax.effects_barrier()

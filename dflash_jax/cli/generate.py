@@ -60,7 +60,9 @@ def register(sub) -> None:
                          "full layers then see only the last N positions; default: off)")
   g.add_argument("--capacity", type=int_in(1), default=None,
                  help="target cache slots (default: prompt + max-new + block)")
-  g.add_argument("--impl", choices=("pallas", "xla"), default="pallas", help="drafter kernels")
+  g.add_argument("--impl", choices=("pallas", "xla"), default="pallas",
+                 help="the drafter's and the target's kernels (pallas: the batch-invariant "
+                      "target, whose greedy output equals target-only decoding in bf16 too)")
   g.add_argument("--eos", type=_ids, default=None,
                  help="end-of-sequence ids, comma-separated (default: the target config's)")
   g.add_argument("--sync-every", type=int_in(1), default=8,
@@ -172,7 +174,7 @@ def _generate(args) -> int:
     raise CLIError(f"argument --eos: ids must lie in [0, {tcfg.vocab_size}), got {list(eos)}")
   try:
     sampling = D.Sampling(args.temperature, args.top_k, args.top_p, args.proposals)
-    dcfg = D.DecodeConfig(width=block, sampling=sampling, impl=args.impl)
+    dcfg = D.DecodeConfig(width=block, sampling=sampling, impl=args.impl, target_impl=args.impl)
     models = D.Models(target=tparams, drafter=dparams, d2t=None, target_cfg=tcfg)
   except ValueError as e:
     raise CLIError(str(e)) from None
@@ -191,7 +193,10 @@ def _generate(args) -> int:
         file=sys.stderr)
 
   stream = _Stream(tokenizer, args.max_new)
-  kw = dict(eos_ids=eos, seed=args.seed, capacity=args.capacity, cache_dtype=cache_dtype)
+  # --compare decodes target-only with the same cache capacity: the prompt's prefill is then
+  # the same computation in both runs (its XLA attention reads every slot).
+  capacity = args.capacity or -(-(len(prompt) + args.max_new + block) // 16) * 16
+  kw = dict(eos_ids=eos, seed=args.seed, capacity=capacity, cache_dtype=cache_dtype)
   try:
     g = D.generate(models, dcfg, [prompt], args.max_new, rounds_per_call=args.sync_every,
                    on_tokens=stream, window=args.window, ring_dtype=cache_dtype, **kw)
@@ -210,7 +215,8 @@ def _generate(args) -> int:
            "the run ended within the first sync (no compile-free rate)"))
   if args.compare:
     base = D.generate_target_only(tparams, tcfg, [prompt], args.max_new,
-                                  rounds_per_call=args.sync_every, sampling=sampling, **kw)
+                                  rounds_per_call=args.sync_every, sampling=sampling,
+                                  target_impl=args.impl, **kw)
     same = "identical" if base.tokens == g.tokens else "different"
     print(f"target only: {base.n_tokens / base.seconds:.1f} tokens/s (compilation included); "
           f"speedup {g.n_tokens / g.seconds / (base.n_tokens / base.seconds):.2f}x; output {same}"

@@ -10,8 +10,9 @@ head. One layer function serves both paths:
   and a device `length [B]`; a call writes its T rows at slots `length .. length + T - 1`
   (slot = position) and attends causally over the slots up to each row's position. A
   verify commits nothing; `commit(cache, n_keep)` keeps its first rows (the Target protocol
-  of models/base.py, which `TargetConfig` implements). The caller keeps `length + T <= capacity` (decode.py checks it on the host
-  before a run starts; inside jit an out-of-range write would be clamped, not caught).
+  of models/base.py, which `TargetConfig` implements). The caller keeps
+  `length + T <= capacity` (decode.py checks it on the host before a run starts; inside jit
+  an out-of-range write would be clamped or dropped, not caught).
 
 Feature capture (SPEC.md section 2): `capture_layers` are llama.cpp-convention indices, the
 HF `hidden_states` index: i < n_layers is the residual stream entering layer i (0 = the
@@ -23,13 +24,27 @@ Layout: matrices stay HF's (out, in) and every product is `dflash_jax.dispatch.l
 full precision). q/k/v are one `[(Hq + 2 Hkv) D, E]` matrix and gate/up one `[2 F, E]`, so a
 layer is four GEMMs. All other arithmetic is float32. The layers are a tuple (one pytree per
 layer, never a stacked array: slicing a stacked weight inside jit makes XLA copy it).
+
+impl="pallas" (the cached passes; `forward` is always XLA's): per layer one launch of the
+pre-norm that also adds the previous sublayer's split-K partials (`dispatch.residual_norm`),
+the fused q/k/v GEMM, one launch of q/k norm + rope that writes K/V into the cache in place
+(`norm_rope.qk_norm_rope_cache`), the cache attention over the live slots only (partial +
+combine, `cache_attention`), the o GEMM, the second pre-norm, gate+up (silu * up in its
+epilogue) and down: 9 launches. Batch invariance: under the default policy every row of a
+pass is bitwise independent of how many rows share the call (up to
+`KernelPolicy.invariant_max_rows` rows, `target_pallas_max_width` per sequence): each GEMM
+runs one M tile shape and a K split set by the weight alone, partials are added in a fixed
+order, each norm row is its own program, and the attention's query tile, chunks and tiles
+do not depend on the call. So a 16-row verify's logits equal sixteen 1-row decodes' bit for
+bit, and greedy speculative decoding equals target-only decoding token for token, bf16
+included (the prompt's prefill is the same computation in both).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import math
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 import flax.struct
 import jax
@@ -39,7 +54,11 @@ from jax import lax
 
 from dflash_jax.config import RopeScaling, rope_from_hf, rope_inv_freq
 from dflash_jax.models import base
-from dflash_jax.dispatch import KernelPolicy, linear, resolve_dtype, rms_norm
+from dflash_jax.dispatch import (KernelPolicy, Reduced, input_dtype, linear, resolve_dtype,
+                                 residual_norm, rms_norm, sum_in_order, target_attention)
+from pallas_kernels import cache_attention as cache_attn_k
+from pallas_kernels import norm_rope as norm_rope_k
+from pallas_kernels._common import next_pow2
 
 MODEL_TYPES = ("qwen3", "llama")   # the HF model_type strings this family reads
 _QK_NORM = {"qwen3": True, "llama": False}   # HF model_type -> per-head q/k norm
@@ -279,45 +298,87 @@ def _attention(q: jax.Array, keys: jax.Array, values: jax.Array, visible: jax.Ar
   return o.reshape(b, t, hq * d)
 
 
-def attention_block(cfg, lp, x: jax.Array, positions: jax.Array, freqs: jax.Array, attend,
-                    impl: str, policy: KernelPolicy):
-  """The attention half of a decoder layer on rows x [B T, E] f32 at positions [B, T]:
-  x + o_proj(attention(...)). attend(q, k, v) with q [B, T, Hq, D], k/v [B, T, Hkv, D]
-  returns (o [B, T, Hq D], whatever the path keeps). lp needs attn_norm, wqkv, q_norm,
-  k_norm and wo (qwen3_moe's layers share it)."""
+class Residual(NamedTuple):
+  """The residual stream x [M, E] float32 with a sublayer's output still in its split-K
+  partials [P, M, E] float32 (P = 1 for an unsplit product): the next pre-norm adds them
+  (`pre_norm`; on the Pallas path inside the norm's launch), `settle` does it alone."""
+  x: jax.Array
+  parts: jax.Array
+
+
+def settle(x) -> jax.Array:
+  """The residual stream as one array: x + parts[0] + parts[1] + ... (in `pre_norm`'s order)."""
+  return x.x + sum_in_order(x.parts) if isinstance(x, Residual) else x
+
+
+def pre_norm(x, w_norm: jax.Array, eps: float, w, impl: str, policy: KernelPolicy,
+             out_dtype=None) -> tuple[jax.Array, jax.Array]:
+  """(the residual stream as one float32 array, its RMS norm times w_norm as the input of
+  linear(., w)) for x an array or a `Residual` (`dispatch.residual_norm`: one Pallas launch
+  on the Pallas path, the norm in the dtype the GEMM takes or out_dtype)."""
+  x, parts = (x.x, x.parts) if isinstance(x, Residual) else (x, None)
+  return residual_norm(x, parts, w_norm, eps, w, policy=policy, impl=impl, out_dtype=out_dtype)
+
+
+def project(x: jax.Array, w, impl: str, policy: KernelPolicy, partials: bool = False,
+            **kw) -> jax.Array:
+  """The target's `dispatch.linear` (batch invariant under the policy's row bound). partials:
+  the split-K partials [P, M, N] (a `Reduced` weight's psummed product as P = 1)."""
+  if partials and isinstance(w, Reduced):
+    return linear(x, w, policy=policy, impl=impl, batch_invariant=True, **kw)[None]
+  return linear(x, w, policy=policy, impl=impl, partials=partials, batch_invariant=True, **kw)
+
+
+def qk_rope(cfg, lp, qkv: jax.Array, positions: jax.Array, freqs: jax.Array):
+  """q [B, T, Hq, D], k and v [B, T, Hkv, D] float32 from the fused projection's partials
+  qkv [P, B T, (Hq + 2 Hkv) D] (added in order): q and k normalised (qk_norm) and roped."""
   b, t = positions.shape
-  eps, d = cfg.rms_norm_eps, cfg.head_dim
-  qkv = linear(rms_norm(x, lp.attn_norm, eps), lp.wqkv, policy=policy, impl=impl)
-  q = qkv[:, :cfg.q_dim].reshape(b, t, cfg.num_attention_heads, d)
-  k = qkv[:, cfg.q_dim:cfg.q_dim + cfg.kv_dim].reshape(b, t, cfg.num_key_value_heads, d)
-  v = qkv[:, cfg.q_dim + cfg.kv_dim:].reshape(b, t, cfg.num_key_value_heads, d)
+  d, eps = cfg.head_dim, cfg.rms_norm_eps
+  y = sum_in_order(qkv)
+  q = y[:, :cfg.q_dim].reshape(b, t, cfg.num_attention_heads, d)
+  k = y[:, cfg.q_dim:cfg.q_dim + cfg.kv_dim].reshape(b, t, cfg.num_key_value_heads, d)
+  v = y[:, cfg.q_dim + cfg.kv_dim:].reshape(b, t, cfg.num_key_value_heads, d)
   if cfg.qk_norm:
     q, k = rms_norm(q, lp.q_norm, eps), rms_norm(k, lp.k_norm, eps)
   scale = cfg.rope_scaling.attention_scaling
-  q, k = rope(q, positions, freqs, scale), rope(k, positions, freqs, scale)
-  o, kept = attend(q, k, v)
-  return x + linear(o.reshape(b * t, cfg.q_dim), lp.wo, policy=policy, impl=impl), kept
+  return rope(q, positions, freqs, scale), rope(k, positions, freqs, scale), v
 
 
-def dense_mlp(cfg, lp, x: jax.Array, impl: str, policy: KernelPolicy) -> jax.Array:
-  """x + down(silu(gate) * up) of the post-attention-normed x (lp: ffn_norm, wgu, wd)."""
-  hidden = linear(rms_norm(x, lp.ffn_norm, cfg.rms_norm_eps), lp.wgu, policy=policy, impl=impl,
-                  gate_up=True)
-  return x + linear(hidden, lp.wd, policy=policy, impl=impl)
+def attention_block(cfg, lp, x, positions: jax.Array, freqs: jax.Array, attend, impl: str,
+                    policy: KernelPolicy):
+  """The attention half of a decoder layer on rows x (the residual stream [B T, E] f32, or a
+  `Residual`) at positions [B, T] -> (Residual(x, the o projection's partials), what attend
+  kept). attend(lp, qkv, positions, freqs) takes the fused q/k/v projection's split-K
+  partials [P, B T, (Hq + 2 Hkv) D] and returns (o [B T, Hq D], kept). lp needs attn_norm,
+  wqkv, q_norm, k_norm and wo (qwen3_moe's layers share it)."""
+  x, xn = pre_norm(x, lp.attn_norm, cfg.rms_norm_eps, lp.wqkv, impl, policy)
+  o, kept = attend(lp, project(xn, lp.wqkv, impl, policy, partials=True), positions, freqs)
+  return Residual(x, project(o, lp.wo, impl, policy, partials=True)), kept
 
 
-def _layer(cfg: TargetConfig, l: int, lp: TargetLayer, x: jax.Array, positions: jax.Array,
+def dense_mlp(cfg, lp, x, impl: str, policy: KernelPolicy) -> Residual:
+  """x + down(silu(gate) * up) of the post-attention-normed x (lp: ffn_norm, wgu, wd), the
+  down projection's partials not yet added (a `Residual`)."""
+  x, xn = pre_norm(x, lp.ffn_norm, cfg.rms_norm_eps, lp.wgu, impl, policy)
+  hidden = project(xn, lp.wgu, impl, policy, gate_up=True,
+                   out_dtype=jnp.float32 if impl == "xla" else input_dtype(lp.wd))
+  return Residual(x, project(hidden, lp.wd, impl, policy, partials=True))
+
+
+def _layer(cfg: TargetConfig, l: int, lp: TargetLayer, x, positions: jax.Array,
            freqs: jax.Array, attend, impl: str, policy: KernelPolicy):
-  """One decoder layer (layer l) on rows x [B T, E] f32 -> (x, what attend kept)."""
+  """One decoder layer (layer l) on rows x (an array or a `Residual`) -> (x, what attend
+  kept)."""
   x, kept = attention_block(cfg, lp, x, positions, freqs, attend, impl, policy)
   return dense_mlp(cfg, lp, x, impl, policy), kept
 
 
 def _trunk(params: TargetParams, cfg: TargetConfig, tokens: jax.Array, positions: jax.Array,
            attend_layer, capture_layers, impl: str, layer=_layer):
-  """Embeddings -> layers -> final norm. Returns (h [B T, E], features [B, T, F], kept per
-  layer). attend_layer(l) gives layer l's attend function; layer(cfg, l, lp, x, positions,
-  freqs, attend, impl) is one decoder layer (qwen3_moe passes its own)."""
+  """Embeddings -> layers -> final norm. Returns (h [B T, E] in the LM head's input dtype
+  (float32 when the features capture it), features [B, T, F], kept per layer).
+  attend_layer(l) gives layer l's attend function; layer(cfg, l, lp, x, positions, freqs,
+  attend, impl, policy) is one decoder layer (qwen3_moe passes its own)."""
   capture = cfg.check_capture_layers(capture_layers)
   b, t = tokens.shape
   freqs = jnp.asarray(inv_freq(cfg))
@@ -325,18 +386,20 @@ def _trunk(params: TargetParams, cfg: TargetConfig, tokens: jax.Array, positions
   seen, kept = {}, []
   for l, lp in enumerate(params.layers):
     if l in capture:
-      seen[l] = x
+      x = seen[l] = settle(x)
     x, k = layer(cfg, l, lp, x, positions, freqs, attend_layer(l), impl, params.policy)
     kept.append(k)
-  h = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
-  seen[cfg.num_hidden_layers] = h
+  n = cfg.num_hidden_layers
+  _, h = pre_norm(x, params.final_norm, cfg.rms_norm_eps, params.head, impl, params.policy,
+                  out_dtype=jnp.float32 if n in capture else None)
+  seen[n] = h
   feats = (jnp.concatenate([seen[i] for i in capture], axis=-1) if capture
            else jnp.zeros((b * t, 0), jnp.float32))
   return h, feats.reshape(b, t, -1), kept
 
 
 def _logits(params: TargetParams, h: jax.Array, shape, impl: str) -> jax.Array:
-  return linear(h, params.head, policy=params.policy, impl=impl).reshape(*shape, -1)
+  return project(h, params.head, impl, params.policy).reshape(*shape, -1)
 
 
 def forward(params: TargetParams, cfg: TargetConfig, tokens: jax.Array, *,
@@ -357,8 +420,10 @@ def uncached(params, cfg, tokens: jax.Array, capture_layers, with_logits: bool, 
   causal = jnp.tril(jnp.ones((t, t), bool))[None]
 
   def attend_layer(_):
-    def attend(q, k, v):
-      return _attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), causal), None
+    def attend(lp, qkv, positions, freqs):
+      q, k, v = qk_rope(cfg, lp, qkv, positions, freqs)
+      o = _attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), causal)
+      return o.reshape(b * t, -1), None
     return attend
 
   h, feats, _ = _trunk(params, cfg, tokens, positions, attend_layer, capture_layers, "xla",
@@ -403,21 +468,59 @@ def _write(buf: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Array:
   return jax.vmap(lambda c, r, s: lax.dynamic_update_slice(c, r, (0, s, 0)))(buf, rows, start)
 
 
+def _cache_attend_layer(cfg, cache: TargetCache, start: jax.Array, t: int, knobs, policy):
+  """attend_layer of the Pallas cached pass: layer l's q/k norm + rope with the K/V rows
+  written into the cache in place (one launch), then the cache attention over the live
+  slots (two launches)."""
+  b = start.shape[0]
+  hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+
+  def attend_layer(l):
+    def attend(lp, qkv, positions, freqs):
+      del positions   # start + row: the kernels' own
+      parts = qkv.reshape(qkv.shape[0], b, t, hq + 2 * hkv, d)
+      ones = jnp.ones((d,), jnp.float32)   # no q/k norm (Llama): not read
+      q, ck, cv = norm_rope_k.qk_norm_rope_cache(
+          parts, lp.q_norm if cfg.qk_norm else ones, lp.k_norm if cfg.qk_norm else ones,
+          cache.k[l], cache.v[l], start, freqs, n_head=hq, n_head_kv=hkv,
+          eps=cfg.rms_norm_eps, qk_norm=cfg.qk_norm,
+          attention_scaling=cfg.rope_scaling.attention_scaling,
+          block_rows=next_pow2(policy.target_pallas_max_width))
+      o = cache_attn_k.cache_attention(q, ck, cv, start, t=t, out_dtype=input_dtype(lp.wo),
+                                       **knobs.kwargs())
+      return o.reshape(b * t, hq * d), (ck, cv)
+    return attend
+  return attend_layer
+
+
 def extend(params: TargetParams, cfg: TargetConfig, cache: TargetCache, tokens: jax.Array,
            n_valid: jax.Array, capture_layers, with_logits: bool, impl: str, layer=_layer):
   """The cached pass of prefill and verify: tokens [B, T] at positions length.., their K/V
-  written at those slots, length += n_valid. layer: the decoder layer (see `_trunk`)."""
+  written at those slots, length += n_valid. layer: the decoder layer (see `_trunk`).
+
+  impl "pallas" (`dispatch.target_attention`): up to policy.target_pallas_max_width rows per
+  sequence, the Pallas pieces read only the live slots (below length + T) and write the K/V
+  rows in place; wider passes attend with XLA's masked attention over every slot. impl
+  "xla": XLA's attention and GEMMs."""
   tokens = jnp.asarray(tokens, jnp.int32)
   b, t = tokens.shape
   start = cache.length
   positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)
-  visible = jnp.arange(cache.capacity, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]
+  knobs = target_attention(t=t, group=cfg.num_attention_heads // cfg.num_key_value_heads,
+                           head_dim=cfg.head_dim, cache_dtype=cache.k[0].dtype, impl=impl,
+                           policy=params.policy)
+  if knobs is not None:
+    attend_layer = _cache_attend_layer(cfg, cache, start, t, knobs, params.policy)
+  else:
+    visible = (jnp.arange(cache.capacity, dtype=jnp.int32)[None, None, :]
+               <= positions[:, :, None])
 
-  def attend_layer(l):
-    def attend(q, k, v):
-      ck, cv = _write(cache.k[l], k, start), _write(cache.v[l], v, start)
-      return _attention(q, ck, cv, visible), (ck, cv)
-    return attend
+    def attend_layer(l):
+      def attend(lp, qkv, positions, freqs):
+        q, k, v = qk_rope(cfg, lp, qkv, positions, freqs)
+        ck, cv = _write(cache.k[l], k, start), _write(cache.v[l], v, start)
+        return _attention(q, ck, cv, visible).reshape(b * t, -1), (ck, cv)
+      return attend
 
   h, feats, kept = _trunk(params, cfg, tokens, positions, attend_layer, capture_layers, impl,
                           layer)
@@ -440,9 +543,10 @@ def verify(params: TargetParams, cfg: TargetConfig, cache: TargetCache, tokens: 
            capture_layers=(), impl: str = "xla"):
   """Run tokens [B, w] at positions length.. -> (cache, logits [B, w, V] f32, features
   [B, w, F] f32). Nothing is committed: the rows' K/V sit past the length until `commit`
-  keeps some of them. impl="pallas" routes the GEMMs by params.policy (dispatch.linear: bf16
-  GEMMs of up to `policy.skinny_max_m` rows on the Pallas skinny GEMM); "xla" keeps XLA's
-  GEMMs."""
+  keeps some of them. impl="pallas" runs the target's kernels as params.policy routes them
+  (`extend`; every row bitwise independent of how many rows share the call, up to
+  `policy.invariant_max_rows` rows and `policy.target_pallas_max_width` rows per sequence);
+  "xla" keeps XLA's GEMMs and attention."""
   return extend(params, cfg, cache, tokens, 0, capture_layers, True, impl)
 
 

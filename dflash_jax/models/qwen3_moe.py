@@ -35,7 +35,7 @@ from jax import lax
 from dflash_jax.config import RopeScaling, rope_from_hf
 from dflash_jax.models import base, qwen3
 from dflash_jax.models.qwen3 import TargetCache, TargetLayer, TargetParams
-from dflash_jax.dispatch import KernelPolicy, linear, resolve_dtype, rms_norm
+from dflash_jax.dispatch import KernelPolicy, linear, resolve_dtype
 from pallas_kernels import moe_gemm
 
 MODEL_TYPES = ("qwen3_moe",)
@@ -352,10 +352,11 @@ def _experts_sorted(lp: MoeLayer, h: jax.Array, ids: jax.Array, w: jax.Array):
   return jnp.zeros((m, h.shape[1]), jnp.float32).at[rows].add(out * w.reshape(-1)[order][:, None])
 
 
-def moe_mlp(cfg: Qwen3MoeConfig, lp: MoeLayer, x: jax.Array, impl: str,
+def moe_mlp(cfg: Qwen3MoeConfig, lp: MoeLayer, x, impl: str,
             policy: KernelPolicy) -> jax.Array:
-  """x + the expert mixture of the post-attention-normed x [M, H]."""
-  h = rms_norm(x, lp.ffn_norm, cfg.rms_norm_eps)
+  """x + the expert mixture of the post-attention-normed x [M, H] (x an array or qwen3's
+  `Residual`: the attention's output partials are added by the norm)."""
+  x, h = qwen3.pre_norm(x, lp.ffn_norm, cfg.rms_norm_eps, lp.router, impl, policy)
   ids, w = route(cfg, linear(h, lp.router, policy=policy, impl=impl))
   if h.shape[0] <= SLOT_MAX_ROWS:
     return x + _experts_by_slot(lp, h, ids, w, impl)

@@ -1,0 +1,259 @@
+"""The target's cache kernels: `cache_attention.cache_attention` and
+`norm_rope.qk_norm_rope_cache` against float64 numpy transcriptions of their contracts and
+their jnp twins (CPU interpret), their batch invariance (a row's bits do not depend on the
+call's width, slot count or the cache's capacity), and the same at Qwen3-8B shapes on the GPU.
+
+Slots a row must not see (past its position, or past the pass's rows) carry values far off
+the others' scale, so a leak through the mask moves the output by far more than the
+tolerance; q is scaled up so the softmax is peaked and the output is not V's mean.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import cache_attention as A
+from pallas_kernels import norm_rope as N
+
+LEAK = 1e3
+Q_SCALE = 3.0
+EPS = 1e-6
+# bf16: q, K, V and the probabilities rounded to bf16 for the dots
+F64_TOL = {jnp.dtype(jnp.float32): 5e-6, jnp.dtype(jnp.bfloat16): 2e-2}
+
+
+def _attention_inputs(seed, b, t, hkv, g, d, s, dtype, start=None):
+  rng = np.random.default_rng(seed)
+  start = rng.integers(0, s - t + 1, b) if start is None else np.asarray(start)
+  q = rng.standard_normal((b, hkv, t * g, d)) * Q_SCALE
+  k = rng.standard_normal((b, hkv, s, d))
+  v = rng.standard_normal((b, hkv, s, d))
+  for i in range(b):   # slots past the pass's last row: never visible
+    k[i, :, start[i] + t:] = LEAK
+    v[i, :, start[i] + t:] = LEAK
+  cast = lambda a: jnp.asarray(a, dtype)
+  return cast(q), cast(k), cast(v), jnp.asarray(start, jnp.int32)
+
+
+def numpy_attention(q, k, v, start, t: int) -> np.ndarray:
+  """Float64 transcription: row r of kv head h (token r // G, head h G + r % G) of sequence b
+  attends slots 0 .. start[b] + r // G; output token-major [B, T, Hq D]."""
+  q, k, v = (np.asarray(jnp.asarray(a, jnp.float32), np.float64) for a in (q, k, v))
+  b, hkv, rows, d = q.shape
+  g = rows // t
+  out = np.zeros((b, t, hkv * g * d))
+  for i in range(b):
+    for h in range(hkv):
+      for r in range(rows):
+        n = int(start[i]) + r // g + 1
+        sc = k[i, h, :n] @ q[i, h, r] / math.sqrt(d)
+        p = np.exp(sc - sc.max())
+        col = (h * g + r % g) * d
+        out[i, r // g, col:col + d] = (p / p.sum()) @ v[i, h, :n]
+  return out
+
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+CASES = [  # (b, t, hkv, g, d, s, chunk, block_k, block_q, cache dtype)
+    (1, 1, 2, 2, 16, 40, 16, 16, 16, F32),     # a 1-row decode, ragged last chunk
+    (1, 1, 2, 2, 16, 40, 16, 16, 16, BF16),
+    (2, 5, 2, 2, 16, 64, 32, 16, 16, BF16),    # two sequences at their own positions
+    (3, 16, 1, 4, 48, 50, 16, 16, 32, F32),    # head_dim 48 (masked columns), two row tiles
+    (1, 3, 2, 3, 16, 100, 64, 16, 16, BF16),   # group 3: rows cross tokens
+    (2, 7, 2, 4, 32, 300, 128, 32, 64, F32),   # many tiles per chunk
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "b{}-t{}-g{}-d{}-s{}-{}".format(
+    c[0], c[1], c[3], c[4], c[5], jnp.dtype(c[9]).name))
+def test_cache_attention_matches_numpy_and_twin(case):
+  b, t, hkv, g, d, s, chunk, bk, bq, dtype = case
+  q, k, v, start = _attention_inputs(sum(case[:9]), b, t, hkv, g, d, s, dtype)
+  kw = dict(t=t, chunk=chunk, block_k=bk, block_q=bq)
+  got = np.asarray(A.cache_attention(q, k, v, start, **kw))
+  assert got.shape == (b, t, hkv * g * d) and np.isfinite(got).all()
+  want = numpy_attention(q, k, v, np.asarray(start), t)
+  tol = F64_TOL[jnp.dtype(dtype)]
+  np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
+  twin = np.asarray(A.cache_attention_reference(q, k, v, start, **kw))
+  np.testing.assert_allclose(got, twin, atol=tol, rtol=tol)
+  bf = np.asarray(A.cache_attention(q, k, v, start, out_dtype=jnp.bfloat16, **kw))
+  np.testing.assert_array_equal(bf, np.asarray(jnp.asarray(got).astype(jnp.bfloat16)))
+
+
+def _bits(a) -> np.ndarray:
+  a = np.asarray(a)
+  return a.view(np.uint16 if a.dtype == jnp.bfloat16 else np.uint32)
+
+
+@pytest.mark.parametrize("dtype, g, d", [(BF16, 4, 16), (F32, 3, 48)], ids=["bf16-g4", "f32-g3"])
+def test_cache_attention_rows_are_batch_invariant(dtype, g, d):
+  """Each row of a 16-row pass over 3 sequences equals, bit for bit, the 1-row pass of the
+  same query at the same position: with the other sequences, alone, and in a cache of
+  another capacity. The query tile is the 16-row pass's for every call (as the target's
+  default knobs size it), and 4 chunks of 16 slots put the rows' positions in several."""
+  b, t, hkv, s = 3, 16, 2, 64
+  q, k, v, start = _attention_inputs(g * d, b, t, hkv, g, d, s, dtype, start=[0, 20, 48])
+  kw = dict(chunk=16, block_k=16, block_q=A.default_knobs(
+      rows=t * g, head_dim=d, cache_dtype=dtype, chunk=16).block_q)
+  full = _bits(A.cache_attention(q, k, v, start, t=t, **kw))
+  rows = q.reshape(b, hkv, t, g, d)
+  wide = lambda a: jnp.pad(a, ((0, 0), (0, 0), (0, 37), (0, 0)))
+  for i in (0, 1, 5, 15):
+    one = rows[:, :, i]
+    np.testing.assert_array_equal(_bits(A.cache_attention(one, k, v, start + i, t=1, **kw))[:, 0],
+                                  full[:, i])
+    np.testing.assert_array_equal(
+        _bits(A.cache_attention(one, wide(k), wide(v), start + i, t=1, **kw))[:, 0], full[:, i])
+    alone = A.cache_attention(one[1:2], k[1:2], v[1:2], start[1:2] + i, t=1, **kw)
+    np.testing.assert_array_equal(_bits(alone)[0, 0], full[1, i])
+  # A 5-row pass from row 3 on: its rows equal the 16-row pass's rows 3..7.
+  part = A.cache_attention(rows[:, :, 3:8].reshape(b, hkv, 5 * g, d), k, v, start + 3, t=5, **kw)
+  np.testing.assert_array_equal(_bits(part), full[:, 3:8])
+
+
+def test_cache_attention_limits():
+  q, k, v, start = _attention_inputs(0, 1, 2, 2, 2, 16, 32, jnp.float32)
+  with pytest.raises(ValueError, match="chunk must be a multiple of block_k"):
+    A.cache_attention(q, k, v, start, t=2, chunk=16, block_k=32)
+  with pytest.raises(ValueError, match="block_q must be a power of 2 >= 16"):
+    A.cache_attention(q, k, v, start, t=2, block_q=24)
+  with pytest.raises(ValueError, match="t must be an int >= 1 dividing"):
+    A.cache_attention(q, k, v, start, t=3)
+  with pytest.raises(ValueError, match="q dtype must be the cache dtype"):
+    A.cache_attention(q.astype(jnp.bfloat16), k, v, start, t=2)
+  with pytest.raises(ValueError, match="head_dim must be a multiple of 16"):
+    A.cache_attention(q[..., :8], k[..., :8], v[..., :8], start, t=2)
+  with pytest.raises(ValueError, match="start must be int32"):
+    A.cache_attention(q, k, v, start[None], t=2)
+
+
+# --- qk_norm_rope_cache ------------------------------------------------------------------------
+
+def numpy_norm_rope(x, w, pos, inv_freq, norm: bool) -> np.ndarray:
+  """Float64: x [R, D] -> rms_norm(x) * w (if norm), then NEOX rope at pos [R]."""
+  x = np.asarray(x, np.float64)
+  if norm:
+    x = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + EPS) * np.asarray(w, np.float64)
+  h = x.shape[1] // 2
+  ang = np.asarray(pos, np.float64)[:, None] * np.asarray(inv_freq, np.float64)[None, :]
+  c, s = np.cos(ang), np.sin(ang)
+  return np.concatenate([x[:, :h] * c - x[:, h:] * s, x[:, h:] * c + x[:, :h] * s], axis=1)
+
+
+def _norm_rope_inputs(seed, n_parts, b, t, hq, hkv, d, s, dtype):
+  rng = np.random.default_rng(seed)
+  parts = jnp.asarray(rng.standard_normal((n_parts, b, t, hq + 2 * hkv, d)), jnp.float32)
+  qn, kn = (jnp.asarray(rng.standard_normal(d) + 1, jnp.float32) for _ in range(2))
+  ck, cv = (jnp.asarray(rng.standard_normal((b, hkv, s, d)), dtype) for _ in range(2))
+  inv = jnp.asarray(1e4 ** (-np.arange(0, d, 2) / d), jnp.float32)
+  return parts, qn, kn, ck, cv, inv
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("n_parts, b, t, hq, hkv, d, s, qk_norm", [
+    (1, 1, 1, 4, 2, 16, 32, True),
+    (3, 2, 5, 4, 2, 16, 40, True),
+    (2, 3, 16, 6, 2, 48, 24, False),     # head_dim 48, no q/k norm, one row past the cache
+    (1, 1, 20, 4, 1, 16, 64, True),      # two row tiles
+])
+def test_qk_norm_rope_cache(dtype, n_parts, b, t, hq, hkv, d, s, qk_norm):
+  """q in the attention's layout; K/V written at start + t and nowhere else (the cache's other
+  slots keep their values; a row past the capacity writes nothing); the jnp twin bitwise."""
+  parts, qn, kn, ck, cv, inv = _norm_rope_inputs(d + t, n_parts, b, t, hq, hkv, d, s, dtype)
+  rng = np.random.default_rng(t)
+  start = rng.integers(0, max(1, s - t + 1), b)
+  if b == 3:
+    start[2] = s - t + 1   # its last row falls past the capacity
+  start = jnp.asarray(start, jnp.int32)
+  kw = dict(n_head=hq, n_head_kv=hkv, eps=EPS, qk_norm=qk_norm)
+  old_k, old_v = np.asarray(ck.astype(jnp.float32)), np.asarray(cv.astype(jnp.float32))
+  q, nk, nv = N.qk_norm_rope_cache(parts, qn, kn, ck, cv, start, inv, **kw)
+  twin = N.qk_norm_rope_cache_reference(parts, qn, kn, jnp.asarray(old_k, dtype),
+                                        jnp.asarray(old_v, dtype), start, inv, **kw)
+  for got, want in zip((q, nk, nv), twin):
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+  x = np.asarray(parts, np.float64).sum(0)
+  g = hq // hkv
+  tol = 1e-5 if dtype == jnp.float32 else 1e-2
+  q = np.asarray(q.astype(jnp.float32)).reshape(b, hkv, t, g, d)
+  want_k, want_v = old_k.copy(), old_v.copy()
+  for i in range(b):
+    pos = int(start[i]) + np.arange(t)
+    for h in range(hkv):
+      for j in range(g):
+        np.testing.assert_allclose(q[i, h, :, j], numpy_norm_rope(
+            x[i, :, h * g + j], qn, pos, inv, qk_norm), rtol=tol, atol=tol)
+      ok = pos < s
+      want_k[i, h, pos[ok]] = numpy_norm_rope(x[i, :, hq + h], kn, pos, inv, qk_norm)[ok]
+      want_v[i, h, pos[ok]] = x[i, :, hq + hkv + h][ok]
+  np.testing.assert_allclose(np.asarray(nk.astype(jnp.float32)), want_k, rtol=tol, atol=tol)
+  np.testing.assert_allclose(np.asarray(nv.astype(jnp.float32)), want_v, rtol=tol, atol=tol)
+
+
+def test_qk_norm_rope_cache_rows_are_batch_invariant():
+  """A row's q and K/V do not depend on the pass's width: a 16-row pass equals 1-row passes."""
+  b, t, hq, hkv, d, s = 2, 16, 4, 2, 16, 48
+  parts, qn, kn, ck, cv, inv = _norm_rope_inputs(7, 4, b, t, hq, hkv, d, s, jnp.bfloat16)
+  start = jnp.asarray([3, 30], jnp.int32)
+  kw = dict(n_head=hq, n_head_kv=hkv, eps=EPS)
+  q, nk, nv = N.qk_norm_rope_cache(parts, qn, kn, ck, cv, start, inv, **kw)
+  q = _bits(q).reshape(b, hkv, t, hq // hkv, d)
+  for i in (0, 9, 15):
+    q1, k1, v1 = N.qk_norm_rope_cache(parts[:, :, i:i + 1], qn, kn, ck, cv, start + i, inv,
+                                      **kw)
+    np.testing.assert_array_equal(_bits(q1), q[:, :, i])
+    for c1, c in ((k1, nk), (v1, nv)):
+      for j in range(b):
+        np.testing.assert_array_equal(_bits(c1)[j, :, int(start[j]) + i],
+                                      _bits(c)[j, :, int(start[j]) + i])
+
+
+def test_qk_norm_rope_cache_limits():
+  parts, qn, kn, ck, cv, inv = _norm_rope_inputs(0, 1, 1, 2, 4, 2, 16, 8, jnp.float32)
+  start = jnp.zeros((1,), jnp.int32)
+  with pytest.raises(ValueError, match="parts must hold n_head \\+ 2 n_head_kv heads"):
+    N.qk_norm_rope_cache(parts, qn, kn, ck, cv, start, inv, n_head=6, n_head_kv=2, eps=EPS)
+  with pytest.raises(ValueError, match="cache_v must match cache_k"):
+    N.qk_norm_rope_cache(parts, qn, kn, ck, cv.astype(jnp.bfloat16), start, inv, n_head=4,
+                         n_head_kv=2, eps=EPS)
+  with pytest.raises(ValueError, match="block_rows must be a power of 2"):
+    N.qk_norm_rope_cache(parts, qn, kn, ck, cv, start, inv, n_head=4, n_head_kv=2, eps=EPS,
+                         block_rows=12)
+
+
+# --- GPU ---------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+def test_gpu_qwen3_8b_shapes(dtype):
+  """Qwen3-8B's attention shapes (8 kv heads, group 4, head_dim 128) with the target's default
+  knobs over a 4096-slot cache at live lengths across several chunks: the compiled kernels
+  against the twin, and rows of a 16-row pass bitwise equal to 1-row passes (the GPU's MMA,
+  reductions and exp)."""
+  from dflash_jax.dispatch import KernelPolicy, target_attention
+  b, t, hkv, g, d, s = 2, 16, 8, 4, 128, 4096
+  q, k, v, start = _attention_inputs(1, b, t, hkv, g, d, s, dtype, start=[100, 3000])
+  kn = target_attention(t=t, group=g, head_dim=d, cache_dtype=dtype, impl="pallas",
+                        policy=KernelPolicy()).kwargs()
+  full = A.cache_attention(q, k, v, start, t=t, **kn)
+  twin = A.cache_attention_reference(q, k, v, start, t=t, **kn)
+  tol = 2e-2 if dtype == jnp.bfloat16 else 2e-5
+  np.testing.assert_allclose(np.asarray(full), np.asarray(twin), atol=tol, rtol=tol)
+  rows = q.reshape(b, hkv, t, g, d)
+  for i in range(t):
+    one = A.cache_attention(rows[:, :, i], k, v, start + i, t=1, **kn)
+    np.testing.assert_array_equal(_bits(one)[:, 0], _bits(full)[:, i])
+  parts, qn, kn_, ck, cv, inv = _norm_rope_inputs(2, 4, b, t, 32, 8, d, s, dtype)
+  kw = dict(n_head=32, n_head_kv=8, eps=EPS)
+  got = N.qk_norm_rope_cache(parts, qn, kn_, ck, cv, start, inv, **kw)
+  want = N.qk_norm_rope_cache_reference(parts, qn, kn_, ck, cv, start, inv, **kw)
+  for a, w in zip(got, want):   # GPU sin/cos and rsqrt may differ from XLA's by an ulp
+    np.testing.assert_allclose(np.asarray(a.astype(jnp.float32)),
+                               np.asarray(w.astype(jnp.float32)), atol=tol, rtol=tol)
+  q1 = N.qk_norm_rope_cache(parts[:, :, 5:6], qn, kn_, ck, cv, start + 5, inv, **kw)[0]
+  np.testing.assert_array_equal(_bits(q1), _bits(got[0]).reshape(b, 8, t, g, d)[:, :, 5])
