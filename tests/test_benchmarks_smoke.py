@@ -95,3 +95,27 @@ def test_load_target_benchmark_smoke_run(tmp_path):
   (run,) = res["runs"]
   assert run["seconds"] > 0 and run["peak_rss"] >= run["rss_before"] > 0
   assert run["dtypes"] == ["bfloat16", "float32"] and run["param_bytes"] > 0
+
+
+def test_train_families_benchmark_smoke_run(tmp_path):
+  """benchmarks.train_families at tiny dims: a target, the three families trained on the same
+  distilled data, the exact evaluator (greedy: every output equals target-only's) and the
+  compiled loop's rows, the loss curves."""
+  from benchmarks import train_families
+  work, out = tmp_path / "w", tmp_path / "o"
+  assert train_families.main(["all", "--smoke", "--work", str(work), "--out", str(out)]) == 0
+  res = json.loads((out / "families.json").read_text())
+  ref = {(r["method"], r["temperature"]) for r in res["reference"]}
+  assert ref == {("dflash", 0), ("dflash", 1), ("dflash2", 0), ("dflash2", 1), ("dspark", 0),
+                 ("dspark", 1), ("dspark, confidence cut 0.5", 0)}
+  for r in res["reference"]:
+    assert sum(r["hist"]) == r["rounds"] > 0 and len(r["hist"]) == 8
+    if r["temperature"] == 0:
+      assert r["same_as_target"] == r["n_prompts"], r
+  assert [r["method"].split(" (")[0] for r in res["compiled"]] == [
+      "target only", "dflash", "prompt lookup"]
+  assert [r["method"].split(" (")[0] for r in res["compiled_t1"]] == ["dflash", "prompt lookup"]
+  for fam in ("dflash", "dflash2", "dspark"):
+    assert (work / fam / "weights.npz").exists() and res["sizes"][fam]["steps"] == 6
+  assert res["sizes"]["dflash"]["exports"] == {"gguf": "ok", "hf": "ok"}
+  assert (out / "loss_curves.png").stat().st_size > 1000
