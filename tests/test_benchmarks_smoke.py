@@ -1,6 +1,7 @@
 """The benchmark scripts stay alive: a CPU smoke run at tiny dims (its numbers are not results)."""
 import json
 
+import numpy as np
 import pytest
 
 from benchmarks import run
@@ -119,3 +120,28 @@ def test_train_families_benchmark_smoke_run(tmp_path):
     assert (work / fam / "weights.npz").exists() and res["sizes"][fam]["steps"] == 6
   assert res["sizes"]["dflash"]["exports"] == {"gguf": "ok", "hf": "ok"}
   assert (out / "loss_curves.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("case,family", [("qwen3-8b", "dspark"), ("seed", "dflash2")])
+def test_train_throughput_benchmark_smoke_on_2_host_devices(case, family, tmp_path):
+  """benchmarks.train_throughput at tiny dims, dp = 2 over forced host devices: every section
+  runs (online target features for the qwen3-8b case, given ones for the seed case)."""
+  import os
+  import subprocess
+  import sys
+  env = dict(os.environ, JAX_PLATFORMS="cpu", NCCL_NVLS_ENABLE="0")
+  r = subprocess.run([sys.executable, "-m", "benchmarks.train_throughput", "--smoke", "--case",
+                      case, "--family", family, "--out", str(tmp_path)], env=env,
+                     cwd=os.getcwd(), capture_output=True, text=True, timeout=900)
+  assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+  res = json.loads((tmp_path / "train_throughput.json").read_text())
+  assert res["smoke"] and res["dp"] == 2 and res["family"] == family
+  t = res["step_ms"]
+  assert (t["target_forward"] is None) == (case == "seed")
+  assert t["whole_step_features"] == ("given" if case == "seed" else "online")
+  for k in ("drafter_forward", "drafter_forward_backward", "optimizer", "whole_step"):
+    assert t[k] > 0, k
+  assert res["flops"]["model"]["total"] > 0 and res["flops"]["xla_drafter_forward_backward"] > 0
+  assert res["throughput"]["drafter_fraction_of_dense_bf16_peak"] > 0
+  assert res["memory"]["params_bytes"] > 0 and np.isfinite(res["loss"])
+  assert (tmp_path / "train_throughput.md").read_text().startswith("- device:")
