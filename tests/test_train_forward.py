@@ -104,7 +104,8 @@ def test_bad_shapes_are_named():
 
 _dflash2_outputs = jax.jit(F.dflash2_block_outputs,
                            static_argnames=("cfg", "window", "compute_dtype"))
-_dspark_outputs = jax.jit(F.dspark_block_outputs, static_argnames=("cfg", "window", "compute_dtype"))
+_dspark_outputs = jax.jit(F.dspark_block_outputs,
+                          static_argnames=("cfg", "window", "compute_dtype"))
 _selector = jax.jit(F.selector_scores, static_argnames=("top_k", "compute_dtype"))
 # One anchor per sequence, so that each anchor's drafts can be written after it (the greedy
 # path then is the teacher-forced one): empty context, short, middle, and the last anchor
