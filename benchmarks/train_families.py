@@ -4,6 +4,7 @@ with prompt lookup on held-out prompts. CPU-sized (the CPU preset below); --smok
 
   python -m benchmarks.train_families target   --work W            # the target (train-target)
   python -m benchmarks.train_families drafters --work W            # distill once, train each
+  python -m benchmarks.train_families export   --work W            # export the trained weights
   python -m benchmarks.train_families eval     --work W --out OUT  # tau tables, loss curves
   ... --families dflash,dspark                                       # a subset
   ... --smoke                                                        # tiny dims, 30 files
@@ -20,8 +21,9 @@ DFlash2 blocks of 8, DSpark shifted blocks of 7), so all verify 8 rows.
   the DFlash2 selector walk, DSpark's Markov chain and confidence) proposes, the target's
   compiled cached verify checks, and the drafter's context is injected from the verify's
   features: greedy (T = 0, lossless: the output equals target-only's) and rejection sampling
-  (T = 1; DFlash2's sparse q, DSpark's dense q); DSpark also with the confidence cut. tau and
-  histograms only: the drafter is numpy, so its seconds mean nothing;
+  (T = 1; DFlash2's sparse q, DSpark's dense q); DSpark also with the confidence cut, and
+  both new families without their head (`ABLATION`). tau and histograms only: the drafter is
+  numpy, so its seconds mean nothing;
 - the compiled loop (`train.evaluate`, `dflash_jax.decode`): target-only, DFlash and prompt
   lookup, with tokens/s (compile excluded). The compiled DFlash2 / DSpark steps are another
   branch's work: once merged, their rows belong here too.
@@ -65,6 +67,10 @@ SMOKE = dict(
     eval=dict(prompts=2, prompt_len=16, gen=12, cuts=(0.5,)))
 SMOKE_FILES = 30
 FAMILIES = ("dflash", "dflash2", "dspark")
+# Ablations of the exact evaluator: the table through which the head adds to the logits,
+# zeroed (DFlash2's walk then takes each row's argmax; DSpark's chain the backbone's argmax).
+ABLATION = {"dflash2": ("dflash2 without the selector (row argmax)", "selector_successor"),
+            "dspark": ("dspark without the Markov head (backbone argmax)", "markov_w2")}
 BLOCK = {"dflash": 8, "dflash2": 8, "dspark": 7}   # 7 drafts per round each
 
 
@@ -149,10 +155,46 @@ def config_from_json(d: dict):
   return DFlashConfig(**d, family_fields=None if kind is None else kind(**ff))
 
 
+def export(folder: str, cfg, host: dict) -> dict:
+  """save_drafter of the weights as GGUF and HF under folder, each read back by load_drafter:
+  {"gguf": "ok" or why not, "hf": ...}."""
+  import dflash_jax as dfj
+  from dflash_jax.io import DrafterFormatError
+
+  out = {}
+  for name, fmt in (("drafter.gguf", "gguf"), ("drafter-hf", "hf")):
+    try:
+      dfj.save_drafter(os.path.join(folder, name), cfg, host, tensor_type="F32", format=fmt)
+      back, w = dfj.load_drafter(os.path.join(folder, name))
+      same = back == cfg and all(np.array_equal(w[k], host[k]) for k in host)
+      out[fmt] = "ok" if same else f"reads back as another drafter: {back}"
+    except (ValueError, OSError, DrafterFormatError) as e:
+      out[fmt] = f"{type(e).__name__}: {e}"
+  return out
+
+
+def stage_export(work: str, families) -> dict:
+  """Export the trained weights (W/<family>/weights.npz) again, e.g. once the tree's io
+  writes the family; records the outcome in W/<family>/train_log.json."""
+  from dflash_jax.io import atomic
+
+  done = {}
+  for family in families:
+    path = os.path.join(work, family, "train_log.json")
+    with open(path) as f:
+      log = json.load(f)
+    z = np.load(os.path.join(work, family, "weights.npz"))
+    log["exports"] = done[family] = export(os.path.join(work, family),
+                                           config_from_json(log["config"]),
+                                           {k: z[k] for k in z.files})
+    atomic.write_json(path, log)
+    print(f"{family}: {done[family]}", flush=True)
+  return done
+
+
 def stage_drafters(work: str, preset: dict, families, smoke: bool, seed: int) -> dict:
   import jax
 
-  import dflash_jax as dfj
   from dflash_jax.io import atomic
   from dflash_jax.models import load_target
   from dflash_jax.train import data as D
@@ -179,14 +221,7 @@ def stage_drafters(work: str, preset: dict, families, smoke: bool, seed: int) ->
     seconds = time.perf_counter() - t0
     host = recipes.host_weights(w)
     np.savez(os.path.join(out, "weights.npz"), **host)
-    exports = {}
-    for name, fmt in (("drafter.gguf", "gguf"), ("drafter-hf", "hf")):
-      try:
-        dfj.save_drafter(os.path.join(out, name), cfg, host, tensor_type="F32", format=fmt)
-        back, _ = dfj.load_drafter(os.path.join(out, name))
-        exports[fmt] = "ok" if back == cfg else f"loads as another config: {back}"
-      except (ValueError, OSError) as e:
-        exports[fmt] = f"{type(e).__name__}: {e}"
+    exports = export(out, cfg, host)
     times[family] = seconds
     atomic.write_json(os.path.join(out, "train_log.json"), dict(
         family=family, config=config_to_json(cfg), n_params=_n_params(host), seconds=seconds,
@@ -314,13 +349,15 @@ def _ref_row(method, temperature, results, ref_tokens) -> RefRow:
 
 
 def ref_table(rows) -> str:
-  lines = ["| drafter | T | tau | drafts verified per round | = target | rounds accepting 0, 1, "
-           "2, ... drafts |", "|---|---|---|---|---|---|"]
+  """tau; drafts verified per round; tau / (1 + verified): committed tokens per verified row
+  (what the confidence cut trades for); outputs equal to target-only's; the histogram."""
+  lines = ["| drafter | T | tau | drafts verified per round | tokens per verified row | "
+           "= target | rounds accepting 0, 1, 2, ... drafts |", "|---|---|---|---|---|---|---|"]
   for r in rows:
     same = "-" if r.same_as_target is None else f"{r.same_as_target}/{r.n_prompts}"
-    lines.append(f"| {r.method} | {r.temperature:g} | {r.tau:.2f} | "
-                 f"{r.verified / max(r.rounds, 1):.2f} | {same} | "
-                 f"{' '.join(str(h) for h in r.hist)} |")
+    per = r.verified / max(r.rounds, 1)
+    lines.append(f"| {r.method} | {r.temperature:g} | {r.tau:.2f} | {per:.2f} | "
+                 f"{r.tau / (1 + per):.2f} | {same} | {' '.join(str(h) for h in r.hist)} |")
   return "\n".join(lines)
 
 
@@ -414,15 +451,18 @@ def stage_eval(work: str, out: str, preset: dict, families, smoke: bool, seed: i
   rows = []
   for fam, (cfg, w) in drafters.items():
     calls = _TargetCalls(target, tcfg, cfg.target_layers)
-    settings = [(0.0, 0.0), (1.0, 0.0)]
+    settings = [(fam, w, 0.0, 0.0), (fam, w, 1.0, 0.0)]
+    if fam in ABLATION:   # the head's table zeroed: the family without its head
+      name, table = ABLATION[fam]
+      settings.append((name, dict(w, **{table: np.zeros_like(w[table])}), 0.0, 0.0))
     if fam == "dspark":
-      settings += [(0.0, c) for c in e["cuts"]]
-    for temp, cut in settings:
+      settings += [(f"{fam}, confidence cut {c:g}", w, t, c) for c in e["cuts"]
+                   for t in (0.0, 1.0)]
+    for name, ww, temp, cut in settings:
       t0 = time.perf_counter()
-      res = [reference_generate(calls, cfg, w, p, e["gen"], temperature=temp, cut=cut,
+      res = [reference_generate(calls, cfg, ww, p, e["gen"], temperature=temp, cut=cut,
                                 rng=np.random.default_rng((seed, i)) if temp else None)
              for i, p in enumerate(prompts)]
-      name = fam + (f", confidence cut {cut:g}" if cut else "")
       rows.append(_ref_row(name, temp, res, ref_tokens if temp == 0 else None))
       print(f"{name} T={temp:g}: tau {rows[-1].tau:.2f} "
             f"({time.perf_counter() - t0:.0f} s, numpy drafter)", flush=True)
@@ -455,7 +495,7 @@ def stage_eval(work: str, out: str, preset: dict, families, smoke: bool, seed: i
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="python -m benchmarks.train_families",
                               description=__doc__.split("\n\n")[0])
-  p.add_argument("stage", choices=("target", "drafters", "eval", "all"))
+  p.add_argument("stage", choices=("target", "drafters", "export", "eval", "all"))
   p.add_argument("--work", required=True, help="folder for the target, data and drafters")
   p.add_argument("--out", default=None, help="folder for families.md/json, loss_curves.png")
   p.add_argument("--families", default=",".join(FAMILIES),
@@ -476,6 +516,8 @@ def main(argv=None) -> int:
     print(f"target: {stage_target(args.work, preset, args.seed):.0f} s")
   if "drafters" in stages:
     stage_drafters(args.work, preset, families, args.smoke, args.seed)
+  if "export" in stages:
+    stage_export(args.work, families)
   if "eval" in stages:
     print("\n" + stage_eval(args.work, args.out, preset, families, args.smoke, args.seed))
   return 0

@@ -108,7 +108,10 @@ def test_train_families_benchmark_smoke_run(tmp_path):
   res = json.loads((out / "families.json").read_text())
   ref = {(r["method"], r["temperature"]) for r in res["reference"]}
   assert ref == {("dflash", 0), ("dflash", 1), ("dflash2", 0), ("dflash2", 1), ("dspark", 0),
-                 ("dspark", 1), ("dspark, confidence cut 0.5", 0)}
+                 ("dspark", 1), ("dspark, confidence cut 0.5", 0),
+                 ("dspark, confidence cut 0.5", 1),
+                 ("dflash2 without the selector (row argmax)", 0),
+                 ("dspark without the Markov head (backbone argmax)", 0)}
   for r in res["reference"]:
     assert sum(r["hist"]) == r["rounds"] > 0 and len(r["hist"]) == 8
     if r["temperature"] == 0:
@@ -120,6 +123,10 @@ def test_train_families_benchmark_smoke_run(tmp_path):
     assert (work / fam / "weights.npz").exists() and res["sizes"][fam]["steps"] == 6
   assert res["sizes"]["dflash"]["exports"] == {"gguf": "ok", "hf": "ok"}
   assert (out / "loss_curves.png").stat().st_size > 1000
+  assert train_families.main(["export", "--smoke", "--work", str(work), "--families",
+                              "dflash"]) == 0
+  log = json.loads((work / "dflash" / "train_log.json").read_text())
+  assert log["exports"] == {"gguf": "ok", "hf": "ok"}
 
 
 @pytest.mark.parametrize("case,family", [("qwen3-8b", "dspark"), ("seed", "dflash2")])
