@@ -1,8 +1,11 @@
 """Shared by the tests/test_train*.py files: tiny configs and the jitted train step (compiled
 with conftest.py's XLA flags, like every test)."""
+import dataclasses
+
 import jax
 
 import dflash_jax as dfj
+from dflash_jax.config import DFlash2Fields, DSparkFields
 from dflash_jax.models import qwen3
 
 TCFG = qwen3.TargetConfig(vocab_size=80, hidden_size=32, intermediate_size=64,
@@ -19,3 +22,12 @@ TC = TR.DrafterTrainConfig(optim=TR.OptimConfig(lr=1e-2, total_steps=40, warmup_
 TRAIN_STATIC = ("cfg", "target_cfg", "tc")
 drafter_step = jax.jit(TR.drafter_train_step, static_argnames=TRAIN_STATIC,
                        donate_argnames=("state",))
+
+# The families at CFG's dims: DFlash2 (block 8, K 2, G 8, R 8, top 4, softcap) and DSpark
+# (block 7, shifted rows, vanilla Markov head, confidence head with the Markov feature).
+CFG2 = dataclasses.replace(CFG, family="dflash2", family_fields=DFlash2Fields(
+    conv_kernel_size=2, conv_group_size=8, selector_rank=8, selector_top_k=4,
+    output_multiplier=0.5, final_logit_softcapping=12.0))
+CFG_SPARK = dataclasses.replace(CFG, block_size=7, family="dspark", family_fields=DSparkFields(
+    sample_from_anchor=True, markov_rank=8, markov_head_type="vanilla", confidence_head=True,
+    confidence_with_markov=True))

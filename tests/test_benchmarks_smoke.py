@@ -1,6 +1,7 @@
 """The benchmark scripts stay alive: a CPU smoke run at tiny dims (its numbers are not results)."""
 import json
 
+import numpy as np
 import pytest
 
 from benchmarks import run
@@ -182,3 +183,57 @@ def test_decode_benchmark_target_sections_smoke(tmp_path):
   assert b["slots"] == 2 and b["target_only_tokens_per_s"] > 0
   assert o["k"] == 3 and o["tokens"] == 2 * 12 and o["oracle_fixed_point"]
   assert (tmp_path / "decode.md").read_text().startswith("- device:")
+def test_train_families_benchmark_smoke_run(tmp_path):
+  """benchmarks.train_families at tiny dims: a target, the three families trained on the same
+  distilled data, the exact evaluator (greedy: every output equals target-only's) and the
+  compiled loop's rows, the loss curves."""
+  from benchmarks import train_families
+  work, out = tmp_path / "w", tmp_path / "o"
+  assert train_families.main(["all", "--smoke", "--work", str(work), "--out", str(out)]) == 0
+  res = json.loads((out / "families.json").read_text())
+  ref = {(r["method"], r["temperature"]) for r in res["reference"]}
+  assert ref == {("dflash", 0), ("dflash", 1), ("dflash2", 0), ("dflash2", 1), ("dspark", 0),
+                 ("dspark", 1), ("dspark, confidence cut 0.5", 0),
+                 ("dspark, confidence cut 0.5", 1),
+                 ("dflash2 without the selector (row argmax)", 0),
+                 ("dspark without the Markov head (backbone argmax)", 0)}
+  for r in res["reference"]:
+    assert sum(r["hist"]) == r["rounds"] > 0 and len(r["hist"]) == 8
+    if r["temperature"] == 0:
+      assert r["same_as_target"] == r["n_prompts"], r
+  assert [r["method"].split(" (")[0] for r in res["compiled"]] == [
+      "target only", "dflash", "prompt lookup"]
+  assert [r["method"].split(" (")[0] for r in res["compiled_t1"]] == ["dflash", "prompt lookup"]
+  for fam in ("dflash", "dflash2", "dspark"):
+    assert (work / fam / "weights.npz").exists() and res["sizes"][fam]["steps"] == 6
+  assert res["sizes"]["dflash"]["exports"] == {"gguf": "ok", "hf": "ok"}
+  assert (out / "loss_curves.png").stat().st_size > 1000
+  assert train_families.main(["export", "--smoke", "--work", str(work), "--families",
+                              "dflash"]) == 0
+  log = json.loads((work / "dflash" / "train_log.json").read_text())
+  assert log["exports"] == {"gguf": "ok", "hf": "ok"}
+
+
+@pytest.mark.parametrize("case,family", [("qwen3-8b", "dspark"), ("seed", "dflash2")])
+def test_train_throughput_benchmark_smoke_on_2_host_devices(case, family, tmp_path):
+  """benchmarks.train_throughput at tiny dims, dp = 2 over forced host devices: every section
+  runs (online target features for the qwen3-8b case, given ones for the seed case)."""
+  import os
+  import subprocess
+  import sys
+  env = dict(os.environ, JAX_PLATFORMS="cpu", NCCL_NVLS_ENABLE="0")
+  r = subprocess.run([sys.executable, "-m", "benchmarks.train_throughput", "--smoke", "--case",
+                      case, "--family", family, "--out", str(tmp_path)], env=env,
+                     cwd=os.getcwd(), capture_output=True, text=True, timeout=900)
+  assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+  res = json.loads((tmp_path / "train_throughput.json").read_text())
+  assert res["smoke"] and res["dp"] == 2 and res["family"] == family
+  t = res["step_ms"]
+  assert (t["target_forward"] is None) == (case == "seed")
+  assert t["whole_step_features"] == ("given" if case == "seed" else "online")
+  for k in ("drafter_forward", "drafter_forward_backward", "optimizer", "whole_step"):
+    assert t[k] > 0, k
+  assert res["flops"]["model"]["total"] > 0 and res["flops"]["xla_drafter_forward_backward"] > 0
+  assert res["throughput"]["drafter_fraction_of_dense_bf16_peak"] > 0
+  assert res["memory"]["params_bytes"] > 0 and np.isfinite(res["loss"])
+  assert (tmp_path / "train_throughput.md").read_text().startswith("- device:")

@@ -98,3 +98,84 @@ def test_accept_metric_counts_the_leading_correct_rows():
   _, m = _loss(jnp.asarray(logits), labels, weights)
   assert float(m["accept"]) == 2.0
   np.testing.assert_allclose(np.asarray(m["row_acc"])[1:], [1, 1, 0, 1, 1])
+
+
+# --- the families' terms (SPEC_dflash2_dspark 9.1, 12.1; DFlash2's selector loss is ours) -----
+
+def test_shifted_rows_predict_the_next_token_with_decay_from_row_0():
+  assert L.resolve_gamma(7, shifted=True) == 4.0
+  with pytest.raises(ValueError, match="shifted rows"):
+    L.resolve_gamma(16, shifted=True)
+  d = L.row_decay(7, 4.0, shifted=True)
+  np.testing.assert_allclose(d, [np.exp(-k / 4.0) for k in range(7)], rtol=1e-6)
+  tokens = np.arange(50, 62, dtype=np.int32)[None]
+  mask = np.ones((1, 12), bool)
+  mask[0, 8] = False
+  labels, weights = jax.jit(L.block_targets, static_argnames=("block_size", "gamma", "shifted"))(
+      jnp.asarray(tokens), jnp.asarray(mask), jnp.asarray([[3, 6]], jnp.int32),
+      jnp.asarray([[True, True]]), block_size=7, gamma=4.0, shifted=True)
+  np.testing.assert_array_equal(np.asarray(labels)[0, 0], 54 + np.arange(7))   # x[a+k+1]
+  w = np.asarray(weights)[0]
+  np.testing.assert_allclose(w[0], d * np.array([1, 1, 1, 1, 0, 1, 1]), rtol=1e-6)  # x[8] masked
+  # anchor 6: rows predict 7..13; 8 is masked, 12 and 13 are past the end
+  np.testing.assert_allclose(w[1], d * np.array([1, 0, 1, 1, 1, 0, 0]), rtol=1e-6)
+
+
+def _numpy_selector_ce(scores, label_score, label_index):
+  k = scores.shape[-1]
+  out = np.empty(scores.shape[:-1])
+  for idx in np.ndindex(*scores.shape[:-1]):
+    row = list(scores[idx]) + ([] if label_index[idx] < k else [label_score[idx]])
+    row = np.array(row, np.float64)
+    m = row.max()
+    out[idx] = np.log(np.exp(row - m).sum()) + m - row[min(label_index[idx], k)]
+  return out
+
+
+def test_selector_loss_is_ce_over_the_candidates_plus_an_outside_label():
+  rng = np.random.default_rng(5)
+  scores = rng.standard_normal((2, 3, 5, 4)).astype(np.float32) * 3
+  label_index = rng.integers(0, 5, (2, 3, 5)).astype(np.int32)   # 4 = outside the top 4
+  label_score = np.where(label_index < 4,
+                         np.take_along_axis(scores, np.minimum(label_index, 3)[..., None],
+                                            -1)[..., 0],
+                         rng.standard_normal((2, 3, 5))).astype(np.float32)
+  weights = rng.random((2, 3, 5)).astype(np.float32) * (rng.random((2, 3, 5)) < 0.8)
+  loss, m = jax.jit(L.selector_loss)(jnp.asarray(label_score), jnp.asarray(scores),
+                                     jnp.asarray(label_index), jnp.asarray(weights))
+  ce = _numpy_selector_ce(scores, label_score, label_index)
+  np.testing.assert_allclose(float(loss), (weights * ce).sum() / weights.sum(), rtol=1e-5)
+  np.testing.assert_allclose(float(m["sel_in_top_k"]),
+                             (weights * (label_index < 4)).sum() / weights.sum(), rtol=1e-5)
+
+
+def test_confidence_loss_is_bce_against_one_minus_total_variation():
+  rng = np.random.default_rng(6)
+  draft = rng.standard_normal((2, 2, 3, 9)).astype(np.float32) * 2
+  target = rng.standard_normal((2, 2, 3, 9)).astype(np.float32) * 2
+  conf = rng.standard_normal((2, 2, 3)).astype(np.float32) * 3
+  weights = rng.random((2, 2, 3)).astype(np.float32)
+  sm = lambda x: np.exp(x - x.max(-1, keepdims=True)) / np.exp(x - x.max(-1, keepdims=True)).sum(
+      -1, keepdims=True)
+  y = 1 - 0.5 * np.abs(sm(draft.astype(np.float64)) - sm(target.astype(np.float64))).sum(-1)
+  p = 1 / (1 + np.exp(-conf.astype(np.float64)))
+  bce = -(y * np.log(p) + (1 - y) * np.log(1 - p))
+  loss, m = jax.jit(L.confidence_loss)(jnp.asarray(conf), jnp.asarray(draft),
+                                       jnp.asarray(target), jnp.asarray(weights))
+  np.testing.assert_allclose(float(loss), (weights * bce).sum() / weights.sum(), rtol=1e-5)
+  np.testing.assert_allclose(float(m["conf_target"]), (weights * y).sum() / weights.sum(),
+                             rtol=1e-5)
+  # The target is a constant: the gradient reaches the confidence logits only.
+  g = jax.grad(lambda c, d: L.confidence_loss(c, d, jnp.asarray(target),
+                                              jnp.asarray(weights))[0], argnums=(0, 1))(
+      jnp.asarray(conf), jnp.asarray(draft))
+  np.testing.assert_allclose(np.asarray(g[0]), weights * (p - y) / weights.sum(), rtol=1e-4,
+                             atol=1e-7)
+  assert not np.asarray(g[1]).any()
+
+
+def test_accept_run_from_the_first_draft_row():
+  hit = jnp.asarray([[[True, True, False, True], [False, True, True, True]]])
+  weights = jnp.ones((1, 2, 4))
+  assert float(L.accept_run(hit, weights, 0)) == 1.0   # runs 2 and 0
+  assert float(L.accept_run(hit, weights, 1)) == 2.0   # runs 1 and 3

@@ -1,5 +1,5 @@
-"""`python -m dflash_jax train-drafter --target DIR --out DIR`: train a DFlash drafter against a
-frozen target (SPEC.md section 10).
+"""`python -m dflash_jax train-drafter --target DIR --out DIR`: train a DFlash, DFlash2 or DSpark
+drafter (--family) against a frozen target (SPEC.md section 10, SPEC_dflash2_dspark).
 
 --data distill (default): the sequences are training-file prompts followed by the target's own
 greedy continuations, with the loss on the continuations (what decoding rewards); --data
@@ -10,14 +10,23 @@ Errors are one line naming the argument, exit status 2.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import time
 
 from dflash_jax.cli import int_in
 from dflash_jax.cli import train_common as C
-from dflash_jax.io import atomic
+from dflash_jax.config import FAMILIES, MARKOV_HEADS
+from dflash_jax.io import DrafterFormatError, atomic
 
 GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0")
+
+
+def _nonnegative(text: str) -> float:
+  v = float(text)
+  if not v >= 0:
+    raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+  return v
 
 
 def register(sub) -> None:
@@ -39,7 +48,11 @@ def register(sub) -> None:
   p.add_argument("--heads", type=int_in(1), default=None, help="default: the target's")
   p.add_argument("--kv-heads", type=int_in(1), default=None, help="default: the target's")
   p.add_argument("--head-dim", type=int_in(1), default=None, help="default: the target's")
-  p.add_argument("--block", type=int_in(1), default=16, help="block size B")
+  p.add_argument("--family", choices=FAMILIES, default="dflash",
+                 help="drafter family: DFlash, DFlash2 (convolutions + candidate selector) or "
+                      "DSpark (shifted rows, Markov head, confidence head)")
+  p.add_argument("--block", type=int_in(1), default=None,
+                 help="block size B (default 16; dspark 7)")
   p.add_argument("--target-layers", type=C.int_list, default=None,
                  help="captured target layers, llama.cpp convention (HF hidden_states index; "
                       "default: 3 spread over the target ending at its last)")
@@ -50,7 +63,24 @@ def register(sub) -> None:
   p.add_argument("--anchors", type=int_in(1), default=32, help="anchors per sequence")
   p.add_argument("--batch", type=int_in(1), default=32, help="sequences per step")
   p.add_argument("--gamma", type=C.positive_float, default=None,
-                 help="loss decay (default: 7 for B=16, 5 for B=10, 4 for B=8)")
+                 help="loss decay (default: 7 for B=16, 5 for B=10, 4 for B=8; dspark 4 for "
+                      "B=7)")
+  g = p.add_argument_group("dflash2")
+  g.add_argument("--conv-kernel", type=int_in(1), default=2, help="taps per convolution")
+  g.add_argument("--conv-group", type=int_in(1), default=16,
+                 help="channels per dynamic coefficient (divides the hidden size)")
+  g.add_argument("--selector-rank", type=int_in(1), default=256, help="codebook rank")
+  g.add_argument("--selector-top-k", type=int_in(1), default=16, help="candidates per row")
+  g.add_argument("--causal", action="store_true", help="causal block attention")
+  g.add_argument("--selector-weight", type=_nonnegative, default=1.0,
+                 help="the selector loss's weight next to the block loss")
+  g = p.add_argument_group("dspark")
+  g.add_argument("--markov-rank", type=int_in(0), default=256, help="0: no Markov head")
+  g.add_argument("--markov-head", choices=MARKOV_HEADS, default="vanilla")
+  g.add_argument("--confidence", choices=("markov", "hidden", "off"), default="markov",
+                 help="confidence head on [h ; W1[prev]], on h, or none")
+  g.add_argument("--confidence-weight", type=_nonnegative, default=1.0,
+                 help="the confidence BCE's weight next to the CE")
   C.add_optim_args(p, steps=2000, lr=1e-3, warmup=100)
   p.add_argument("--compute-dtype", choices=("bf16", "fp32"), default="bf16")
   p.add_argument("--features", choices=("online", "cached"), default="online",
@@ -64,6 +94,29 @@ def register(sub) -> None:
                  help="train a shape the Pallas kernels cannot run (decode it with impl xla)")
   C.add_run_args(p)
   p.set_defaults(run=train_drafter)
+
+
+def family_fields(args, n_embd: int):
+  """The family's DFlash2Fields / DSparkFields from the arguments (None for dflash)."""
+  from dflash_jax.config import DFlash2Fields, DSparkFields
+
+  if args.family == "dflash2":
+    try:
+      return DFlash2Fields(conv_kernel_size=args.conv_kernel, conv_group_size=args.conv_group,
+                           selector_rank=args.selector_rank, selector_top_k=args.selector_top_k,
+                           is_causal=args.causal)
+    except ValueError as e:
+      raise C.arg_error("--conv-kernel/--conv-group/--selector-rank/--selector-top-k", e)
+  if args.family == "dspark":
+    conf = args.confidence != "off"
+    try:
+      return DSparkFields(sample_from_anchor=True, markov_rank=args.markov_rank,
+                          markov_head_type=args.markov_head if args.markov_rank else None,
+                          confidence_head=conf,
+                          confidence_with_markov=conf and args.confidence == "markov")
+    except ValueError as e:
+      raise C.arg_error("--markov-rank/--confidence", e)
+  return None
 
 
 def default_target_layers(n_layers: int, n: int = 3) -> tuple[int, ...]:
@@ -101,6 +154,7 @@ def train_drafter(args) -> int:
   if bad:
     raise C.arg_error("--full-layers", f"{bad} outside [0, {args.layers})")
   kinds = tuple(FULL if l in args.full_layers else SLIDING for l in range(args.layers))
+  block = args.block or (7 if args.family == "dspark" else 16)
   try:
     cfg = dfj.DFlashConfig(
         n_layer=args.layers, n_embd=tcfg.hidden_size, n_ff=args.ffn or tcfg.intermediate_size,
@@ -108,9 +162,13 @@ def train_drafter(args) -> int:
         n_head_kv=args.kv_heads or tcfg.num_key_value_heads,
         head_dim=args.head_dim or tcfg.head_dim, rope_theta=tcfg.rope_theta,
         rope_scaling=tcfg.rope_scaling, eps=tcfg.rms_norm_eps, target_layers=layers,
-        mask_token_id=tok.mask_id, block_size=args.block, window=args.window, layer_types=kinds)
+        mask_token_id=tok.mask_id, block_size=block, window=args.window, layer_types=kinds,
+        family=args.family, family_fields=family_fields(args, tcfg.hidden_size))
   except ValueError as e:
-    raise C.arg_error("--layers/--heads/--block", e)
+    raise C.arg_error("--layers/--heads/--block/--family", e)
+  if args.family == "dflash2" and cfg.dflash2.selector_top_k > tcfg.vocab_size:
+    raise C.arg_error("--selector-top-k", f"{cfg.dflash2.selector_top_k} exceeds the target "
+                       f"vocab ({tcfg.vocab_size})")
   if not args.any_shape:
     try:   # fail before any work, not at eval time
       limits.check_drafter(n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, head_dim=cfg.head_dim,
@@ -121,7 +179,7 @@ def train_drafter(args) -> int:
     raise C.arg_error("--target", f"vocab {tcfg.vocab_size} has no mask token "
                        f"{cfg.mask_token_id} (not a byte-level train-target model)")
   try:
-    gamma = resolve_gamma(cfg.block_size, args.gamma)
+    gamma = resolve_gamma(cfg.block_size, args.gamma, cfg.shifted_rows)
   except ValueError as e:
     raise C.arg_error("--gamma", e)
   fmt = args.format
@@ -164,20 +222,25 @@ def train_drafter(args) -> int:
   held = D.DrafterData(held_t, held_m, batch_size=min(args.batch, held_t.shape[0]),
                        n_anchors=args.anchors, seed=args.seed + 1)
   tc = TR.DrafterTrainConfig(optim=oc, gamma=gamma, window=cfg.window,
-                             compute_dtype=args.compute_dtype)
-  print(f"drafter: {cfg.n_layer} layers x {cfg.n_embd}, block {cfg.block_size}, target layers "
+                             compute_dtype=args.compute_dtype,
+                             selector_weight=args.selector_weight,
+                             confidence_weight=args.confidence_weight)
+  print(f"drafter: {cfg.family}, {cfg.n_layer} layers x {cfg.n_embd}, block {cfg.block_size}, "
+        f"{cfg.family_fields or ''} target layers "
         f"{cfg.target_layers}, window {cfg.window}, {args.anchors} anchors x {args.batch} "
         f"sequences per step, gamma {gamma}")
   shards = None
   if args.features == "cached":
+    # the drafter's layers, and DSpark's confidence target needs the target's final state
+    capture = TR.training_capture_layers(cfg, tcfg)
     folder = os.path.join(args.out, "features")
     t2 = time.perf_counter()
     try:
-      m = write_feature_shards(folder, target, tcfg, cfg.target_layers, tokens,
-                               batch_size=args.batch, dtype=args.feature_dtype)
+      m = write_feature_shards(folder, target, tcfg, capture, tokens, batch_size=args.batch,
+                               dtype=args.feature_dtype)
     except ValueError as e:
       raise C.arg_error("--feature-dtype", e)
-    shards = FeatureShards(folder, cfg.target_layers)
+    shards = FeatureShards(folder, capture)
     print(f"features: {m['n_rows']} x {m['seq_len']} x {m['width']} {m['dtype']} in "
           f"{len(m['shards'])} shards under {folder} ({time.perf_counter() - t2:.1f} s)")
   ckpt = os.path.join(args.out, "checkpoints") if args.checkpoint_every else None
@@ -188,7 +251,11 @@ def train_drafter(args) -> int:
       max_seconds=None if args.max_minutes is None else 60 * args.max_minutes, features=shards)
   seconds = time.perf_counter() - t1
   path = os.path.join(args.out, "drafter.gguf" if fmt == "gguf" else "drafter-hf")
-  dfj.save_drafter(path, cfg, recipes.host_weights(w), tensor_type=save_type, format=fmt)
+  try:
+    dfj.save_drafter(path, cfg, recipes.host_weights(w), tensor_type=save_type, format=fmt)
+  except (ValueError, DrafterFormatError) as e:
+    where = f" (the trained state is in {ckpt})" if ckpt else ""
+    raise C.arg_error("--format/--family", f"exporting the {cfg.family} drafter: {e}{where}")
   final = log[-1]
   atomic.write_json(os.path.join(args.out, "train_log.json"), dict(
       kind="drafter", args=vars(args) | {"run": None}, config=str(cfg), seconds=seconds,

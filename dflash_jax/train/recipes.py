@@ -83,7 +83,7 @@ def train_drafter(cfg: DFlashConfig, target: qwen3.TargetParams, tcfg: qwen3.Tar
   Features online (computed in each step), or from `features` (cached shards of data's
   sequences, row for row). Returns (float32 weights keyed like the host weights, log);
   eval_data's first batch gives the logged held-out loss and accept length (online)."""
-  w = init if init is not None else F.init_drafter(cfg, seed)
+  w = init if init is not None else F.init_drafter(cfg, seed, n_vocab=tcfg.vocab_size)
   state = TR.init_state(w, tc.optim)
   kw = dict(cfg=cfg, target_cfg=tcfg, tc=tc)
   if features is None:
