@@ -40,7 +40,7 @@ import numpy as np
 from dflash_jax.config import FULL, LAYER_TYPES, SLIDING, rope_inv_freq
 from dflash_jax.models import base
 from dflash_jax.models.qwen3 import normals, rope
-from dflash_jax.dispatch import KernelPolicy, linear, resolve_dtype, rms_norm
+from dflash_jax.dispatch import KernelPolicy, einsum_f32, linear, resolve_dtype, rms_norm
 
 MODEL_TYPES = ("muse_glimmer", "muse_glimmer_text")
 PREFIX = "model.language_model."   # the text model's tensors in the (VLM) checkpoint
@@ -336,16 +336,15 @@ def _attention(q: jax.Array, parts) -> jax.Array:
   for keys, _, visible in parts:
     prec = jax.lax.Precision.HIGHEST if keys.dtype == jnp.float32 else jax.lax.Precision.DEFAULT
     qg = q.reshape(b, t, hkv, hq // hkv, d).astype(keys.dtype)
-    s = jnp.einsum("btkgd,bskd->bkgts", qg, keys, precision=prec,
-                   preferred_element_type=jnp.float32) * (1.0 / math.sqrt(d))
+    s = einsum_f32("btkgd,bskd->bkgts", qg, keys, prec) * (1.0 / math.sqrt(d))
     scores.append(jnp.where(visible[:, None, None], s, -jnp.inf))
   p = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
   o, start = 0.0, 0
   for (keys, values, _), s in zip(parts, scores):
     prec = jax.lax.Precision.HIGHEST if keys.dtype == jnp.float32 else jax.lax.Precision.DEFAULT
     n = s.shape[-1]
-    o = o + jnp.einsum("bkgts,bskd->btkgd", p[..., start:start + n].astype(values.dtype), values,
-                       precision=prec, preferred_element_type=jnp.float32)
+    o = o + einsum_f32("bkgts,bskd->btkgd", p[..., start:start + n].astype(values.dtype),
+                       values, prec)
     start += n
   return o.reshape(b, t, hq * d)
 

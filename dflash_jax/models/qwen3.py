@@ -39,7 +39,7 @@ from jax import lax
 
 from dflash_jax.config import rope_inv_freq
 from dflash_jax.models import base
-from dflash_jax.dispatch import KernelPolicy, linear, resolve_dtype, rms_norm
+from dflash_jax.dispatch import KernelPolicy, einsum_f32, linear, resolve_dtype, rms_norm
 
 MODEL_TYPES = ("qwen3", "llama")   # the HF model_type strings this family reads
 _QK_NORM = {"qwen3": True, "llama": False}   # HF model_type -> per-head q/k norm
@@ -273,19 +273,18 @@ def _attention(q: jax.Array, keys: jax.Array, values: jax.Array, visible: jax.Ar
   """q [B, T, Hq, D] f32 over keys/values [B, Hkv, S, D] where visible [B, T, S] -> [B, T, Hq D].
 
   The dots take their operands in the K/V dtype with float32 accumulation (full precision for
-  float32). Every row must see at least one key (each row sees its own position).
+  float32; `dispatch.einsum_f32`, which widens bf16 operands on CPU). Every row must see at
+  least one key (each row sees its own position).
   """
   b, t, hq, d = q.shape
   hkv = keys.shape[1]
   dt = keys.dtype
   prec = lax.Precision.HIGHEST if dt == jnp.float32 else lax.Precision.DEFAULT
   qg = q.reshape(b, t, hkv, hq // hkv, d).astype(dt)
-  s = jnp.einsum("btkgd,bksd->bkgts", qg, keys, precision=prec,
-                 preferred_element_type=jnp.float32) * (1.0 / math.sqrt(d))
+  s = einsum_f32("btkgd,bksd->bkgts", qg, keys, prec) * (1.0 / math.sqrt(d))
   s = jnp.where(visible[:, None, None], s, -jnp.inf)
   p = jax.nn.softmax(s, axis=-1)
-  o = jnp.einsum("bkgts,bksd->btkgd", p.astype(dt), values, precision=prec,
-                 preferred_element_type=jnp.float32)
+  o = einsum_f32("bkgts,bksd->btkgd", p.astype(dt), values, prec)
   return o.reshape(b, t, hq * d)
 
 

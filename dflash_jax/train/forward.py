@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.config import DFlashConfig, drafter_tensor_shapes, rope_inv_freq
-from dflash_jax.dispatch import linear, resolve_dtype, rms_norm
+from dflash_jax.dispatch import einsum_f32, linear, resolve_dtype, rms_norm
 from dflash_jax.synthetic import synthetic_drafter
 from pallas_kernels.norm_rope import rms_rope_halves
 
@@ -122,8 +122,7 @@ def block_logits(w: Weights, tok_embd: jax.Array, lm_head: jax.Array, cfg: DFlas
     return linear(x, cw[name], impl="xla", **kw)
 
   def dot(spec, a, b):
-    return jnp.einsum(spec, a.astype(dt), b.astype(dt), precision=prec,
-                      preferred_element_type=jnp.float32)
+    return einsum_f32(spec, a.astype(dt), b.astype(dt), prec)
 
   a_ = anchors.astype(jnp.int32)
   n_a = a_.shape[1]
