@@ -98,3 +98,17 @@ def test_other_families_run_bf16_on_cpu(family):
     p = qwen3_moe.init_params(cfg, jax.random.key(0), jnp.bfloat16)
   g = D.generate_target_only(p, cfg, _prompts(), 8, cache_dtype="bf16")
   assert [len(t) for t in g.tokens] == [8] * 4
+
+
+def test_the_widening_is_for_cpu_only():
+  """einsum_f32 widens bf16 operands in the CPU program only: lowered for CUDA (no GPU needed
+  to lower), the dot takes the bf16 operands as written and nothing is converted."""
+  from dflash_jax.dispatch import einsum_f32
+  a = jnp.ones((4, 2, 4, 1, 64), jnp.bfloat16)
+  b = jnp.ones((4, 2, 64, 32), jnp.bfloat16)
+  fn = jax.jit(lambda a, b: einsum_f32("bkgts,bksd->btkgd", a, b))
+  text = {p: fn.trace(a, b).lower(lowering_platforms=(p,)).as_text() for p in ("cpu", "cuda")}
+  dots = {p: [l for l in t.splitlines() if "stablehlo.dot_general" in l] for p, t in text.items()}
+  assert len(dots["cuda"]) == 1 and "xbf16>, tensor<" in dots["cuda"][0], dots["cuda"]
+  assert "stablehlo.convert" not in text["cuda"]
+  assert len(dots["cpu"]) == 1 and "xbf16>" not in dots["cpu"][0], dots["cpu"]
