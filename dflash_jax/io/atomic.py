@@ -2,7 +2,9 @@
 
 A file is written under a temporary name beside its destination (the same folder, so the
 rename stays on one file system) and renamed over it once complete; on any error the
-temporary file is removed and the destination is untouched.
+temporary file is removed and the destination is untouched. Every file gets the mode a plain
+`open(path, "w")` would give it (0666 less the umask: 0644 under the usual 022), whatever
+mode the writer created its temporary file with (some libraries use 0600).
 """
 from __future__ import annotations
 
@@ -19,6 +21,18 @@ def temp_beside(path: str | os.PathLike) -> str:
   return os.path.join(directory, f".{base}.{uuid.uuid4().hex}.tmp")
 
 
+def _umask() -> int:
+  mask = os.umask(0o022)   # reading the umask means setting it; restored at once
+  os.umask(mask)
+  return mask
+
+
+def publish(tmp: str, path: str | os.PathLike) -> None:
+  """Renames the finished temporary file `tmp` over `path`, with the default file mode."""
+  os.chmod(tmp, 0o666 & ~_umask())
+  os.replace(tmp, path)
+
+
 @contextlib.contextmanager
 def replacing(path: str | os.PathLike) -> Iterator[str]:
   """Yields a temporary path to write (and close) inside the block; a clean exit renames it
@@ -26,7 +40,7 @@ def replacing(path: str | os.PathLike) -> Iterator[str]:
   tmp = temp_beside(path)
   try:
     yield tmp
-    os.replace(tmp, path)
+    publish(tmp, path)
   finally:
     if os.path.exists(tmp):
       os.unlink(tmp)
