@@ -380,7 +380,7 @@ def write_tensors(folder: str | os.PathLike, tensors: Mapping[str, np.ndarray], 
     temps.clear()
   finally:
     for tmp in temps.values():
-      _remove_if_present(tmp)
+      atomic.discard(tmp)
   for stale in os.listdir(folder):
     if (_SHARD_NAME.fullmatch(stale) or stale == SINGLE_FILE) and stale not in files:
       _remove_if_present(os.path.join(folder, stale))

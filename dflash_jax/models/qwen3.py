@@ -129,6 +129,9 @@ class TargetConfig:
   def commit(self, cache: "TargetCache", n_keep: jax.Array) -> "TargetCache":
     return commit(cache, n_keep)
 
+  def reset(self, cache: "TargetCache", empty: jax.Array) -> "TargetCache":
+    return reset(cache, empty)
+
   def forward(self, params, tokens, *, capture_layers=(), with_logits: bool = True):
     return forward(params, self, tokens, capture_layers=capture_layers,
                    with_logits=with_logits)
@@ -403,9 +406,19 @@ def init_cache(cfg: TargetConfig, batch: int, capacity: int, dtype: Any = "fp32"
                      length=jnp.zeros((batch,), jnp.int32))
 
 
-def _write(buf: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Array:
-  """buf [B, Hkv, S, D] with rows [B, T, Hkv, D] stored at slots start[b] .. start[b] + T - 1."""
+def _write(buf: jax.Array, rows: jax.Array, start: jax.Array,
+           n: jax.Array | None = None) -> jax.Array:
+  """buf [B, Hkv, S, D] with rows [B, T, Hkv, D] stored at slots start[b] .. start[b] + T - 1.
+  With n [B], only rows t < n[b]: the others keep buf's values, so a sequence with n 0 is
+  untouched even where start + T passes the capacity (the write's start is then clamped, and
+  so is the read of the values it keeps)."""
   rows = rows.transpose(0, 2, 1, 3).astype(buf.dtype)
+  t = rows.shape[2]
+  if n is not None:
+    old = jax.vmap(lambda c, s: lax.dynamic_slice(c, (0, s, 0), (c.shape[0], t, c.shape[2])))(
+        buf, start)
+    keep = jnp.arange(t, dtype=jnp.int32)[None, :] < n[:, None]
+    rows = jnp.where(keep[:, None, :, None], rows, old)
   if buf.shape[0] == 1:   # one sequence: a plain dynamic-update-slice, in place (no scatter)
     return lax.dynamic_update_slice(buf, rows, (0, 0, start[0], 0))
   return jax.vmap(lambda c, r, s: lax.dynamic_update_slice(c, r, (0, s, 0)))(buf, rows, start)
@@ -414,23 +427,27 @@ def _write(buf: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Array:
 def extend(params: TargetParams, cfg: TargetConfig, cache: TargetCache, tokens: jax.Array,
            n_valid: jax.Array, capture_layers, with_logits: bool, impl: str, layer=_layer):
   """The cached pass of prefill and verify: tokens [B, T] at positions length.., their K/V
-  written at those slots, length += n_valid. layer: the decoder layer (see `_trunk`)."""
+  written at those slots, length += n_valid. A prefill (with_logits False) writes only rows
+  t < n_valid[b] (`_write`); a verify writes every row past the length for `commit`. layer:
+  the decoder layer (see `_trunk`)."""
   tokens = jnp.asarray(tokens, jnp.int32)
   b, t = tokens.shape
   start = cache.length
+  n_valid = jnp.broadcast_to(jnp.asarray(n_valid, jnp.int32), (b,))
+  n_write = None if with_logits else n_valid
   positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)
   visible = jnp.arange(cache.capacity, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]
 
   def attend_layer(l):
     def attend(q, k, v):
-      ck, cv = _write(cache.k[l], k, start), _write(cache.v[l], v, start)
+      ck, cv = _write(cache.k[l], k, start, n_write), _write(cache.v[l], v, start, n_write)
       return _attention(q, ck, cv, visible), (ck, cv)
     return attend
 
   h, feats, kept = _trunk(params, cfg, tokens, positions, attend_layer, capture_layers, impl,
                           layer)
   new = TargetCache(k=tuple(k for k, _ in kept), v=tuple(v for _, v in kept),
-                    length=start + jnp.broadcast_to(jnp.asarray(n_valid, jnp.int32), (b,)))
+                    length=start + n_valid)
   return new, (_logits(params, h, (b, t), impl) if with_logits else None), feats
 
 
@@ -438,7 +455,7 @@ def prefill(params: TargetParams, cfg: TargetConfig, cache: TargetCache, tokens:
             n_valid: jax.Array, *, capture_layers=(), impl: str = "xla"):
   """Append rows 0..n_valid-1 of tokens [B, T] (T padded to a bucket, `prefill_bucket`; pad
   with any valid id) at positions length.. -> (cache with length += n_valid, features
-  [B, T, F]). Padding rows write K/V only past the new length (never visible); their
+  [B, T, F]). Padding rows write no K/V (a sequence with n_valid 0 is left unchanged); their
   features are garbage. No LM head. n_valid: int32 scalar or [B]."""
   cache, _, feats = extend(params, cfg, cache, tokens, n_valid, capture_layers, False, impl)
   return cache, feats
@@ -459,6 +476,12 @@ def commit(cache: TargetCache, n_keep: jax.Array) -> TargetCache:
   K/V stay past the length, never visible (a row at position p sees slots <= p, and the
   next call rewrites slots from the length on), so nothing is copied."""
   return cache.replace(length=cache.length + jnp.asarray(n_keep, jnp.int32))
+
+
+def reset(cache: TargetCache, empty: jax.Array) -> TargetCache:
+  """Empty the sequences where empty [B]: length 0. Their K/V stay, never visible (a row at
+  position p sees slots <= p, and the next prefill rewrites slots from 0 on)."""
+  return cache.replace(length=jnp.where(jnp.asarray(empty, bool), 0, cache.length))
 
 
 _STATIC = ("cfg", "capture_layers", "impl")
