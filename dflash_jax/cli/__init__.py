@@ -10,9 +10,9 @@ weights, training, decoding). Every option's default is shown by `--help` (an op
 default is None says in its help what None means).
 
 Interrupts: `python -m dflash_jax` (the process entry, not `main()` called in-process) stops
-within moments of SIGINT or SIGTERM, even inside a long XLA call: a thread waits for the
-signals (blocked everywhere else), removes what `on_interrupt` registered and every temporary
-file an atomic write left (`io.atomic.in_flight`), prints one line and exits 128 + signal.
+within moments of SIGINT or SIGTERM, even inside a long XLA call: a thread woken by the signal
+(`install_interrupt_handler`) removes what `on_interrupt` registered and every temporary file
+an atomic write left (`io.atomic.in_flight`), prints one line and exits 128 + signal.
 """
 from __future__ import annotations
 
@@ -30,12 +30,18 @@ class CLIError(Exception):
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-  """Appends each option's default to its help, except None (the help says what None means)."""
+  """Appends each option's default to its help, except None (the help says what None means).
+  Lines break at spaces only, so a path or a name with hyphens stays whole."""
 
   def _get_help_string(self, action):
     if action.default is None:
       return action.help
     return super()._get_help_string(action)
+
+  def _split_lines(self, text, width):
+    import textwrap
+    return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False,
+                         break_long_words=False)
 
 
 class Parser(argparse.ArgumentParser):
@@ -76,16 +82,19 @@ def _clean_up() -> None:
 def install_interrupt_handler(prog: str) -> None:
   """SIGINT / SIGTERM end the process within moments, whatever the main thread is doing.
 
-  Python runs signal handlers in the main thread between bytecodes, so a handler waits for a
-  long XLA compile or computation to return (minutes). Instead the signals are blocked in this
-  thread and every thread started after it (XLA's thread pools included: call this first),
-  and a daemon thread takes them with sigwait: it removes the registered leftovers, prints one
-  line (no traceback) and ends the process with os._exit(128 + signal)."""
-  sigs = {signal.SIGINT, signal.SIGTERM}
-  signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
+  Python runs a signal handler in the main thread between bytecodes, so it waits for a long
+  XLA compile or computation to return (minutes). The C-level handler Python installs does
+  act at once, though: it writes the signal's number to the wakeup fd (`signal.set_wakeup_fd`).
+  A daemon thread blocked on that pipe wakes, removes the registered leftovers, prints one line
+  (no traceback) and ends the process with os._exit(128 + signal). Call from the main thread."""
+  read_fd, write_fd = os.pipe()
+  os.set_blocking(write_fd, False)
+  signal.set_wakeup_fd(write_fd)
+  for sig in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(sig, lambda *_: None)   # the thread below acts; the main thread carries on
 
   def wait() -> None:
-    sig = signal.sigwait(sigs)
+    sig = os.read(read_fd, 1)[0]
     _clean_up()
     with contextlib.suppress(Exception):
       sys.stdout.flush()

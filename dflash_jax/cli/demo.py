@@ -39,11 +39,14 @@ def register(sub) -> None:
   d = sub.add_parser("demo", help="speculative decoding of real text with a trained target + "
                      "drafter (the main job; the default command)",
                      description=__doc__.split("\n\n")[0])
-  d.add_argument("--target", type=existing_path, default=DEFAULT_TARGET,
-                 help="target HF folder with its tokenizer.json")
-  d.add_argument("--drafter", type=existing_path, default=DEFAULT_DRAFTER,
-                 help="drafter GGUF or HF folder, trained for --target")
-  d.add_argument("--prompt", default=DEFAULT_PROMPT, help="the text to continue")
+  d.add_argument("--target", type=existing_path, default=None,
+                 help="target HF folder with its tokenizer.json (default: the shipped pair's, "
+                      "dflash_jax/demo_pair/target)")
+  d.add_argument("--drafter", type=existing_path, default=None,
+                 help="drafter GGUF or HF folder, trained for --target (default: the shipped "
+                      "pair's, dflash_jax/demo_pair/drafter.gguf)")
+  d.add_argument("--prompt", default=None,
+                 help="the text to continue (default: the start of a small Python class)")
   d.add_argument("--max-new", type=int_in(1), default=256, help="tokens to generate")
   d.add_argument("--block", type=int_in(2), default=None,
                  help="rows verified per round (default: the drafter's block size)")
@@ -67,6 +70,12 @@ def demo(args) -> int:
   from dflash_jax import decode as D
 
   impl = resolve_impl(args.impl)
+  if (args.target is None) != (args.drafter is None):
+    raise CLIError("arguments --target/--drafter: give both (a drafter is trained for its "
+                   "target), or neither for the shipped pair")
+  args.target = args.target or DEFAULT_TARGET
+  args.drafter = args.drafter or DEFAULT_DRAFTER
+  args.prompt = DEFAULT_PROMPT if args.prompt is None else args.prompt
   tok = load_tokenizer(args.target)
   if tok is None:
     raise CLIError(f"argument --target: {args.target} has no tokenizer.json (train-target "

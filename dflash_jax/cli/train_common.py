@@ -63,7 +63,8 @@ def add_corpus_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--corpus", default=None,
                  help="folder of .py files (default: this Python's standard library)")
   p.add_argument("--max-files", type=int_in(1), default=None,
-                 help="use only the first N files of the sorted listing (small runs)")
+                 help="use only the first N files of the sorted listing (small runs; "
+                      "default: all)")
   p.add_argument("--holdout-every", type=int_in(1), default=20,
                  help="hold out files whose path hash is 0 mod N for evaluation")
 
@@ -74,7 +75,7 @@ def add_optim_args(p: argparse.ArgumentParser, *, steps: int, lr: float, warmup:
   p.add_argument("--warmup", type=int_in(0), default=warmup, help="warmup steps")
   p.add_argument("--final-lr-frac", type=float, default=0.1,
                  help="cosine decay ends at lr times this")
-  p.add_argument("--weight-decay", type=float, default=0.1)
+  p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (matrices)")
   p.add_argument("--clip", type=positive_float, default=1.0, help="global gradient norm clip")
 
 

@@ -39,7 +39,8 @@ def register(sub) -> None:
   p.add_argument("--save-dtype", choices=("bf16", "f32"), default="bf16",
                  help="stored weights")
   p.add_argument("--max-shard-mb", type=C.positive_float, default=None,
-                 help="split the safetensors into shards of at most this many MB")
+                 help="split the safetensors into shards of at most this many MB (default: one "
+                      "file)")
   C.add_run_args(p)
   add_common_args(p)
   p.set_defaults(run=train_target)
