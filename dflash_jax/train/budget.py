@@ -81,8 +81,8 @@ def distill_bytes(tcfg, batch: int, prompt_len: int, gen_len: int) -> int:
   prompt_len + gen_len positions and the prompt's prefill (its forward over the cache)."""
   cap = prompt_len + gen_len
   cache = 2 * 4 * tcfg.num_hidden_layers * batch * tcfg.num_key_value_heads * cap * tcfg.head_dim
-  prefill = 4 * batch * prompt_len * (8 * tcfg.hidden_size + 3 * tcfg.intermediate_size
-                                      + 2 * tcfg.num_attention_heads * cap)
+  prefill = 4 * batch * prompt_len * (4 * tcfg.hidden_size + 2 * tcfg.intermediate_size
+                                      + tcfg.num_attention_heads * cap)
   return 4 * _n_params(tcfg) + cache + prefill
 
 
