@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -167,6 +168,7 @@ def run(args) -> int:
     items = [(None, args.prompt_ids)]
   prompts = [ids for _, ids in items]
 
+  t_load = time.perf_counter()
   tcfg, target = load_target_arg(args.target, args.dtype)
   wdtype = "bf16" if target.embed.dtype == jnp.bfloat16 else "fp32"
   dparams = load_drafter_arg(args.drafter, tcfg, target, args.target,
@@ -200,11 +202,12 @@ def run(args) -> int:
   models = D.Models(target=target, drafter=dparams, d2t=None, target_cfg=tcfg)
   cache_dtype = args.cache_dtype or wdtype
   import jax
+  jax.block_until_ready((target, dparams))
   print(f"target:  {args.target} ({tcfg.n_layers} layers, hidden {tcfg.hidden_size}, vocab "
         f"{tcfg.vocab_size}, {wdtype}); drafter: {args.drafter} ({dparams.cfg.n_layer} "
         f"layers, block {dparams.cfg.block_size}, target layers "
-        f"{list(dparams.cfg.target_layers)}); {jax.devices()[0].device_kind}, impl={impl}",
-        file=sys.stderr)
+        f"{list(dparams.cfg.target_layers)}); {jax.devices()[0].device_kind}, impl={impl}; "
+        f"loaded in {time.perf_counter() - t_load:.1f} s", file=sys.stderr)
   how = ("greedy" if sampling.greedy else f"T={sampling.temperature} top_k={sampling.top_k} "
          f"top_p={sampling.top_p} proposals={sampling.proposals}")
   kw = dict(eos_ids=eos, cache_dtype=cache_dtype, window=args.window, ring_dtype=cache_dtype)
@@ -310,8 +313,6 @@ def _static(models, dcfg, prompts, args, kw, served):
   copies of the first prompt, whose outputs are dropped), all at one capacity and prefill
   length so that one compilation serves every batch; and whether each output equals serve's
   (greedy: it must)."""
-  import time
-
   from dflash_jax import decode as D
   from dflash_jax.models.base import prefill_bucket
   s = min(args.slots, len(prompts))
