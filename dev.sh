@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One entry point for a fresh machine: creates .venv (Python 3.12) on first use, installs the
 # pinned dependencies, then runs the command.
-#   ./dev.sh demo [args]    the main job: python -m dflash_jax demo (synthetic drafter by default)
+#   ./dev.sh demo [args]    the main job: python -m dflash_jax demo (the shipped target + drafter)
 #   ./dev.sh test [args]    the test suite (GPU tests are skipped without a GPU)
 #   ./dev.sh bench [args]   python -m benchmarks.run (CPU smoke by default; --gpu on the H200)
 set -euo pipefail

@@ -401,8 +401,8 @@ def plot_curves(logs: dict, path: str) -> None:
 def stage_eval(work: str, out: str, preset: dict, families, smoke: bool, seed: int) -> str:
   import jax
 
+  import dflash_jax as dfj
   from dflash_jax import decode
-  from dflash_jax.cli import drafter_for_target
   from dflash_jax.io import atomic
   from dflash_jax.models import load_target
   from dflash_jax.sampling import Sampling
@@ -430,7 +430,8 @@ def stage_eval(work: str, out: str, preset: dict, families, smoke: bool, seed: i
   if "dflash" in drafters:
     cfg, w = drafters["dflash"]
     own = {k: v for k, v in w.items() if k not in ("tok_embd", "lm_head")}
-    dp = drafter_for_target(cfg, own, target.embed, target.head, "fp32")
+    dp = dfj.prepare_weights(cfg, {**own, "tok_embd": target.embed, "lm_head": target.head},
+                             "fp32")
   compiled = E.evaluate(target, tcfg, [("dflash", dp)] if dp is not None else [], prompts,
                         e["gen"], widths=(8,), impl="xla")
   ref_tokens = [decode.generate_target_only(target, tcfg, [list(map(int, p))], e["gen"]).tokens[0]

@@ -469,7 +469,7 @@ def _check_prompts(prompts, vocab: int) -> list[np.ndarray]:
 def start(models: Models, dcfg: DecodeConfig, prompts: Sequence[Sequence[int]], max_new: int, *,
           eos_ids: Sequence[int] = (), seed: int = 0, capacity: int | None = None,
           window: int | None = None, cache_dtype: Any = "fp32", ring_dtype: Any = "fp32",
-          proposer_state: Any = None) -> DecodeState:
+          proposer_state: Any = None, prefill_len: int | None = None) -> DecodeState:
   """Prefill every prompt (one slot each; SPEC.md section 4 step 1) and return the state.
 
   capacity: target cache slots (default: the longest prompt + max_new + width, the least
@@ -477,6 +477,8 @@ def start(models: Models, dcfg: DecodeConfig, prompts: Sequence[Sequence[int]], 
   full-attention cache (which holds the same positions). The prompt is prefilled in one
   call padded to a power of two (at most the capacity). proposer_state: the per-slot data
   of a custom proposer (a pytree of arrays with a leading slot axis), kept in the state.
+  prefill_len: the padded prefill length instead of the longest prompt's power of two (at
+  least the longest prompt - 1, at most the capacity): one compilation for many prompt sets.
   """
   check_models(models, dcfg)
   tc = models.target_cfg
@@ -508,7 +510,10 @@ def start(models: Models, dcfg: DecodeConfig, prompts: Sequence[Sequence[int]], 
   for i, p in enumerate(ps):
     tokens[i, :len(p)] = p
   n_prompt = np.array([len(p) for p in ps], np.int32)
-  bucket = min(prefill_bucket(longest - 1), capacity)
+  bucket = min(prefill_bucket(longest - 1), capacity) if prefill_len is None else prefill_len
+  if not longest - 1 <= bucket <= capacity:
+    raise ValueError(f"prefill_len {bucket} must lie in [longest prompt - 1 = {longest - 1}, "
+                     f"capacity {capacity}]")
   cache = tc.init_cache(s, capacity, cache_dtype)
   ring = pending = None
   if models.drafter is not None:
@@ -600,3 +605,174 @@ def generate_target_only(target: Any, cfg: Target, prompts: Sequence[Sequence[in
   return generate(Models(target=target, drafter=None, d2t=None, target_cfg=cfg),
                   DecodeConfig(width=1, sampling=sampling, target_impl=target_impl), prompts,
                   max_new, **kw)
+
+
+def warm_up(models: Models, dcfg: DecodeConfig, prompts: Sequence[Sequence[int]], max_new: int,
+            **start_kw) -> float:
+  """Compiles what `generate(models, dcfg, prompts, max_new, **start_kw)` runs (its prefill
+  and its rounds, at these shapes) without decoding: `start`, then `run_rounds` for 0 rounds.
+  Returns the seconds it took, so that a caller can report compilation apart from decoding
+  (a later `generate` of the same shapes compiles nothing)."""
+  t0 = time.perf_counter()
+  state = start(models, dcfg, prompts, max_new, **start_kw)
+  jax.block_until_ready(run_rounds(models, dcfg, state, jnp.int32(0)).n_past)
+  return time.perf_counter() - t0
+
+
+# --- slots that take the next prompt (continuous batching) ------------------------------------
+
+def _reset_ring(ring: step.RingState, empty: jax.Array) -> step.RingState:
+  """The batched ring with the slots where empty [S] as a fresh slot (pos -1, K/V zero)."""
+  def clear(a: jax.Array, fill) -> jax.Array:
+    return jnp.where(empty.reshape(-1, *([1] * (a.ndim - 1))), jnp.asarray(fill, a.dtype), a)
+  return jax.tree.map(lambda c: c.replace(k=clear(c.k, 0), v=clear(c.v, 0), pos=clear(c.pos, -1)),
+                      ring, is_leaf=lambda c: isinstance(c, step.KVCache))
+
+
+@functools.partial(jax.jit, static_argnames=("bucket", "impl", "target_impl"),
+                   donate_argnames=("state",))
+def _join(models: Models, state: DecodeState, rows: jax.Array, n_prompt: jax.Array,
+          max_new: jax.Array, join: jax.Array, keys: jax.Array, *, bucket: int, impl: str,
+          target_impl: str) -> DecodeState:
+  """New prompts into the slots where join [S]: their target cache (`Target.reset`) and ring
+  emptied, their prompt rows[s] [L] (padded) prefilled into them alone (n_valid 0 elsewhere,
+  which leaves the other slots as they are), their per-slot entries those of a fresh start."""
+  s = join.shape[0]
+  cache = models.target_cfg.reset(state.cache, join)
+  ring = None if state.ring is None else _reset_ring(state.ring, join)
+  n_valid = jnp.where(join, n_prompt - 1, 0)
+  cache, ring = _prefill(models, cache, ring, rows[:, :bucket], n_valid, impl=impl,
+                         target_impl=target_impl)
+
+  def pick(new, old):
+    return jnp.where(join.reshape(-1, *([1] * (old.ndim - 1))), new, old)
+
+  fresh = jax.random.key_data(keys)
+  return state.replace(
+      cache=cache, ring=ring, tokens=pick(rows, state.tokens),
+      n_past=pick(n_prompt - 1, state.n_past),
+      id_last=pick(rows[jnp.arange(s), n_prompt - 1], state.id_last),
+      pending=None if state.pending is None else pick(jnp.zeros_like(state.pending),
+                                                      state.pending),
+      n_new=pick(jnp.zeros_like(state.n_new), state.n_new), n_prompt=pick(n_prompt, state.n_prompt),
+      max_len=pick(n_prompt + max_new, state.max_len), done=pick(jnp.zeros_like(state.done),
+                                                                 state.done),
+      rounds=pick(jnp.zeros_like(state.rounds), state.rounds),
+      hist=pick(jnp.zeros_like(state.hist), state.hist),
+      key=jax.random.wrap_key_data(pick(fresh, jax.random.key_data(state.key))))
+
+
+@dataclasses.dataclass
+class Served:
+  """One prompt of `serve`: its index in the prompts, generated tokens (through the first EOS,
+  at most max_new), rounds, hist[j] = rounds that accepted j drafts, and seconds from the
+  call that put it into a slot to the host sync that saw it finished."""
+  index: int
+  tokens: list[int]
+  rounds: int
+  hist: np.ndarray
+  seconds: float
+
+  @property
+  def tau(self) -> float:
+    return float((self.hist * np.arange(1, len(self.hist) + 1)).sum() / max(self.hist.sum(), 1))
+
+
+@dataclasses.dataclass
+class ServeStats:
+  """compile_seconds: the warm-up (prefill, join and rounds compiled, before the clock);
+  seconds: wall time from the first join to the last prompt finished; n_tokens: generated."""
+  compile_seconds: float
+  seconds: float
+  n_tokens: int
+  n_slots: int
+
+  @property
+  def tokens_per_s(self) -> float:
+    return self.n_tokens / max(self.seconds, 1e-12)
+
+
+def serve(models: Models, dcfg: DecodeConfig, prompts: Sequence[Sequence[int]], max_new: int, *,
+          n_slots: int, eos_ids: Sequence[int] = (), rounds_per_call: int = 4,
+          on_done: Callable[[Served], None] | None = None, seed: int = 0,
+          window: int | None = None, cache_dtype: Any = "fp32", ring_dtype: Any = "fp32"
+          ) -> tuple[list[Served], ServeStats]:
+  """Decode many prompts on n_slots slots: each slot takes the next prompt as soon as its
+  sequence finishes (EOS or max_new), while the other slots keep decoding.
+
+  Every prompt shares one capacity (the longest prompt + max_new + width) and one prefill
+  length, so nothing recompiles as prompts come and go: a join is one call (`_join`: the
+  slot's target cache and ring emptied, its prompt prefilled into it alone) and the rounds are
+  `run_rounds`, synced every rounds_per_call rounds (a finished slot waits at most that long
+  for its next prompt). Compilation runs first, untimed (ServeStats.compile_seconds).
+  on_done(Served) is called as each prompt finishes. Returns (results in prompt order,
+  stats). Greedy outputs equal `generate`'s, prompt by prompt; sampled ones use each join's
+  own key (seed, prompt index).
+  """
+  if isinstance(n_slots, bool) or not isinstance(n_slots, int) or n_slots < 1:
+    raise ValueError(f"n_slots must be an int >= 1, got {n_slots!r}")
+  if rounds_per_call < 1:
+    raise ValueError(f"rounds_per_call must be >= 1, got {rounds_per_call}")
+  tc = models.target_cfg
+  ps = _check_prompts(prompts, tc.vocab_size)
+  eos_ids = tuple(int(e) for e in eos_ids)
+  s, w = min(n_slots, len(ps)), dcfg.width
+  longest = max(len(p) for p in ps)
+  capacity = -(-(longest + max_new + w) // 16) * 16
+  bucket = min(prefill_bucket(longest - 1), capacity)
+  kw = dict(eos_ids=eos_ids, seed=seed, capacity=capacity, window=window,
+            cache_dtype=cache_dtype, ring_dtype=ring_dtype)
+  # Slots start empty (a one-token prompt each, done): every prompt comes in by a join.
+  state = start(models, dcfg, [[0]] * s, max_new, prefill_len=bucket, **kw)
+  state = state.replace(done=jnp.ones((s,), bool))
+  buf = state.tokens.shape[1]
+  impls = dict(bucket=bucket, impl=dcfg.impl, target_impl=dcfg.target_impl)
+
+  def join_call(state, assign: dict[int, int]):
+    rows = np.zeros((s, buf), np.int32)
+    n_prompt = np.ones(s, np.int32)
+    mask = np.zeros(s, bool)
+    for slot, i in assign.items():
+      rows[slot, :len(ps[i])] = ps[i]
+      n_prompt[slot], mask[slot] = len(ps[i]), True
+    keys = jax.random.split(jax.random.key(seed), len(ps) + 1)
+    slot_keys = jnp.stack([keys[assign.get(j, len(ps))] for j in range(s)])
+    return _join(models, state, jnp.asarray(rows), jnp.asarray(n_prompt),
+                 jnp.int32(max_new), jnp.asarray(mask), slot_keys, **impls)
+
+  t0 = time.perf_counter()
+  state = join_call(state, {})   # compiles the join (joins nothing) ...
+  state = run_rounds(models, dcfg, state, jnp.int32(0))   # ... and the rounds
+  jax.block_until_ready(state.n_past)
+  compile_seconds = time.perf_counter() - t0
+
+  results: list[Served | None] = [None] * len(ps)
+  slot_of: dict[int, int] = {}        # slot -> prompt index
+  joined_at: dict[int, float] = {}
+  queue = list(range(len(ps)))
+  t0 = time.perf_counter()
+  free = list(range(s))
+  while queue or slot_of:
+    if queue and free:
+      assign = {slot: queue.pop(0) for slot in free[:len(queue)]}
+      state = join_call(state, assign)
+      now = time.perf_counter()
+      for slot, i in assign.items():
+        slot_of[slot], joined_at[i] = i, now
+      free = [f for f in free if f not in assign]
+    state = run_rounds(models, dcfg, state, jnp.int32(rounds_per_call))
+    done, n_past, tokens, rounds, hist = jax.device_get(
+        (state.done, state.n_past, state.tokens, state.rounds, state.hist))
+    now = time.perf_counter()
+    for slot in [sl for sl in slot_of if done[sl]]:
+      i = slot_of.pop(slot)
+      n0 = len(ps[i])
+      r = Served(index=i, tokens=_visible(tokens[slot, n0:n_past[slot] + 1], eos_ids, max_new),
+                 rounds=int(rounds[slot]), hist=hist[slot].copy(), seconds=now - joined_at[i])
+      results[i] = r
+      free.append(slot)
+      if on_done is not None:
+        on_done(r)
+  seconds = time.perf_counter() - t0
+  return results, ServeStats(compile_seconds=compile_seconds, seconds=seconds,
+                             n_tokens=sum(len(r.tokens) for r in results), n_slots=s)

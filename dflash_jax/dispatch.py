@@ -373,6 +373,32 @@ def gemm_input_norm(x: jax.Array, w_norm: jax.Array, eps: float, w, *,
   return rms_norm(x, w_norm, eps)
 
 
+def einsum_f32(spec: str, a: jax.Array, b: jax.Array, precision=None) -> jax.Array:
+  """jnp.einsum(spec, a, b) accumulated in float32 (preferred_element_type float32), the
+  operands in their own dtypes (the attention dots of the target families and of training).
+
+  XLA's CPU runtime has no bf16 x bf16 -> float32 dot for every operand layout: a batched dot
+  whose contraction is not the operands' minor axis (the attention's probabilities x V at one
+  query row, e.g.) fails inside it with "Unsupported element type for DotThunk::Execute: BF16
+  x BF16 = F32". On CPU, bf16 operands are therefore widened to float32 first. That is exact
+  (every bf16 value is a float32, and the product of two is exact in float32), so the result
+  differs from the bf16 dot's only in the order of the float32 sums. `lax.platform_dependent`
+  picks the branch at lowering: other platforms compile the bf16 dot as written, and their
+  programs do not change.
+  """
+  def dot(x, y):
+    return jnp.einsum(spec, x, y, precision=precision, preferred_element_type=jnp.float32)
+
+  if jnp.bfloat16 not in (a.dtype, b.dtype):
+    return dot(a, b)
+
+  def widened(x, y):
+    return jnp.einsum(spec, x.astype(jnp.float32), y.astype(jnp.float32),
+                      precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+
+  return jax.lax.platform_dependent(a, b, cpu=widened, default=dot)
+
+
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
   x = x.astype(jnp.float32)
   return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w

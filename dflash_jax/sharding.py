@@ -432,6 +432,9 @@ class ShardedTarget:
   def commit(self, cache, n_keep):
     return self.inner.commit(cache, n_keep)
 
+  def reset(self, cache, empty):
+    return self.inner.reset(cache, empty)
+
   def _call(self, params, fn, args, arg_specs, out_specs):
     """Run fn(local params, local cfg, *args) on every device's block."""
     p_layout = _layout(self.plan, params, _target_counts(self.inner))

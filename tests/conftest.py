@@ -17,6 +17,10 @@ if not any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda1
 if os.environ.get("PYTEST_XDIST_WORKER"):
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
+# The CLI's persistent compilation cache stays off in tests that call it in-process (one cache
+# setting per process; tests/test_cli.py runs the cache in subprocesses of its own).
+os.environ["DFLASH_JAX_COMPILE_CACHE"] = "off"
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 

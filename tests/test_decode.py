@@ -369,7 +369,7 @@ def test_generate_cli_full_attention_drafter_and_draft_window(folders, capsys, t
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--prompt-ids", "1,200"], "--prompt-ids: id 200 is outside the target vocab [0, 97)"),
+    (["--prompt-ids", "1,200"], "--prompt-ids: id 200 is outside the vocab [0, 97)"),
     (["--prompt-ids", "1", "--block", "9"], "--block: must lie in [2, 8]"),
     (["--prompt-ids", "1", "--eos", "500"], "--eos: ids must lie in [0, 97)"),
     (["--prompt-ids", "1", "--target", "/nonexistent"], "--target: /nonexistent: no such model folder"),

@@ -88,6 +88,10 @@ class HashTarget:
     kept = jnp.take_along_axis(verified.rows, jnp.maximum(n_keep - 1, 0)[:, None], 1)[:, 0]
     return HashCache(state=jnp.where(n_keep > 0, kept, c.state), length=c.length + n_keep)
 
+  def reset(self, cache, empty):
+    return HashCache(state=jnp.where(empty, 0, cache.state),
+                     length=jnp.where(empty, 0, cache.length))
+
   def forward(self, params, tokens, *, capture_layers=(), with_logits=True):
     states = self._states(jnp.zeros(tokens.shape[:1], jnp.int32), tokens)
     logits, feats = self._outputs(params, states, capture_layers)

@@ -33,7 +33,8 @@ def test_value_errors_name_the_argument(tmp_path, capsys):
   assert main(["train-target", "--out", out, "--heads", "6", "--kv-heads", "4"]) == 2
   _one_line_error(capsys, "--heads")
   (tmp_path / "empty").mkdir()
-  assert main(["train-target", "--out", out, "--corpus", str(tmp_path / "empty")]) == 2
+  assert main(["train-target", "--out", out, "--corpus", str(tmp_path / "empty"),
+               "--batch", "2", "--seq-len", "16"]) == 2
   assert "no .py files" in _one_line_error(capsys, "--corpus")
   assert main(["eval", "--target", "T", "--widths", "16,1"]) == 2
   _one_line_error(capsys, "--widths")

@@ -1,275 +1,152 @@
-"""`python -m dflash_jax demo`: load (or make) a drafter GGUF and run speculative rounds.
+"""`python -m dflash_jax demo`: speculative decoding of real text, end to end, in a minute on CPU.
 
-Without --gguf it writes a small synthetic drafter to a temporary GGUF and loads it back, so
-the whole path (file -> weights -> jitted draft rounds) runs on a fresh machine with no data.
-The target model is simulated: it accepts a random prefix of each draft block, so the demo's
-acceptance numbers describe that simulation, not the drafter.
+A target model and a DFlash drafter trained by this project's own `train-target` and
+`train-drafter` (by default the pair shipped in dflash_jax/demo_pair, made by the commands in
+its README.md) decode a prompt: the text streams as the speculative rounds commit it. Then the
+same prompt is decoded by the target alone, and the demo prints tau (tokens committed per
+round), the histogram of accepted drafts, the tokens/s of both (compilation excluded and
+reported apart; the median of --repeats timed runs, with their range) and whether the
+speculative output equals the target's own greedy output (it must: greedy speculative
+decoding is lossless). `python -m dflash_jax simulate` times a drafter alone instead.
 """
 from __future__ import annotations
 
-import math
 import os
-import shutil
-import signal
 import sys
-import tempfile
 import time
 
 import numpy as np
 
-from dflash_jax.cli import CLIError, existing_file, int_in
+from dflash_jax.cli import (IMPL_HELP, CLIError, TextStream, add_common_args, existing_path,
+                            int_in, load_drafter_arg, load_target_arg, load_tokenizer,
+                            resolve_impl)
 
-SIZES = ("tiny", "small", "seed")
-VOCAB = 4096
-SMALL = dict(n_layer=2, n_embd=256, n_ff=512, n_head=8, n_head_kv=2, head_dim=32,
-             rope_theta=1e6, eps=1e-6, target_layers=(2, 10, 18), mask_token_id=7,
-             block_size=16, window=256)
-# The simulated target accepts each draft with this probability until its first rejection, so
-# tau has mean (1 - P^B) / (1 - P) for block size B, whatever the drafter proposes.
-ACCEPT_P = 0.7
-# Bytes per weight on the device and in the GGUF (Q8_0: 34 bytes per 32 weights).
-WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1, "q8_0": 34 / 32}
-_INT32_MAX = 2**31 - 1
+PAIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "demo_pair")
+DEFAULT_TARGET = os.path.join(PAIR, "target")
+DEFAULT_DRAFTER = os.path.join(PAIR, "drafter.gguf")
+# Not from the corpus: code the pair has not seen, in the style of what it has.
+DEFAULT_PROMPT = '''class Stack:
+    """A last-in, first-out collection."""
+
+    def __init__(self):
+        self._items = []
+
+    def push(self, item):
+'''
 
 
 def register(sub) -> None:
-  d = sub.add_parser("demo", help="run draft rounds on a drafter (default: a small synthetic one)",
-                     description=__doc__.splitlines()[0])
-  d.add_argument("--gguf", type=existing_file,
-                 help="drafter GGUF (default: a synthetic drafter written to a temporary file)")
-  d.add_argument("--size", choices=SIZES, default=None,
-                 help="synthetic drafter size (default: small; seed = the real 5x6656 drafter, "
-                      "GPU only); not with --gguf")
-  d.add_argument("--vocab", type=int_in(2), default=None,
-                 help="target vocab size, the rows of the synthetic tok_embd/lm_head (default: "
-                      f"{VOCAB}, or the first multiple of 256 above the drafter's "
-                      "mask_token_id when that is larger); must exceed mask_token_id")
-  d.add_argument("--prefill", type=int_in(1), default=100,
-                 help="prompt tokens: the features of all but the last are injected, the last "
-                      "is the first round's id_last")
-  d.add_argument("--rounds", type=int_in(1), default=50, help="speculative rounds")
-  d.add_argument("--dtype", default="fp32", choices=tuple(WEIGHT_BYTES),
-                 help="weights: fp8 is quantized at load; q8_0 keeps a Q8_0 file's blocks as "
-                      "stored (the synthetic drafter is then written as Q8_0)")
-  d.add_argument("--ring-dtype", default="fp32", choices=("fp32", "bf16"),
-                 help="K/V ring storage")
-  ring = d.add_mutually_exclusive_group()
-  ring.add_argument("--window", type=int_in(1), default=None,
-                    help="ring size of the sliding layers (default: the file's window, else "
-                         "2048); full-attention layers keep every position")
-  ring.add_argument("--draft-window", type=int_in(1), default=None,
-                    help="run every layer, full-attention ones included, in a ring of this many "
-                         "slots (the engines' draft-window option: an approximation of full "
-                         "layers past N positions; default: off)")
-  d.add_argument("--impl", default="pallas", choices=("pallas", "xla"),
-                 help="the Pallas kernels, or their pure-jnp twins (no kernel limits)")
-  d.add_argument("--seed", type=int_in(0), default=0,
-                 help="seed of the synthetic weights, features and simulated target")
+  d = sub.add_parser("demo", help="speculative decoding of real text with a trained target + "
+                     "drafter (the main job; the default command)",
+                     description=__doc__.split("\n\n")[0])
+  d.add_argument("--target", type=existing_path, default=None,
+                 help="target HF folder with its tokenizer.json (default: the shipped pair's, "
+                      "dflash_jax/demo_pair/target)")
+  d.add_argument("--drafter", type=existing_path, default=None,
+                 help="drafter GGUF or HF folder, trained for --target (default: the shipped "
+                      "pair's, dflash_jax/demo_pair/drafter.gguf)")
+  d.add_argument("--prompt", default=None,
+                 help="the text to continue (default: the start of a small Python class)")
+  d.add_argument("--max-new", type=int_in(1), default=256, help="tokens to generate")
+  d.add_argument("--block", type=int_in(2), default=None,
+                 help="rows verified per round (default: the drafter's block size)")
+  d.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                 help="weights of both models, and the target's cache and the drafter's ring")
+  d.add_argument("--impl", choices=("auto", "pallas", "xla"), default="auto", help=IMPL_HELP)
+  d.add_argument("--repeats", type=int_in(1), default=3,
+                 help="timed runs of each decoding (after one untimed compile)")
+  add_common_args(d)
   d.set_defaults(run=demo)
 
 
-def _config(args):
-  import dflash_jax as dfj
-  if args.gguf:
-    if args.size is not None:
-      raise CLIError("argument --size: applies to the synthetic drafter, not with --gguf")
-    try:
-      cfg, w = dfj.load_drafter(args.gguf)
-    except dfj.DrafterFormatError as e:
-      raise CLIError(f"argument --gguf: {e}") from None
-  else:
-    cfg, w = {"tiny": dfj.TINY_CONFIG, "small": dfj.DFlashConfig(**SMALL),
-              "seed": dfj.SEED_CONFIG}[args.size or "small"], None
-  if args.draft_window is not None:
-    cfg = cfg.with_draft_window(args.draft_window)
-  return cfg, w
-
-
-def _gb(n: float) -> str:
-  return f"{n / 1e9:.1f} GB"
-
-
-def _estimate(cfg, args) -> dict[str, float]:
-  """Bytes the run needs, roughly: 'host' (float32 weights as loaded, the target's tok_embd and
-  lm_head, the prompt's features), 'device' (weights in --dtype, the ring, the features) and
-  'disk' (the synthetic drafter's temporary GGUF; 0 with --gguf)."""
-  import dflash_jax as dfj
-  n_drafter = sum(math.prod(s) for s in dfj.drafter_tensor_shapes(cfg).values())
-  n_target = 2 * args.vocab * cfg.n_embd
-  features = 4 * args.prefill * cfg.n_embd_fc
-  ring = dfj.ring_nbytes(cfg, args.window, args.ring_dtype)
-  file_bytes = WEIGHT_BYTES["q8_0" if args.dtype == "q8_0" else "fp32"]
-  return {"host": 4 * (n_drafter + n_target) + features,
-          "device": WEIGHT_BYTES[args.dtype] * n_drafter + 4 * n_target + ring + 2 * features,
-          "disk": 0 if args.gguf else file_bytes * n_drafter}
-
-
-def _check_fits(cfg, args, tmp: str) -> None:
-  """Refuses, before any work, a run this machine cannot hold (or, for seed, cannot run)."""
-  import jax
-  need = _estimate(cfg, args)
-  backend = jax.default_backend()
-  what = (f"about {_gb(need['host'])} of host memory, {_gb(need['device'])} on the device and "
-          f"{_gb(need['disk'])} of temporary disk")
-  if args.size == "seed" and backend != "gpu":
-    raise CLIError(f"argument --size: seed is GPU only (it needs {what}, and on {backend} the "
-                   "Pallas kernels run in interpret mode); use --size tiny or small here")
-  ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-  on_host = need["host"] + (need["device"] if backend == "cpu" else 0)
-  if on_host > ram:
-    raise CLIError(f"this run needs {what}; this machine has {_gb(ram)} of memory "
-                   "(lower --vocab, --prefill or --size)")
-  if backend != "cpu":
-    limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
-    if limit and need["device"] > limit:
-      raise CLIError(f"this run needs {what}; the {jax.devices()[0].device_kind} holds "
-                     f"{_gb(limit)} (lower --vocab, --prefill or use --dtype fp8)")
-  free = shutil.disk_usage(tmp).free
-  if need["disk"] > free:
-    raise CLIError(f"this run needs {what}; {tmp} has {_gb(free)} free")
-
-
-def _check_args(cfg, args) -> int:
-  """The limits that depend on the drafter (filling in --vocab's default); returns the window."""
-  from dflash_jax.config import FULL, SLIDING
-  from pallas_kernels import limits
-  if args.vocab is None:
-    args.vocab = max(VOCAB, (cfg.mask_token_id // 256 + 1) * 256)
-  if args.vocab <= cfg.mask_token_id:
-    raise CLIError(f"argument --vocab: must exceed the drafter's mask_token_id "
-                   f"{cfg.mask_token_id} (its embedding is a row of the target's tok_embd), "
-                   f"got {args.vocab}")
-  window = cfg.resolve_window(args.window)
-  slots = [window if kind == SLIDING else cfg.resolve_capacity() for kind, _ in cfg.kind_groups]
-  if args.impl == "pallas":
-    try:
-      limits.check_drafter(n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, head_dim=cfg.head_dim,
-                           width=cfg.block_size, ring_slots=slots)
-    except ValueError as e:
-      raise CLIError(f"the drafter's shape: {e} (or use --impl xla)") from None
-  last = args.prefill - 1 + args.rounds * cfg.block_size   # every draft accepted
-  if last > _INT32_MAX - cfg.block_size:
-    raise CLIError(f"arguments --prefill/--rounds: positions would reach {last}, past the int32 "
-                   f"limit {_INT32_MAX - cfg.block_size}")
-  if FULL in cfg.kinds and last + cfg.block_size > cfg.resolve_capacity():
-    raise CLIError(f"arguments --prefill/--rounds: positions would reach {last}, past the "
-                   f"{cfg.resolve_capacity()} positions of the drafter's full-attention cache "
-                   "(its context length; --draft-window N runs those layers in a ring instead)")
-  return window
-
-
-def _weights(cfg, w, args, tmp: str):
-  """(weights with the target's tok_embd/lm_head, GGUF path) for the run."""
-  import dflash_jax as dfj
-  rng = np.random.default_rng(args.seed)
-  if args.gguf:
-    w["tok_embd"] = rng.standard_normal((args.vocab, cfg.n_embd), dtype=np.float32)
-    w["lm_head"] = rng.standard_normal((args.vocab, cfg.n_embd), dtype=np.float32)
-    w["lm_head"] /= np.sqrt(cfg.n_embd)
-    return w, args.gguf
-  synthetic = dfj.synthetic_drafter(cfg, seed=args.seed, n_vocab=args.vocab)
-  path = os.path.join(tmp, "synthetic-drafter.gguf")
-  dfj.save_drafter(path, cfg, synthetic, tensor_type="Q8_0" if args.dtype == "q8_0" else "F32")
-  target = {k: synthetic[k] for k in dfj.io.errors.TARGET_TENSORS}
-  del synthetic   # one float32 copy of the drafter at a time
-  cfg_file, loaded = dfj.load_drafter(path)
-  assert cfg_file == cfg, (cfg_file, cfg)
-  loaded.update(target)
-  return loaded, path
-
-
-def _exit_on_sigterm(signum, frame):
-  raise SystemExit(128 + signum)   # unwinds, so the temporary folder is removed
+def _spread(xs) -> str:
+  xs = np.asarray(xs, np.float64)
+  return f"{np.median(xs):.1f}" + (f" ({xs.min():.1f}-{xs.max():.1f})" if len(xs) > 1 else "")
 
 
 def demo(args) -> int:
-  cfg, w = _config(args)
-  window = _check_args(cfg, args)
-  previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
-  try:
-    # Every temporary file lives in this folder, removed on every exit path.
-    with tempfile.TemporaryDirectory(prefix="dflash_demo_") as tmp:
-      _check_fits(cfg, args, tmp)
-      return _run(cfg, w, args, window, tmp)
-  finally:
-    signal.signal(signal.SIGTERM, previous)
-
-
-def _run(cfg, w, args, window: int, tmp: str) -> int:
   import jax
-  from tqdm import tqdm
 
-  import dflash_jax as dfj
-  w, source = _weights(cfg, w, args, tmp)
-  q8_0_blocks = dfj.read_q8_0(source) if args.dtype == "q8_0" else None
-  print(f"drafter: {source}" + ("" if args.gguf else " (synthetic, random weights; removed at exit)"))
-  print(f"config:  {cfg}")
-  print(f"device:  {jax.devices()[0].device_kind} ({jax.default_backend()}), impl={args.impl}, "
-        f"dtype={args.dtype}, ring_dtype={args.ring_dtype}")
-  try:
-    m = dfj.DFlashDrafter(cfg, w, dtype=args.dtype, ring_dtype=args.ring_dtype, window=window,
-                          impl=args.impl, q8_0_blocks=q8_0_blocks)
-  except ValueError as e:   # the weight formats' shape limits (e.g. fp8 rows of the vocab)
-    raise CLIError(f"argument --dtype {args.dtype}: {e}") from None
-  rng = np.random.default_rng(args.seed + 1)
-  bsz = cfg.block_size
-  print(f"target:  simulated, not a model: it accepts each draft with probability {ACCEPT_P} "
-        "until the first rejection, whatever the drafter proposes (a real target comes with "
-        "the decoding loop)")
+  from dflash_jax import decode as D
 
-  t0 = time.perf_counter()
-  n = args.prefill
-  if n > 1:
-    m.inject(m.encode(dfj.synthetic_features(cfg, n - 1, seed=args.seed + 2)), np.arange(n - 1))
-    jax.block_until_ready(m.ring)
-  caches = ([f"a {m.window}-slot ring"] if m.window else []) + (
-      [f"a {m.capacity}-position full-attention cache"] if m.capacity else [])
-  print(f"prefill: {n - 1} rows injected into {' and '.join(caches)} in "
-        f"{(time.perf_counter() - t0) * 1e3:.1f} ms (includes compile)")
+  impl = resolve_impl(args.impl)
+  if (args.target is None) != (args.drafter is None):
+    raise CLIError("arguments --target/--drafter: give both (a drafter is trained for its "
+                   "target), or neither for the shipped pair")
+  args.target = args.target or DEFAULT_TARGET
+  args.drafter = args.drafter or DEFAULT_DRAFTER
+  args.prompt = DEFAULT_PROMPT if args.prompt is None else args.prompt
+  tok = load_tokenizer(args.target)
+  if tok is None:
+    raise CLIError(f"argument --target: {args.target} has no tokenizer.json (train-target "
+                   "writes one); the demo reads and writes text")
+  prompt = tok.encode(args.prompt).ids
+  if not prompt:
+    raise CLIError("argument --prompt: the text encodes to no tokens")
+  t_load = time.perf_counter()
+  tcfg, target = load_target_arg(args.target, args.dtype)
+  dparams = load_drafter_arg(args.drafter, tcfg, target, args.target, args.dtype)
+  block = args.block or dparams.cfg.block_size
+  if block > dparams.cfg.block_size:
+    raise CLIError(f"argument --block: must lie in [2, {dparams.cfg.block_size}] (the "
+                   f"drafter's block_size), got {block}")
+  if max(prompt) >= tcfg.vocab_size:
+    raise CLIError(f"argument --prompt: token {max(prompt)} is outside the vocab "
+                   f"[0, {tcfg.vocab_size}) of --target {args.target}")
+  need = len(prompt) + args.max_new + block
+  if need > tcfg.max_position_embeddings:
+    raise CLIError(f"arguments --prompt/--max-new: {len(prompt)} + {args.max_new} tokens (+ "
+                   f"{block} verified rows) exceed the target's max_position_embeddings "
+                   f"{tcfg.max_position_embeddings}")
+  load_s = time.perf_counter() - t_load
+  dcfg_d = dparams.cfg
+  models = D.Models(target=target, drafter=dparams, d2t=None, target_cfg=tcfg)
+  spec_cfg = D.DecodeConfig(width=block, impl=impl)
+  eos = tcfg.eos_token_ids
+  kw = dict(eos_ids=eos, cache_dtype=args.dtype, capacity=-(-need // 16) * 16)
+  dev = jax.devices()[0]
+  print(f"target:  {args.target} ({tcfg.n_layers} layers x {tcfg.hidden_size}, vocab "
+        f"{tcfg.vocab_size})", file=sys.stderr)
+  print(f"drafter: {args.drafter} ({dcfg_d.n_layer} layers, block {dcfg_d.block_size}, target "
+        f"layers {list(dcfg_d.target_layers)}); {args.dtype} weights, {dev.device_kind} "
+        f"({jax.default_backend()}), impl={impl}; loaded in {load_s:.1f} s", file=sys.stderr)
 
-  id_last, n_past = int(rng.integers(args.vocab)), n - 1
-  pending = np.zeros((bsz, cfg.n_embd_fc), np.float32)   # static row count: one compile
-  n_new = 0
-  times, taus = [], []
-  with tqdm(range(args.rounds), desc="draft rounds", file=sys.stdout,
-            disable=args.rounds < 20 or not sys.stdout.isatty()) as bar:
-    for r in bar:
-      t0 = time.perf_counter()
-      drafts, _ = m.draft_round(pending, n_new, id_last, n_past)
-      drafts = np.asarray(drafts)
-      times.append(time.perf_counter() - t0)
-      n_ok = _simulated_accept(rng, bsz)
-      target = drafts.copy()
-      if n_ok < bsz - 1:
-        target[n_ok] = (drafts[n_ok] + 1 + rng.integers(args.vocab - 1)) % args.vocab
-      n_ok_dev = int(m.accept(drafts, target))
-      if n_ok_dev != n_ok:
-        raise AssertionError(f"device accept {n_ok_dev} != the simulated target's {n_ok}")
-      correction = int(target[n_ok]) if n_ok < bsz - 1 else int(rng.integers(args.vocab))
-      if r == 0:
-        bar.write(f"round 0: drafts {drafts.tolist()}, accepted {n_ok} (random weights: the "
-                  "block's mask positions share one embedding and differ only through rope, "
-                  "so a random drafter tends to repeat one token)", file=sys.stdout)
-      taus.append(n_ok + 1)
-      n_new = n_ok + 1
-      pending = dfj.synthetic_features(cfg, bsz, seed=args.seed + 100 + r)
-      n_past += n_new
-      id_last = correction
-  t = np.array(times[1:] or times) * 1e3
-  print(f"rounds:  {args.rounds}, committed {n_past - (n - 1)} tokens, tau {np.mean(taus):.2f} "
-        "(tau = mean tokens committed per round = accepted drafts + 1; it measures the "
-        f"simulated target, whose mean is {_expected_tau(bsz):.2f}, not the drafter)")
-  print(f"timing:  first round {times[0] * 1e3:.1f} ms (compile), then per round median "
-        f"{np.median(t):.3f} ms, p10 {np.percentile(t, 10):.3f}, p90 {np.percentile(t, 90):.3f} "
-        "(wall, includes the host round trip of the simulated target)")
-  return 0
-
-
-def _simulated_accept(rng: np.random.Generator, block_size: int) -> int:
-  """Accepted drafts: each of the block_size - 1 accepted with ACCEPT_P until the first miss."""
-  return int(min(rng.geometric(1 - ACCEPT_P) - 1, block_size - 1))
-
-
-def _expected_tau(block_size: int) -> float:
-  """E[accepted + 1] for _simulated_accept: sum over k < block_size of ACCEPT_P^k."""
-  return (1 - ACCEPT_P**block_size) / (1 - ACCEPT_P)
+  c_base = D.warm_up(D.Models(target=target, drafter=None, d2t=None, target_cfg=tcfg),
+                     D.DecodeConfig(width=1), [prompt], args.max_new, **kw)
+  c_spec = D.warm_up(models, spec_cfg, [prompt], args.max_new, ring_dtype=args.dtype, **kw)
+  print(f"compile: {c_base:.1f} s target-only, {c_spec:.1f} s speculative (excluded from "
+        f"every rate below; a later run of these shapes reads them from the compile cache)",
+        file=sys.stderr)
+  print(f"--- the prompt ({len(prompt)} tokens), then its continuation as the speculative "
+        f"rounds commit it (block {block}) ---", file=sys.stderr, flush=True)
+  sys.stdout.write(args.prompt)
+  stream = TextStream(tok)
+  spec = D.generate(models, spec_cfg, [prompt], args.max_new, on_tokens=stream,
+                    ring_dtype=args.dtype, **kw)
+  stream.finish()
+  spec_rates = [spec.n_tokens / spec.seconds]
+  base_rates = []
+  base = None
+  for _ in range(args.repeats):
+    b = D.generate_target_only(target, tcfg, [prompt], args.max_new, **kw)
+    base = base or b
+    base_rates.append(b.n_tokens / b.seconds)
+  for _ in range(args.repeats - 1):
+    g = D.generate(models, spec_cfg, [prompt], args.max_new, ring_dtype=args.dtype, **kw)
+    spec_rates.append(g.n_tokens / g.seconds)
+  hist = spec.hist.sum(0)
+  same = spec.tokens == base.tokens
+  speedups = np.asarray(spec_rates) / np.median(base_rates)
+  print("---", file=sys.stderr)
+  print(f"tau:      {spec.tau:.2f} tokens per round ({spec.n_tokens} tokens in "
+        f"{int(spec.rounds.sum())} rounds: accepted drafts + the target's own token)")
+  print("accepted drafts per round: " + " ".join(f"{j}:{int(c)}" for j, c in enumerate(hist)
+                                                 if c or j < 4))
+  print(f"tokens/s: target only {_spread(base_rates)}, speculative {_spread(spec_rates)} "
+        f"(median and range of {args.repeats} runs; compilation and prefill excluded)")
+  print(f"speedup:  {np.median(speedups):.2f}x"
+        + (f" ({speedups.min():.2f}-{speedups.max():.2f}x over the runs)" if args.repeats > 1
+           else ""))
+  print(f"output:   {'identical to' if same else 'DIFFERENT from'} target-only greedy decoding"
+        + ("" if same else " (greedy speculative decoding must be lossless: a bug)"))
+  return 0 if same else 1

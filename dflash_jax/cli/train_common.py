@@ -7,10 +7,34 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from dflash_jax.cli import CLIError, int_in
+from dflash_jax.cli import CLIError, check_new_output, int_in
 
 if TYPE_CHECKING:   # the training modules load jax and optax: the subcommands import them late
   from dflash_jax.train.trainer import OptimConfig
+
+
+def check_out(path: str, force: bool) -> None:
+  """Refuses a non-empty --out before any work, unless --force or it holds checkpoints/ (a
+  resume)."""
+  import os
+  if os.path.isdir(os.path.join(path, "checkpoints")):
+    return
+  check_new_output(path, "--out", force, folder=True)
+
+
+def export_reserve(deadline) -> float:
+  """Seconds of a --max-minutes budget kept for what follows training (the last held-out
+  evaluation, which may compile, and the export): a tenth of it, at least 10 s."""
+  return 0.0 if deadline.seconds is None else max(10.0, 0.1 * deadline.seconds)
+
+
+def check_memory(stages: dict[str, int], hint: str) -> None:
+  """Refuses, before any work, a run whose estimated peak memory does not fit the machine
+  (`train.budget.check_fits`), naming the stage, the estimate and what to lower."""
+  from dflash_jax.train.budget import check_fits
+  problem = check_fits(stages)
+  if problem:
+    raise CLIError(f"{problem}; {hint}")
 
 
 def arg_error(argument: str, message) -> CLIError:
@@ -39,18 +63,19 @@ def add_corpus_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--corpus", default=None,
                  help="folder of .py files (default: this Python's standard library)")
   p.add_argument("--max-files", type=int_in(1), default=None,
-                 help="use only the first N files of the sorted listing (small runs)")
+                 help="use only the first N files of the sorted listing (small runs; "
+                      "default: all)")
   p.add_argument("--holdout-every", type=int_in(1), default=20,
                  help="hold out files whose path hash is 0 mod N for evaluation")
 
 
 def add_optim_args(p: argparse.ArgumentParser, *, steps: int, lr: float, warmup: int) -> None:
-  p.add_argument("--steps", type=int_in(1), default=steps)
+  p.add_argument("--steps", type=int_in(1), default=steps, help="optimizer steps")
   p.add_argument("--lr", type=positive_float, default=lr, help="peak learning rate")
   p.add_argument("--warmup", type=int_in(0), default=warmup, help="warmup steps")
   p.add_argument("--final-lr-frac", type=float, default=0.1,
                  help="cosine decay ends at lr times this")
-  p.add_argument("--weight-decay", type=float, default=0.1)
+  p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (matrices)")
   p.add_argument("--clip", type=positive_float, default=1.0, help="global gradient norm clip")
 
 
@@ -68,12 +93,18 @@ def optim_config(args: argparse.Namespace) -> OptimConfig:
 
 
 def add_run_args(p: argparse.ArgumentParser) -> None:
-  p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--log-every", type=int_in(1), default=50)
+  p.add_argument("--seed", type=int, default=0, help="weights, data order and anchors")
+  p.add_argument("--log-every", type=int_in(1), default=50,
+                 help="a progress line every N steps (and at least every 30 s)")
   p.add_argument("--eval-every", type=int_in(0), default=0,
                  help="held-out evaluation every N steps (0: at the end only)")
   p.add_argument("--checkpoint-every", type=int_in(0), default=0,
                  help="orbax checkpoint every N steps into OUT/checkpoints (resumed from when "
                       "present); 0: none")
   p.add_argument("--max-minutes", type=positive_float, default=None,
-                 help="stop early (checkpointed and exported) once this much wall time passed")
+                 help="wall-time limit of the whole command, every stage included: each "
+                      "stage stops at its share (data preparation with what it has done, "
+                      "training checkpointed), then the model is exported (default: none)")
+  p.add_argument("--force", action="store_true",
+                 help="write into a non-empty OUT (without it, only a folder holding "
+                      "checkpoints/ to resume from is written into)")

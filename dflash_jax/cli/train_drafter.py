@@ -5,8 +5,13 @@ drafter (--family) against a frozen target (SPEC.md section 10, SPEC_dflash2_dsp
 greedy continuations, with the loss on the continuations (what decoding rewards); --data
 corpus: the training files themselves, loss everywhere. Target features are computed online in
 every step (--features online) or once into npy shards under DIR/features (--features cached,
-for targets too large to run beside the drafter). Writes DIR/drafter.gguf (or an HF folder with --format hf) and DIR/train_log.json.
-Errors are one line naming the argument, exit status 2.
+for targets too large to run beside the drafter). Writes DIR/drafter.gguf (or an HF folder
+with --format hf) and DIR/train_log.json; the distilled sequences are kept in DIR/distill.npz
+and reused (and completed) by a later run with the same data arguments. A run whose
+estimated memory does not fit the machine is refused before any work. --max-minutes bounds
+the whole command: distillation ends at 40% of it and feature caching at 60% with the
+sequences done by then, training stops (checkpointed) in time for the export. Errors are one
+line naming the argument, exit status 2.
 """
 from __future__ import annotations
 
@@ -14,12 +19,14 @@ import argparse
 import os
 import time
 
-from dflash_jax.cli import int_in
+from dflash_jax.cli import add_common_args, int_in
 from dflash_jax.cli import train_common as C
 from dflash_jax.config import FAMILIES, MARKOV_HEADS
 from dflash_jax.io import DrafterFormatError, atomic
 
 GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0")
+# Where each data stage must end, as a share of --max-minutes (training takes the rest).
+DISTILL_SHARE, FEATURES_SHARE = 0.4, 0.6
 
 
 def _nonnegative(text: str) -> float:
@@ -35,15 +42,18 @@ def register(sub) -> None:
   p.add_argument("--target", required=True, help="target HF folder (train-target's output)")
   p.add_argument("--out", required=True, help="output folder")
   C.add_corpus_args(p)
-  p.add_argument("--data", choices=("distill", "corpus"), default="distill")
+  p.add_argument("--data", choices=("distill", "corpus"), default="distill",
+                 help="training sequences: the target's greedy continuations of corpus "
+                      "prompts, or the corpus itself")
   p.add_argument("--prompts", type=int_in(1), default=8192,
                  help="distill: training prompts")
-  p.add_argument("--prompt-len", type=int_in(1), default=128)
+  p.add_argument("--prompt-len", type=int_in(2), default=128, help="distill: prompt tokens")
   p.add_argument("--gen-len", type=int_in(1), default=384,
                  help="distill: greedy tokens generated per prompt")
-  p.add_argument("--gen-batch", type=int_in(1), default=512)
+  p.add_argument("--gen-batch", type=int_in(1), default=512,
+                 help="distill: prompts continued per call")
   p.add_argument("--seq-len", type=int_in(1), default=512, help="corpus: sequence length")
-  p.add_argument("--layers", type=int_in(1), default=3)
+  p.add_argument("--layers", type=int_in(1), default=3, help="drafter layers")
   p.add_argument("--ffn", type=int_in(1), default=None, help="default: the target's")
   p.add_argument("--heads", type=int_in(1), default=None, help="default: the target's")
   p.add_argument("--kv-heads", type=int_in(1), default=None, help="default: the target's")
@@ -82,17 +92,21 @@ def register(sub) -> None:
   g.add_argument("--confidence-weight", type=_nonnegative, default=1.0,
                  help="the confidence BCE's weight next to the CE")
   C.add_optim_args(p, steps=2000, lr=1e-3, warmup=100)
-  p.add_argument("--compute-dtype", choices=("bf16", "fp32"), default="bf16")
+  p.add_argument("--compute-dtype", choices=("bf16", "fp32"), default="bf16",
+                 help="GEMM inputs of the drafter and the frozen target (masters, grads and "
+                      "optimizer state are float32)")
   p.add_argument("--features", choices=("online", "cached"), default="online",
                  help="target features computed in every step, or once to DIR/features")
   p.add_argument("--feature-dtype", choices=("float32", "float16"), default="float32",
                  help="cached features' storage")
   p.add_argument("--save-type", default="BF16", help=f"GGUF matrix type {GGUF_TYPES} "
                  "(HF: f32|f16|bf16)")
-  p.add_argument("--format", choices=("gguf", "hf"), default="gguf")
+  p.add_argument("--format", choices=("gguf", "hf"), default="gguf",
+                 help="output: OUT/drafter.gguf or the HF folder OUT/drafter-hf")
   p.add_argument("--any-shape", action="store_true",
                  help="train a shape the Pallas kernels cannot run (decode it with impl xla)")
   C.add_run_args(p)
+  add_common_args(p)
   p.set_defaults(run=train_drafter)
 
 
@@ -131,6 +145,7 @@ def train_drafter(args) -> int:
   import dflash_jax as dfj
   from dflash_jax.config import FULL, SLIDING
   from dflash_jax.models import load_target
+  from dflash_jax.train import budget
   from dflash_jax.train import data as D
   from dflash_jax.train import recipes
   from dflash_jax.train import trainer as TR
@@ -138,7 +153,9 @@ def train_drafter(args) -> int:
   from dflash_jax.train.loss import resolve_gamma
   from pallas_kernels import limits
 
+  deadline = budget.Deadline.minutes(args.max_minutes)
   tok = D.TOKENIZER
+  C.check_out(args.out, args.force)
   # The frozen target computes (features, distilled continuations) in the compute dtype, as
   # `eval --dtype` decodes with it.
   try:
@@ -189,15 +206,27 @@ def train_drafter(args) -> int:
     raise C.arg_error("--save-type", f"{args.save_type!r} is not a {fmt} type "
                        f"(choose from {', '.join(types)})")
   oc = C.optim_config(args)
+  distill = args.data == "distill"
+  seq_len = args.prompt_len + args.gen_len if distill else args.seq_len
+  if distill and seq_len > tcfg.max_position_embeddings:
+    raise C.arg_error("--prompt-len/--gen-len", f"{args.prompt_len} + {args.gen_len} tokens "
+                       f"exceed the target's max_position_embeddings "
+                       f"{tcfg.max_position_embeddings}")
+  stages = {"a training step": budget.drafter_step_bytes(
+      cfg, tcfg, args.batch, seq_len, args.anchors, online=args.features == "online")}
+  if distill:
+    stages["distillation"] = budget.distill_bytes(tcfg, args.gen_batch, args.prompt_len,
+                                                  args.gen_len)
+  C.check_memory(stages, "lower --batch, --anchors or --gen-batch (or the sequence length); "
+                 "the README's CPU recipe fits 4 GB")
   try:
     train_s, held_s, _, _ = recipes.corpus_streams(args.corpus, args.max_files,
                                                    args.holdout_every)
   except ValueError as e:
     raise C.arg_error("--corpus", e)
   os.makedirs(args.out, exist_ok=True)
-  t0 = time.perf_counter()
   try:
-    if args.data == "distill":
+    if distill:
       prompts = recipes.seeded_rows(D.chunk(train_s, args.prompt_len), args.prompts, args.seed)
       held_p = recipes.seeded_rows(D.chunk(held_s, args.prompt_len), 64, args.seed)
     else:
@@ -205,26 +234,16 @@ def train_drafter(args) -> int:
       held_seqs = recipes.seeded_rows(D.chunk(held_s, args.seq_len), 64, args.seed)
   except ValueError as e:
     raise C.arg_error("--prompt-len/--seq-len", e)
-  if args.data == "distill":
-    tokens, mask = recipes.distill_data(target, tcfg, prompts, args.gen_len, args.gen_batch)
-    held_t, held_m = recipes.distill_data(target, tcfg, held_p, args.gen_len, args.gen_batch)
-    print(f"distill: {tokens.shape[0]} prompts of {args.prompt_len} + {args.gen_len} greedy "
-          f"target tokens ({mask.sum() / 1e6:.2f} M loss tokens) in "
-          f"{time.perf_counter() - t0:.1f} s")
+  if distill:
+    held_t, held_m = recipes.distill_data(target, tcfg, held_p, args.gen_len,
+                                          args.gen_batch)
+    tokens, mask = _distilled(args, target, tcfg, prompts, deadline)
   else:
     tokens, mask = seqs, np.ones(seqs.shape, bool)
     held_t, held_m = held_seqs, np.ones(held_seqs.shape, bool)
     print(f"corpus: {tokens.shape[0]} sequences of {args.seq_len}")
   if tokens.shape[0] < args.batch:
     raise C.arg_error("--batch", f"{args.batch} exceeds the {tokens.shape[0]} sequences")
-  data = D.DrafterData(tokens, mask, batch_size=args.batch, n_anchors=args.anchors,
-                       seed=args.seed)
-  held = D.DrafterData(held_t, held_m, batch_size=min(args.batch, held_t.shape[0]),
-                       n_anchors=args.anchors, seed=args.seed + 1)
-  tc = TR.DrafterTrainConfig(optim=oc, gamma=gamma, window=cfg.window,
-                             compute_dtype=args.compute_dtype,
-                             selector_weight=args.selector_weight,
-                             confidence_weight=args.confidence_weight)
   print(f"drafter: {cfg.family}, {cfg.n_layer} layers x {cfg.n_embd}, block {cfg.block_size}, "
         f"{cfg.family_fields or ''} target layers "
         f"{cfg.target_layers}, window {cfg.window}, {args.anchors} anchors x {args.batch} "
@@ -235,20 +254,38 @@ def train_drafter(args) -> int:
     capture = TR.training_capture_layers(cfg, tcfg)
     folder = os.path.join(args.out, "features")
     t2 = time.perf_counter()
+    stop = deadline.at(FEATURES_SHARE)
     try:
-      m = write_feature_shards(folder, target, tcfg, capture, tokens, batch_size=args.batch,
-                               dtype=args.feature_dtype)
+      m = write_feature_shards(
+          folder, target, tcfg, capture, tokens, batch_size=args.batch,
+          dtype=args.feature_dtype, stop_at=stop,
+          progress=budget.Progress("features", "sequences", tokens.shape[1], stop_at=stop))
     except ValueError as e:
       raise C.arg_error("--feature-dtype", e)
     shards = FeatureShards(folder, capture)
+    if m["n_rows"] < tokens.shape[0]:
+      print(f"features: stopped at {FEATURES_SHARE:.0%} of the time limit with "
+            f"{m['n_rows']} of {tokens.shape[0]} sequences; training uses those")
+      tokens, mask = tokens[:m["n_rows"]], mask[:m["n_rows"]]
+      if tokens.shape[0] < args.batch:
+        raise C.arg_error("--max-minutes", f"feature caching ended with {tokens.shape[0]} "
+                           f"sequences, fewer than --batch {args.batch}")
     print(f"features: {m['n_rows']} x {m['seq_len']} x {m['width']} {m['dtype']} in "
           f"{len(m['shards'])} shards under {folder} ({time.perf_counter() - t2:.1f} s)")
+  data = D.DrafterData(tokens, mask, batch_size=args.batch, n_anchors=args.anchors,
+                       seed=args.seed)
+  held = D.DrafterData(held_t, held_m, batch_size=min(args.batch, held_t.shape[0]),
+                       n_anchors=args.anchors, seed=args.seed + 1)
+  tc = TR.DrafterTrainConfig(optim=oc, gamma=gamma, window=cfg.window,
+                             compute_dtype=args.compute_dtype,
+                             selector_weight=args.selector_weight,
+                             confidence_weight=args.confidence_weight)
   ckpt = os.path.join(args.out, "checkpoints") if args.checkpoint_every else None
   t1 = time.perf_counter()
   w, log = recipes.train_drafter(
       cfg, target, tcfg, data, tc, seed=args.seed, eval_data=held, log_every=args.log_every,
       eval_every=args.eval_every, checkpoint_dir=ckpt, checkpoint_every=args.checkpoint_every,
-      max_seconds=None if args.max_minutes is None else 60 * args.max_minutes, features=shards)
+      stop_at=deadline.at() - C.export_reserve(deadline), features=shards)
   seconds = time.perf_counter() - t1
   path = os.path.join(args.out, "drafter.gguf" if fmt == "gguf" else "drafter-hf")
   try:
@@ -262,5 +299,45 @@ def train_drafter(args) -> int:
       sequences=int(tokens.shape[0]), loss_tokens=int(mask.sum()), log=log))
   print(f"done: {final['step']} steps in {seconds:.1f} s; held-out loss "
         f"{final.get('eval_loss', float('nan')):.4f}, accepted drafts per block "
-        f"{final.get('eval_accept', float('nan')):.2f}; drafter saved to {path}")
+        f"{final.get('eval_accept', float('nan')):.2f}; drafter saved to {path} "
+        f"({time.perf_counter() - deadline.start:.0f} s in all)")
   return 0
+
+
+def _distilled(args, target, tcfg, prompts, deadline):
+  """(tokens, loss mask) of the distilled sequences: those OUT/distill.npz holds from an
+  earlier run with the same data arguments, completed here up to --prompts (until
+  DISTILL_SHARE of the time limit), and saved back."""
+  import numpy as np
+
+  from dflash_jax.train import budget
+  from dflash_jax.train import recipes
+
+  path = os.path.join(args.out, "distill.npz")
+  key = dict(target=os.path.abspath(args.target), corpus=args.corpus, max_files=args.max_files,
+             holdout_every=args.holdout_every, prompt_len=args.prompt_len,
+             gen_len=args.gen_len, seed=args.seed, compute_dtype=args.compute_dtype)
+  tokens = mask = None
+  if os.path.isfile(path):
+    with np.load(path) as z:
+      if str(z["key"]) == repr(sorted(key.items())):
+        tokens, mask = z["tokens"][:len(prompts)], z["mask"][:len(prompts)]
+  done = 0 if tokens is None else tokens.shape[0]
+  if done:
+    print(f"distill: {done} of {len(prompts)} prompts' continuations from {path}")
+  if done < len(prompts):
+    t0 = time.perf_counter()
+    stop = deadline.at(DISTILL_SHARE)
+    new_t, new_m = recipes.distill_data(
+        target, tcfg, prompts[done:], args.gen_len, args.gen_batch, stop_at=stop,
+        progress=budget.Progress("distill", "prompts", args.gen_len, stop_at=stop))
+    tokens = new_t if tokens is None else np.concatenate([tokens, new_t])
+    mask = new_m if mask is None else np.concatenate([mask, new_m])
+    with atomic.replacing(path) as tmp, open(tmp, "wb") as f:
+      np.savez(f, tokens=tokens, mask=mask, key=np.array(repr(sorted(key.items()))))
+    print(f"distill: {tokens.shape[0]} prompts of {args.prompt_len} + {args.gen_len} greedy "
+          f"target tokens ({mask.sum() / 1e6:.2f} M loss tokens; {new_t.shape[0]} new in "
+          f"{time.perf_counter() - t0:.1f} s), kept in {path}"
+          + ("" if tokens.shape[0] == len(prompts) else
+             f"; stopped at {DISTILL_SHARE:.0%} of the time limit (a later run continues)"))
+  return tokens, mask

@@ -376,11 +376,11 @@ def write_tensors(folder: str | os.PathLike, tensors: Mapping[str, np.ndarray], 
     if len(files) == 1:  # an index beside the new single file would make the folder ambiguous
       _remove_if_present(os.path.join(folder, INDEX_FILE))
     for file in temps:    # shards first, the index (the sharded layout's commit point) last
-      os.replace(temps[file], os.path.join(folder, file))
+      atomic.publish(temps[file], os.path.join(folder, file))
     temps.clear()
   finally:
     for tmp in temps.values():
-      _remove_if_present(tmp)
+      atomic.discard(tmp)
   for stale in os.listdir(folder):
     if (_SHARD_NAME.fullmatch(stale) or stale == SINGLE_FILE) and stale not in files:
       _remove_if_present(os.path.join(folder, stale))

@@ -16,6 +16,13 @@ written past the length; for recurrent layers, what restores their state after a
 n_keep - 1 (unchanged for n_keep = 0). Between a verify and its commit no other call may
 touch the cache.
 
+Slots that take new prompts (continuous batching, `decode.serve`): `reset(cache, empty)`
+empties the sequences where empty[b] (length 0, recurrent state as `init_cache` makes it)
+and leaves the others as they are; a `prefill` leaves every sequence with n_valid[b] = 0
+exactly as it was (nothing written, whatever its length, even where its length plus the
+prefill's T passes the capacity). Together they put a new prompt into chosen slots alone
+while the other slots keep decoding.
+
 Feature capture: `capture_layers` are HF `hidden_states` indices (llama.cpp's DFlash
 `target_layers`): i < n_layers is the residual stream entering layer i (0 = what the first
 layer receives), i = n_layers the final-normed state. Rows are the concatenation in
@@ -56,7 +63,8 @@ class Target(Protocol):
               capture_layers: Sequence[int] = (), impl: str = "xla") -> tuple[Any, jax.Array]:
     """Commit rows 0..n_valid[b]-1 of tokens [B, T] at positions length.. -> (cache,
     features [B, T, F] float32; rows past n_valid are garbage). T is padded to a bucket
-    (`prefill_bucket`); padding rows never become visible."""
+    (`prefill_bucket`); padding rows never become visible, and a sequence with n_valid 0 is
+    left unchanged."""
 
   def verify(self, params: Any, cache: Any, tokens: jax.Array, *,
              capture_layers: Sequence[int] = (), impl: str = "xla"
@@ -66,6 +74,10 @@ class Target(Protocol):
 
   def commit(self, cache: Any, n_keep: jax.Array) -> Any:
     """Keep the first n_keep [B] rows of the last verify (see the module docstring)."""
+
+  def reset(self, cache: Any, empty: jax.Array) -> Any:
+    """The cache with the sequences where empty [B] bool is True emptied (as `init_cache`
+    makes them), the others unchanged (see the module docstring)."""
 
   def forward(self, params: Any, tokens: jax.Array, *, capture_layers: Sequence[int] = (),
               with_logits: bool = True) -> tuple[jax.Array | None, jax.Array]:

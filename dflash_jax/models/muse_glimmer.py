@@ -41,7 +41,7 @@ from dflash_jax.config import (FULL, LAYER_TYPES, SLIDING, RopeScaling, rope_fro
                                rope_inv_freq)
 from dflash_jax.models import base
 from dflash_jax.models.qwen3 import normals, rope
-from dflash_jax.dispatch import KernelPolicy, linear, resolve_dtype, rms_norm
+from dflash_jax.dispatch import KernelPolicy, einsum_f32, linear, resolve_dtype, rms_norm
 
 MODEL_TYPES = ("muse_glimmer", "muse_glimmer_text")
 PREFIX = "model.language_model."   # the text model's tensors in the (VLM) checkpoint
@@ -156,6 +156,9 @@ class MuseGlimmerConfig:
 
   def commit(self, cache: "MuseCache", n_keep: jax.Array) -> "MuseCache":
     return commit(self, cache, n_keep)
+
+  def reset(self, cache: "MuseCache", empty: jax.Array) -> "MuseCache":
+    return reset(cache, empty)
 
   def forward(self, params, tokens, *, capture_layers=(), with_logits: bool = True):
     return forward(params, self, tokens, capture_layers=capture_layers,
@@ -341,16 +344,15 @@ def _attention(q: jax.Array, parts) -> jax.Array:
   for keys, _, visible in parts:
     prec = jax.lax.Precision.HIGHEST if keys.dtype == jnp.float32 else jax.lax.Precision.DEFAULT
     qg = q.reshape(b, t, hkv, hq // hkv, d).astype(keys.dtype)
-    s = jnp.einsum("btkgd,bskd->bkgts", qg, keys, precision=prec,
-                   preferred_element_type=jnp.float32) * (1.0 / math.sqrt(d))
+    s = einsum_f32("btkgd,bskd->bkgts", qg, keys, prec) * (1.0 / math.sqrt(d))
     scores.append(jnp.where(visible[:, None, None], s, -jnp.inf))
   p = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
   o, start = 0.0, 0
   for (keys, values, _), s in zip(parts, scores):
     prec = jax.lax.Precision.HIGHEST if keys.dtype == jnp.float32 else jax.lax.Precision.DEFAULT
     n = s.shape[-1]
-    o = o + jnp.einsum("bkgts,bskd->btkgd", p[..., start:start + n].astype(values.dtype), values,
-                       precision=prec, preferred_element_type=jnp.float32)
+    o = o + einsum_f32("bkgts,bskd->btkgd", p[..., start:start + n].astype(values.dtype),
+                       values, prec)
     start += n
   return o.reshape(b, t, hq * d)
 
@@ -464,9 +466,19 @@ def init_cache(cfg: MuseGlimmerConfig, batch: int, capacity: int, dtype: Any = "
                    length=jnp.zeros((batch,), jnp.int32), capacity=int(capacity))
 
 
-def _write(buf: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Array:
-  """buf [B, S, Hkv, D] with rows [B, T, Hkv, D] at slots start[b] .. start[b] + T - 1."""
+def _write(buf: jax.Array, rows: jax.Array, start: jax.Array,
+           n: jax.Array | None = None) -> jax.Array:
+  """buf [B, S, Hkv, D] with rows [B, T, Hkv, D] at slots start[b] .. start[b] + T - 1. With
+  n [B], only rows t < n[b]: the others keep buf's values, so a sequence with n 0 is untouched
+  even where start + T passes the capacity (the write's start is then clamped, and so is the
+  read of the values it keeps)."""
   rows = rows.astype(buf.dtype)
+  t = rows.shape[1]
+  if n is not None:
+    old = jax.vmap(lambda c, s: jax.lax.dynamic_slice(c, (s, 0, 0), (t, *c.shape[1:])))(
+        buf, start)
+    keep = jnp.arange(t, dtype=jnp.int32)[None, :] < n[:, None]
+    rows = jnp.where(keep[:, :, None, None], rows, old)
   if buf.shape[0] == 1:   # one sequence: a plain dynamic-update-slice, in place
     return jax.lax.dynamic_update_slice(buf, rows, (0, start[0], 0, 0))
   return jax.vmap(lambda c, r, s: jax.lax.dynamic_update_slice(c, r, (s, 0, 0)))(
@@ -502,7 +514,7 @@ def _extend(params: MuseParams, cfg: MuseGlimmerConfig, cache: MuseCache, tokens
       vis = slots[None, None, :] <= positions[:, :, None]
 
       def attend_full(q, k, v):
-        nk, nv = _write(ck, k, start), _write(cv, v, start)
+        nk, nv = _write(ck, k, start, n_commit), _write(cv, v, start, n_commit)
         return _attention(q, [(nk, nv, vis)]), (nk, nv)
       return attend_full
     # The ring as before the call: slot s holds the latest committed position = s (mod R).
@@ -541,7 +553,7 @@ def prefill(params: MuseParams, cfg: MuseGlimmerConfig, cache: MuseCache, tokens
             n_valid: jax.Array, *, capture_layers=(), impl: str = "xla"):
   """Commit rows 0..n_valid-1 of tokens [B, T] (T padded to a bucket, any valid ids past
   n_valid) at positions length.. -> (cache, features [B, T, F]; rows past n_valid garbage).
-  Padding rows write full-attention K/V only past the new length and never enter a ring."""
+  Padding rows write nothing (a sequence with n_valid 0 is left unchanged)."""
   n = jnp.broadcast_to(jnp.asarray(n_valid, jnp.int32), (tokens.shape[0],))
   cache, _, feats = _extend(params, cfg, cache, tokens, n, capture_layers, False, impl)
   return cache, feats
@@ -568,6 +580,13 @@ def commit(cfg: MuseGlimmerConfig, cache: MuseCache, n_keep: jax.Array) -> MuseC
       vs[l] = _ring_write(vs[l], cache.pending_v[i], cache.length, n)
   return cache.replace(k=tuple(ks), v=tuple(vs), length=cache.length + n, pending_k=None,
                        pending_v=None)
+
+
+def reset(cache: MuseCache, empty: jax.Array) -> MuseCache:
+  """Empty the sequences where empty [B]: length 0. Their K/V stay, never visible (full
+  layers: a row at position p sees slots <= p, rewritten from 0 on; rings: a slot is read only
+  for a committed position, and there are none)."""
+  return cache.replace(length=jnp.where(jnp.asarray(empty, bool), 0, cache.length))
 
 
 _STATIC = ("cfg", "capture_layers", "impl")

@@ -54,8 +54,9 @@ from jax import lax
 
 from dflash_jax.config import RopeScaling, rope_from_hf, rope_inv_freq
 from dflash_jax.models import base
-from dflash_jax.dispatch import (KernelPolicy, Reduced, input_dtype, linear, resolve_dtype,
-                                 residual_norm, rms_norm, sum_in_order, target_attention)
+from dflash_jax.dispatch import (KernelPolicy, Reduced, einsum_f32, input_dtype, linear,
+                                 resolve_dtype, residual_norm, rms_norm, sum_in_order,
+                                 target_attention)
 from pallas_kernels import cache_attention as cache_attn_k
 from pallas_kernels import norm_rope as norm_rope_k
 from pallas_kernels._common import next_pow2
@@ -141,6 +142,9 @@ class TargetConfig:
 
   def commit(self, cache: "TargetCache", n_keep: jax.Array) -> "TargetCache":
     return commit(cache, n_keep)
+
+  def reset(self, cache: "TargetCache", empty: jax.Array) -> "TargetCache":
+    return reset(cache, empty)
 
   def forward(self, params, tokens, *, capture_layers=(), with_logits: bool = True):
     return forward(params, self, tokens, capture_layers=capture_layers,
@@ -282,19 +286,18 @@ def _attention(q: jax.Array, keys: jax.Array, values: jax.Array, visible: jax.Ar
   """q [B, T, Hq, D] f32 over keys/values [B, Hkv, S, D] where visible [B, T, S] -> [B, T, Hq D].
 
   The dots take their operands in the K/V dtype with float32 accumulation (full precision for
-  float32). Every row must see at least one key (each row sees its own position).
+  float32; `dispatch.einsum_f32`, which widens bf16 operands on CPU). Every row must see at
+  least one key (each row sees its own position).
   """
   b, t, hq, d = q.shape
   hkv = keys.shape[1]
   dt = keys.dtype
   prec = lax.Precision.HIGHEST if dt == jnp.float32 else lax.Precision.DEFAULT
   qg = q.reshape(b, t, hkv, hq // hkv, d).astype(dt)
-  s = jnp.einsum("btkgd,bksd->bkgts", qg, keys, precision=prec,
-                 preferred_element_type=jnp.float32) * (1.0 / math.sqrt(d))
+  s = einsum_f32("btkgd,bksd->bkgts", qg, keys, prec) * (1.0 / math.sqrt(d))
   s = jnp.where(visible[:, None, None], s, -jnp.inf)
   p = jax.nn.softmax(s, axis=-1)
-  o = jnp.einsum("bkgts,bksd->btkgd", p.astype(dt), values, precision=prec,
-                 preferred_element_type=jnp.float32)
+  o = einsum_f32("bkgts,bksd->btkgd", p.astype(dt), values, prec)
   return o.reshape(b, t, hq * d)
 
 
@@ -460,9 +463,19 @@ def init_cache(cfg: TargetConfig, batch: int, capacity: int, dtype: Any = "fp32"
                      length=jnp.zeros((batch,), jnp.int32))
 
 
-def _write(buf: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Array:
-  """buf [B, Hkv, S, D] with rows [B, T, Hkv, D] stored at slots start[b] .. start[b] + T - 1."""
+def _write(buf: jax.Array, rows: jax.Array, start: jax.Array,
+           n: jax.Array | None = None) -> jax.Array:
+  """buf [B, Hkv, S, D] with rows [B, T, Hkv, D] stored at slots start[b] .. start[b] + T - 1.
+  With n [B], only rows t < n[b]: the others keep buf's values, so a sequence with n 0 is
+  untouched even where start + T passes the capacity (the write's start is then clamped, and
+  so is the read of the values it keeps)."""
   rows = rows.transpose(0, 2, 1, 3).astype(buf.dtype)
+  t = rows.shape[2]
+  if n is not None:
+    old = jax.vmap(lambda c, s: lax.dynamic_slice(c, (0, s, 0), (c.shape[0], t, c.shape[2])))(
+        buf, start)
+    keep = jnp.arange(t, dtype=jnp.int32)[None, :] < n[:, None]
+    rows = jnp.where(keep[:, None, :, None], rows, old)
   if buf.shape[0] == 1:   # one sequence: a plain dynamic-update-slice, in place (no scatter)
     return lax.dynamic_update_slice(buf, rows, (0, 0, start[0], 0))
   return jax.vmap(lambda c, r, s: lax.dynamic_update_slice(c, r, (0, s, 0)))(buf, rows, start)
@@ -496,7 +509,10 @@ def _cache_attend_layer(cfg, cache: TargetCache, start: jax.Array, t: int, knobs
 def extend(params: TargetParams, cfg: TargetConfig, cache: TargetCache, tokens: jax.Array,
            n_valid: jax.Array, capture_layers, with_logits: bool, impl: str, layer=_layer):
   """The cached pass of prefill and verify: tokens [B, T] at positions length.., their K/V
-  written at those slots, length += n_valid. layer: the decoder layer (see `_trunk`).
+  written at those slots, length += n_valid. A prefill (with_logits False) writes only rows
+  t < n_valid[b] (`_write`; the Pallas kernel drops rows past the capacity instead of
+  clamping, and rows past n_valid land past the length, never visible); a verify writes every
+  row past the length for `commit`. layer: the decoder layer (see `_trunk`).
 
   impl "pallas" (`dispatch.target_attention`): up to policy.target_pallas_max_width rows per
   sequence, the Pallas pieces read only the live slots (below length + T) and write the K/V
@@ -505,6 +521,8 @@ def extend(params: TargetParams, cfg: TargetConfig, cache: TargetCache, tokens: 
   tokens = jnp.asarray(tokens, jnp.int32)
   b, t = tokens.shape
   start = cache.length
+  n_valid = jnp.broadcast_to(jnp.asarray(n_valid, jnp.int32), (b,))
+  n_write = None if with_logits else n_valid
   positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)
   knobs = target_attention(t=t, group=cfg.num_attention_heads // cfg.num_key_value_heads,
                            head_dim=cfg.head_dim, cache_dtype=cache.k[0].dtype, impl=impl,
@@ -518,14 +536,15 @@ def extend(params: TargetParams, cfg: TargetConfig, cache: TargetCache, tokens: 
     def attend_layer(l):
       def attend(lp, qkv, positions, freqs):
         q, k, v = qk_rope(cfg, lp, qkv, positions, freqs)
-        ck, cv = _write(cache.k[l], k, start), _write(cache.v[l], v, start)
+        ck = _write(cache.k[l], k, start, n_write)
+        cv = _write(cache.v[l], v, start, n_write)
         return _attention(q, ck, cv, visible).reshape(b * t, -1), (ck, cv)
       return attend
 
   h, feats, kept = _trunk(params, cfg, tokens, positions, attend_layer, capture_layers, impl,
                           layer)
   new = TargetCache(k=tuple(k for k, _ in kept), v=tuple(v for _, v in kept),
-                    length=start + jnp.broadcast_to(jnp.asarray(n_valid, jnp.int32), (b,)))
+                    length=start + n_valid)
   return new, (_logits(params, h, (b, t), impl) if with_logits else None), feats
 
 
@@ -533,7 +552,7 @@ def prefill(params: TargetParams, cfg: TargetConfig, cache: TargetCache, tokens:
             n_valid: jax.Array, *, capture_layers=(), impl: str = "xla"):
   """Append rows 0..n_valid-1 of tokens [B, T] (T padded to a bucket, `prefill_bucket`; pad
   with any valid id) at positions length.. -> (cache with length += n_valid, features
-  [B, T, F]). Padding rows write K/V only past the new length (never visible); their
+  [B, T, F]). Padding rows write no K/V (a sequence with n_valid 0 is left unchanged); their
   features are garbage. No LM head. n_valid: int32 scalar or [B]."""
   cache, _, feats = extend(params, cfg, cache, tokens, n_valid, capture_layers, False, impl)
   return cache, feats
@@ -555,6 +574,12 @@ def commit(cache: TargetCache, n_keep: jax.Array) -> TargetCache:
   K/V stay past the length, never visible (a row at position p sees slots <= p, and the
   next call rewrites slots from the length on), so nothing is copied."""
   return cache.replace(length=cache.length + jnp.asarray(n_keep, jnp.int32))
+
+
+def reset(cache: TargetCache, empty: jax.Array) -> TargetCache:
+  """Empty the sequences where empty [B]: length 0. Their K/V stay, never visible (a row at
+  position p sees slots <= p, and the next prefill rewrites slots from 0 on)."""
+  return cache.replace(length=jnp.where(jnp.asarray(empty, bool), 0, cache.length))
 
 
 _STATIC = ("cfg", "capture_layers", "impl")

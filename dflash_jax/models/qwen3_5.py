@@ -182,6 +182,9 @@ class TargetConfig:
   def commit(self, cache: "TargetCache", n_keep: jax.Array) -> "TargetCache":
     return commit(self, cache, n_keep)
 
+  def reset(self, cache: "TargetCache", empty: jax.Array) -> "TargetCache":
+    return reset(cache, empty)
+
   def forward(self, params, tokens, *, capture_layers=(), with_logits: bool = True):
     return forward(params, self, tokens, capture_layers=capture_layers,
                    with_logits=with_logits)
@@ -733,7 +736,9 @@ def _extend(params: TargetParams, cfg: TargetConfig, cache: TargetCache, tokens:
   def attend_layer(l):
     def attend(q, k, v):
       i = slot[l]
-      new_k[i], new_v[i] = _write(cache.k[i], k, start), _write(cache.v[i], v, start)
+      # A prefill writes only rows below n_valid (a slot with n_valid 0 stays as it was).
+      new_k[i] = _write(cache.k[i], k, start, n_valid)
+      new_v[i] = _write(cache.v[i], v, start, n_valid)
       return _attention(q, new_k[i], new_v[i], visible), None
     return attend
 
@@ -830,6 +835,16 @@ def commit(cfg: TargetConfig, cache: TargetCache, n_keep: jax.Array) -> TargetCa
     else:
       state = gdn.replay_reference(p.q, p.k, p.v, p.g, p.beta, state, n_keep)
   return cache.replace(state=state, conv=conv, length=cache.length + n_keep, pending=None)
+
+
+def reset(cache: TargetCache, empty: jax.Array) -> TargetCache:
+  """Empty the sequences where empty [B]: length 0, S and the conv window zero (as
+  `init_cache` makes them). Their K/V stay, never visible (the next prefill rewrites slots
+  from 0 on); the other sequences are unchanged."""
+  e = jnp.asarray(empty, bool)
+  zero = lambda a: jnp.where(e.reshape((-1,) + (1,) * (a.ndim - 1)), 0.0, a).astype(a.dtype)
+  return cache.replace(length=jnp.where(e, 0, cache.length), state=zero(cache.state),
+                       conv=zero(cache.conv))
 
 
 _STATIC = ("cfg", "capture_layers", "impl")

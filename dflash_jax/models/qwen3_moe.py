@@ -134,6 +134,9 @@ class Qwen3MoeConfig:
   def commit(self, cache: TargetCache, n_keep: jax.Array) -> TargetCache:
     return qwen3.commit(cache, n_keep)
 
+  def reset(self, cache: TargetCache, empty: jax.Array) -> TargetCache:
+    return qwen3.reset(cache, empty)
+
   def forward(self, params, tokens, *, capture_layers=(), with_logits: bool = True):
     return forward(params, self, tokens, capture_layers=capture_layers,
                    with_logits=with_logits)

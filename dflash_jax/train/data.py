@@ -12,6 +12,8 @@ import dataclasses
 import hashlib
 import os
 import sysconfig
+import time
+from typing import Callable
 
 import flax.struct
 import numpy as np
@@ -47,6 +49,37 @@ class ByteTokenizer:
       out.append(names.get(i, f"<{i}>"))
     out.append(run.decode("utf-8", "replace"))
     return "".join(out)
+
+
+  def hf_json(self) -> str:
+    """This tokenizer as a `tokenizers` JSON (what `train-target` writes as tokenizer.json, so
+    that `generate --prompt` and `eval` read text with the target's own tokenizer): a BPE
+    without merges over the 256 byte symbols (ByteLevel's byte-to-character mapping, no
+    prefix space, no splitting), so byte b is id b, and EOS / MASK / PAD as special tokens."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    symbols = pre_tokenizers.ByteLevel.alphabet()
+    table = _byte_symbols()
+    assert sorted(table.values()) == sorted(symbols), "ByteLevel's alphabet changed"
+    tok = Tokenizer(models.BPE(vocab={table[b]: b for b in range(256)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = {self.eos_id: "<eos>", self.mask_id: "<mask>", self.pad_id: "<pad>"}
+    assert sorted(specials) == list(range(256, 256 + len(specials)))
+    tok.add_special_tokens([AddedToken(specials[i], special=True) for i in sorted(specials)])
+    return tok.to_str(pretty=True)
+
+
+def _byte_symbols() -> dict[int, str]:
+  """ByteLevel's (GPT-2's) printable character for each byte: printable Latin-1 bytes stand
+  for themselves, the others take the characters from U+0100 on, in byte order."""
+  keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+          *range(ord("\xae"), ord("\xff") + 1)]
+  out, extra = {b: chr(b) for b in keep}, 0
+  for b in range(256):
+    if b not in out:
+      out[b] = chr(256 + extra)
+      extra += 1
+  return out
 
 
 TOKENIZER = ByteTokenizer()
@@ -96,6 +129,27 @@ def read_tokens(root: str, files: list[str], tok: ByteTokenizer = TOKENIZER) -> 
   return np.concatenate(parts) if parts else np.zeros(0, np.int32)
 
 
+@dataclasses.dataclass(frozen=True)
+class TextTokenizer:
+  """A target's own tokenizer (a `tokenizers.Tokenizer`, e.g. read from its tokenizer.json)
+  for the corpus: each file's text is encoded, followed by `eos` (when not None)."""
+  tokenizer: object
+  eos: int | None = None
+
+  def encode(self, text: str) -> np.ndarray:
+    ids = self.tokenizer.encode(text).ids
+    return np.asarray(ids + ([] if self.eos is None else [self.eos]), np.int32)
+
+
+def read_text_tokens(root: str, files: list[str], tok: TextTokenizer) -> np.ndarray:
+  """All files' text (UTF-8; invalid bytes replaced) encoded by tok, in order: one stream."""
+  parts = []
+  for f in files:
+    with open(os.path.join(root, f), "rb") as fh:
+      parts.append(tok.encode(fh.read().decode("utf-8", "replace")))
+  return np.concatenate(parts) if parts else np.zeros(0, np.int32)
+
+
 def chunk(stream: np.ndarray, seq_len: int) -> np.ndarray:
   """[N, seq_len] consecutive windows of the stream (the tail shorter than seq_len dropped)."""
   n = stream.shape[0] // seq_len
@@ -116,16 +170,25 @@ def epoch_rows(n_rows: int, batch_size: int, seed: int, step: int) -> tuple[int,
   return epoch, perm[i * batch_size:(i + 1) * batch_size]
 
 
-def map_batches(fn, rows: np.ndarray, batch_size: int) -> np.ndarray:
+def map_batches(fn, rows: np.ndarray, batch_size: int, *, stop_at: float | None = None,
+                progress: Callable[[int, int, float], None] | None = None) -> np.ndarray:
   """np.concatenate of fn(batch) over rows [N, ...] taken batch_size at a time, every batch
   padded to batch_size rows (repeating its last row) so fn compiles once; padding rows of the
-  result are dropped."""
-  out = []
+  result are dropped. stop_at (a time.perf_counter() value): no batch starts that the last
+  batch's time says would end past it, and the result holds the rows done by then (at least
+  one batch). progress(rows done, N, seconds of the last batch) after each batch."""
+  out, last = [], None
   for i in range(0, rows.shape[0], batch_size):
+    t = time.perf_counter()
+    if out and stop_at is not None and t + (last or 0.0) > stop_at:
+      break
     chunk = rows[i:i + batch_size]
     pad = batch_size - chunk.shape[0]
     full = np.concatenate([chunk, np.repeat(chunk[-1:], pad, 0)]) if pad else chunk
     out.append(np.asarray(fn(full))[:chunk.shape[0]])
+    last = time.perf_counter() - t
+    if progress is not None:
+      progress(i + chunk.shape[0], rows.shape[0], last)
   return np.concatenate(out)
 
 

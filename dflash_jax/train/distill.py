@@ -36,10 +36,13 @@ def _generate(params: qwen3.TargetParams, cfg: qwen3.TargetConfig, prompts: jax.
 
 def greedy_continuations(params: qwen3.TargetParams, cfg: qwen3.TargetConfig,
                          prompts: np.ndarray, n_new: int, batch_size: int = 256,
-                         cache_dtype: str = "fp32") -> np.ndarray:
-  """[N, n_new] int32: the target's greedy continuation of each prompt [N, P] (P >= 2; the
+                         cache_dtype: str = "fp32", *, stop_at: float | None = None,
+                         progress=None) -> np.ndarray:
+  """[N', n_new] int32: the target's greedy continuation of each prompt [N, P] (P >= 2; the
   argmax breaks ties to the lowest id), computed batch_size prompts at a time with the KV cache
-  (prefill, then one verify per token inside one jitted scan). No early stop at EOS."""
+  (prefill, then one verify per token inside one jitted scan). No early stop at EOS.
+  N' = N unless stop_at (a time.perf_counter() value) ends it early: then the first N' prompts'
+  continuations (`data.map_batches`, which also calls progress)."""
   prompts = np.asarray(prompts, np.int32)
   if prompts.ndim != 2 or prompts.shape[1] < 2:
     raise ValueError(f"prompts must be [N, P] with P >= 2, got {prompts.shape}")
@@ -49,7 +52,7 @@ def greedy_continuations(params: qwen3.TargetParams, cfg: qwen3.TargetConfig,
     raise ValueError(f"prompt {prompts.shape[1]} + {n_new} new tokens exceed the target's "
                      f"max_position_embeddings {cfg.max_position_embeddings}")
   return map_batches(lambda b: _generate(params, cfg, jnp.asarray(b), n_new, cache_dtype),
-                     prompts, batch_size)
+                     prompts, batch_size, stop_at=stop_at, progress=progress)
 
 
 def distill_sequences(prompts: np.ndarray, continuations: np.ndarray

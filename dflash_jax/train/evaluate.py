@@ -3,7 +3,8 @@ prompt-lookup (n-gram) baseline, all with the same target code (`dflash_jax.deco
 
 Every prompt is decoded alone (batch 1: the latency setting speculative decoding is for);
 the timed seconds are the decoding rounds after prefill, and each configuration is run once
-untimed first so compiles are excluded. tau = mean tokens committed per round (accepted drafts
+untimed first so compiles are excluded. Each speedup comes with a bootstrap interval over
+the prompts (`speedup_interval`): small evaluations are noisy, and the interval says how much. tau = mean tokens committed per round (accepted drafts
 plus the target's own token).
 
 Prompt lookup is decode's loop with `DecodeConfig(proposer=Lookup(max_ngram))`
@@ -24,7 +25,8 @@ from dflash_jax.drafter.weights import DrafterParams
 @dataclasses.dataclass
 class EvalRow:
   """One method on all prompts: hist[j] = rounds that accepted j drafts (summed over prompts);
-  same_as_target = prompts whose output equals target-only greedy decoding."""
+  same_as_target = prompts whose output equals target-only greedy decoding; prompt_tokens /
+  prompt_seconds: each prompt's generated tokens and decoding seconds (the spread)."""
   method: str
   width: int
   tau: float
@@ -33,10 +35,28 @@ class EvalRow:
   seconds: float
   same_as_target: int
   n_prompts: int
+  prompt_tokens: list[int] = dataclasses.field(default_factory=list)
+  prompt_seconds: list[float] = dataclasses.field(default_factory=list)
 
   @property
   def tokens_per_s(self) -> float:
     return self.n_tokens / max(self.seconds, 1e-12)
+
+
+def speedup_interval(row: EvalRow, base: EvalRow, level: float = 0.95, n_boot: int = 2000,
+                     seed: int = 0) -> tuple[float, float] | None:
+  """A bootstrap interval (percentiles, `level`) of row's speedup over base (tokens/s over
+  tokens/s, both summed over the prompts), resampling the prompts with replacement, each
+  prompt's two timings together. None with fewer than 2 prompts or no per-prompt times."""
+  n = len(row.prompt_seconds)
+  if n < 2 or len(base.prompt_seconds) != n:
+    return None
+  tok, sec = np.asarray(row.prompt_tokens, float), np.asarray(row.prompt_seconds, float)
+  btok, bsec = np.asarray(base.prompt_tokens, float), np.asarray(base.prompt_seconds, float)
+  idx = np.random.default_rng(seed).integers(0, n, (n_boot, n))
+  ratio = (tok[idx].sum(1) / sec[idx].sum(1)) / (btok[idx].sum(1) / bsec[idx].sum(1))
+  lo, hi = np.percentile(ratio, [50 * (1 - level), 50 * (1 + level)])
+  return float(lo), float(hi)
 
 
 def _run_each(fn, prompts) -> list[decode.Generation]:
@@ -52,7 +72,8 @@ def _row(method: str, width: int, gens: list[decode.Generation], ref: list[list[
   same = len(toks) if ref is None else sum(a == b for a, b in zip(toks, ref))
   return EvalRow(method=method, width=width, tau=tau, hist=hist.astype(int).tolist(),
                  n_tokens=sum(len(t) for t in toks), seconds=sum(g.seconds for g in gens),
-                 same_as_target=same, n_prompts=len(gens))
+                 same_as_target=same, n_prompts=len(gens),
+                 prompt_tokens=[len(t) for t in toks], prompt_seconds=[g.seconds for g in gens])
 
 
 def evaluate(target: qwen3.TargetParams, tcfg: qwen3.TargetConfig,
@@ -60,8 +81,13 @@ def evaluate(target: qwen3.TargetParams, tcfg: qwen3.TargetConfig,
              max_new: int, widths: Sequence[int] = (16, 8), *, lookup: bool = True,
              max_ngram: int = 3, impl: str = "pallas", target_impl: str = "xla",
              cache_dtype: Any = "fp32", ring_dtype: Any = "fp32", out=print) -> list[EvalRow]:
-  """Target-only greedy decoding, then each (name, drafter) at each width <= its block size,
-  then prompt lookup at each width; every prompt decoded alone, all greedy, no EOS stop."""
+  """Target-only greedy decoding, then each (name, drafter) at each width (each <= its block
+  size: a ValueError otherwise), then prompt lookup at each width; every prompt decoded alone,
+  all greedy, no EOS stop."""
+  for name, dp in drafters:
+    over = [w for w in widths if w > dp.cfg.block_size]
+    if over:
+      raise ValueError(f"widths {over} exceed drafter {name}'s block_size {dp.cfg.block_size}")
   prompts = [list(map(int, p)) for p in prompts]
   kw = dict(cache_dtype=cache_dtype)
   base = _run_each(lambda ps: decode.generate_target_only(target, tcfg, ps, max_new,
@@ -72,8 +98,6 @@ def evaluate(target: qwen3.TargetParams, tcfg: qwen3.TargetConfig,
   for name, dp in drafters:
     models = decode.Models(target=target, drafter=dp, d2t=None, target_cfg=tcfg)
     for w in widths:
-      if w > dp.cfg.block_size:
-        continue
       dcfg = decode.DecodeConfig(width=w, impl=impl, target_impl=target_impl)
       gens = _run_each(lambda ps: decode.generate(models, dcfg, ps, max_new,
                                                   ring_dtype=ring_dtype, **kw), prompts)
@@ -91,14 +115,18 @@ def evaluate(target: qwen3.TargetParams, tcfg: qwen3.TargetConfig,
 
 
 def markdown_table(rows: Sequence[EvalRow]) -> str:
-  """The eval table: tau, speed and speedup over target-only, losslessness, histogram."""
-  base = next((r.tokens_per_s for r in rows if r.width == 1), None)
-  lines = ["| method | block | tau | tokens/s | speedup | = target | accepted drafts per "
-           "round: rounds with 0, 1, 2, ... |",
-           "|---|---|---|---|---|---|---|"]
+  """The eval table: tau, speed and speedup over target-only (with its 95% bootstrap interval
+  over the prompts, `speedup_interval`), losslessness, histogram."""
+  base_row = next((r for r in rows if r.width == 1), None)
+  base = base_row.tokens_per_s if base_row else None
+  lines = ["| method | block | tau | tokens/s | speedup | 95% interval | = target | accepted "
+           "drafts per round: rounds with 0, 1, 2, ... |",
+           "|---|---|---|---|---|---|---|---|"]
   for r in rows:
     speed = f"{r.tokens_per_s / base:.2f}x" if base else "-"
+    ci = speedup_interval(r, base_row) if base_row is not None and r is not base_row else None
+    interval = f"{ci[0]:.2f}-{ci[1]:.2f}x" if ci else "-"
     hist = "-" if r.width == 1 else " ".join(str(h) for h in r.hist)
     lines.append(f"| {r.method} | {r.width} | {r.tau:.2f} | {r.tokens_per_s:.1f} | {speed} | "
-                 f"{r.same_as_target}/{r.n_prompts} | {hist} |")
+                 f"{interval} | {r.same_as_target}/{r.n_prompts} | {hist} |")
   return "\n".join(lines)

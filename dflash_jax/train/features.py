@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import jax
 import jax.numpy as jnp
@@ -35,21 +36,28 @@ def _save_npy(path: str, a: np.ndarray) -> None:
 def write_feature_shards(folder: str, target: qwen3.TargetParams, tcfg: qwen3.TargetConfig,
                          capture_layers: tuple[int, ...], tokens: np.ndarray, *,
                          batch_size: int = 64, shard_rows: int = 1024,
-                         dtype: str = "float32") -> dict:
+                         dtype: str = "float32", stop_at: float | None = None,
+                         progress=None) -> dict:
   """Compute the target's features of tokens [N, T] (capture_layers, as the drafter's
   target_layers) batch_size rows at a time and store them as shards of shard_rows rows in
   `dtype` (float32, or float16: half the bytes; a value beyond float16's range is an error
-  naming the shard). Returns the manifest."""
+  naming the shard). Returns the manifest. stop_at (a time.perf_counter() value) ends it early
+  with the rows done by then (at least one batch; `data.map_batches`): the manifest's n_rows
+  says how many (the first n_rows of tokens). progress: as map_batches' (rows of all tokens)."""
   if dtype not in DTYPES:
     raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
   capture_layers = tcfg.check_capture_layers(capture_layers)
   tokens = np.asarray(tokens, np.int32)
   n, t = tokens.shape
   os.makedirs(folder, exist_ok=True)
-  shards = []
+  shards, done = [], 0
   for s0 in range(0, n, shard_rows):
+    if shards and stop_at is not None and time.perf_counter() >= stop_at:
+      break
+    report = None if progress is None else (lambda d, _, sec: progress(s0 + d, n, sec))
     feats = map_batches(lambda b: _features(target, tcfg, capture_layers, jnp.asarray(b)),
-                        tokens[s0:s0 + shard_rows], batch_size)
+                        tokens[s0:s0 + shard_rows], batch_size, stop_at=stop_at,
+                        progress=report)
     name = f"features-{len(shards):05d}.npy"
     if dtype == "float16":
       big = np.abs(feats).max()
@@ -58,7 +66,10 @@ def write_feature_shards(folder: str, target: qwen3.TargetParams, tcfg: qwen3.Ta
                          "float16; use dtype float32")
     _save_npy(os.path.join(folder, name), feats.astype(dtype))
     shards.append(dict(file=name, rows=int(feats.shape[0])))
-  manifest = dict(n_rows=n, seq_len=t, width=len(capture_layers) * tcfg.hidden_size,
+    done += int(feats.shape[0])
+    if feats.shape[0] < min(shard_rows, n - s0):   # stopped inside the shard
+      break
+  manifest = dict(n_rows=done, seq_len=t, width=len(capture_layers) * tcfg.hidden_size,
                   dtype=dtype, shard_rows=shard_rows, capture_layers=list(capture_layers),
                   shards=shards)
   atomic.write_json(os.path.join(folder, MANIFEST), manifest)

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.config import DFlashConfig, drafter_tensor_shapes, rope_inv_freq
-from dflash_jax.dispatch import linear, resolve_dtype, rms_norm
+from dflash_jax.dispatch import einsum_f32, linear, resolve_dtype, rms_norm
 from dflash_jax.synthetic import synthetic_drafter
 from pallas_kernels.norm_rope import rms_rope_halves
 
@@ -163,8 +163,7 @@ def _lin(b: _Blocks, x: jax.Array, name: str, **kw) -> jax.Array:
 
 
 def _dot(b: _Blocks, spec: str, x: jax.Array, y: jax.Array) -> jax.Array:
-  return jnp.einsum(spec, x.astype(b.dt), y.astype(b.dt), precision=b.prec,
-                    preferred_element_type=jnp.float32)
+  return einsum_f32(spec, x.astype(b.dt), y.astype(b.dt), b.prec)
 
 
 def _embed(b: _Blocks, tok_embd: jax.Array, tokens: jax.Array, anchors: jax.Array) -> jax.Array:

@@ -22,9 +22,12 @@ from dflash_jax.train.loop import train_loop
 
 
 def corpus_streams(root: str | None = None, max_files: int | None = None,
-                   holdout_every: int = 20) -> tuple[np.ndarray, np.ndarray, list[str], list[str]]:
+                   holdout_every: int = 20, tokenizer=None
+                   ) -> tuple[np.ndarray, np.ndarray, list[str], list[str]]:
   """(train token stream, held-out token stream, train files, held-out files) of the stdlib
-  (or `root`). max_files keeps the first files of the sorted listing (small CPU runs)."""
+  (or `root`). max_files keeps the first files of the sorted listing (small CPU runs).
+  tokenizer: None for byte tokens (`data.read_tokens`), else a `data.TextTokenizer` (a
+  target's tokenizer.json) that reads each file as UTF-8 text."""
   root = root or D.stdlib_root()
   files = D.list_sources(root)[:max_files]
   train, held = D.split_sources(files, holdout_every)
@@ -32,7 +35,10 @@ def corpus_streams(root: str | None = None, max_files: int | None = None,
     raise ValueError(f"{len(files)} files under {root!r} give {len(train)} train and "
                      f"{len(held)} held-out files; need both (more files or a smaller "
                      "holdout_every)")
-  return D.read_tokens(root, train), D.read_tokens(root, held), train, held
+  if tokenizer is None:
+    return D.read_tokens(root, train), D.read_tokens(root, held), train, held
+  return (D.read_text_tokens(root, train, tokenizer), D.read_text_tokens(root, held, tokenizer),
+          train, held)
 
 
 def seeded_rows(seqs: np.ndarray, n: int, seed: int) -> np.ndarray:
@@ -46,11 +52,11 @@ def pretrain_target(tcfg: qwen3.TargetConfig, train_seqs: np.ndarray, eval_seqs:
                     oc: TR.OptimConfig, batch_size: int, *, seed: int = 0,
                     compute_dtype: str = "bf16", log_every: int = 50, eval_every: int = 0,
                     checkpoint_dir: str | None = None, checkpoint_every: int = 0,
-                      max_seconds: float | None = None, out: Callable[[str], None] = print
+                    stop_at: float | None = None, out: Callable[[str], None] = print
                     ) -> tuple[qwen3.TargetParams, list[dict]]:
   """Train a target LM from random init on token sequences [N, T]; returns (float32 params,
   log). Held-out loss (64 seeded rows of eval_seqs) is logged every eval_every steps and at
-  the end."""
+  the end. stop_at: `loop.train_loop`'s time limit."""
   state = TR.init_state(qwen3.init_params(tcfg, jax.random.key(seed)), oc)
   step = lambda st, toks: TR.target_train_step_jit(st, toks, cfg=tcfg, oc=oc,
                                                    compute_dtype=compute_dtype)
@@ -59,24 +65,27 @@ def pretrain_target(tcfg: qwen3.TargetConfig, train_seqs: np.ndarray, eval_seqs:
   ev = lambda st: TR.lm_eval_jit(st.params, held, cfg=tcfg, compute_dtype=compute_dtype)[1]
   state, log = train_loop(state, step, batch, oc.total_steps, log_every=log_every, eval_fn=ev,
                           eval_every=eval_every, checkpoint_dir=checkpoint_dir,
-                          checkpoint_every=checkpoint_every, max_seconds=max_seconds,
+                          checkpoint_every=checkpoint_every, stop_at=stop_at,
                           record=dict(kind="target", seed=seed),
                           tokens_per_step=batch_size * train_seqs.shape[1], out=out)
   return state.params, log
 
 
 def distill_data(target: qwen3.TargetParams, tcfg: qwen3.TargetConfig, prompts: np.ndarray,
-                 n_new: int, batch_size: int = 256) -> tuple[np.ndarray, np.ndarray]:
-  """Sequences prompt + the target's greedy continuation, loss on the continuation."""
-  cont = distill.greedy_continuations(target, tcfg, prompts, n_new, batch_size)
-  return distill.distill_sequences(prompts, cont)
+                 n_new: int, batch_size: int = 256, *, stop_at: float | None = None,
+                 progress=None) -> tuple[np.ndarray, np.ndarray]:
+  """Sequences prompt + the target's greedy continuation, loss on the continuation (of the
+  first prompts only when stop_at ends it early: `distill.greedy_continuations`)."""
+  cont = distill.greedy_continuations(target, tcfg, prompts, n_new, batch_size,
+                                      stop_at=stop_at, progress=progress)
+  return distill.distill_sequences(prompts[:cont.shape[0]], cont)
 
 
 def train_drafter(cfg: DFlashConfig, target: qwen3.TargetParams, tcfg: qwen3.TargetConfig,
                   data: D.DrafterData, tc: TR.DrafterTrainConfig, *, seed: int = 0,
                   eval_data: D.DrafterData | None = None, log_every: int = 50,
                   eval_every: int = 0, checkpoint_dir: str | None = None,
-                  checkpoint_every: int = 0, max_seconds: float | None = None,
+                  checkpoint_every: int = 0, stop_at: float | None = None,
                   init: dict | None = None, features: FeatureShards | None = None,
                   out: Callable[[str], None] = print) -> tuple[dict, list[dict]]:
   """Train drafter weights (from `init`, else random with `seed`) against the frozen target.
@@ -102,7 +111,7 @@ def train_drafter(cfg: DFlashConfig, target: qwen3.TargetParams, tcfg: qwen3.Tar
                                         tc=tc)[1]
   state, log = train_loop(state, step, batch_fn, tc.optim.total_steps, log_every=log_every,
                           eval_fn=ev, eval_every=eval_every, checkpoint_dir=checkpoint_dir,
-                          checkpoint_every=checkpoint_every, max_seconds=max_seconds,
+                          checkpoint_every=checkpoint_every, stop_at=stop_at,
                           record=dict(kind="drafter", seed=seed),
                           tokens_per_step=data.batch_size * data.tokens.shape[1], out=out)
   return state.params, log
