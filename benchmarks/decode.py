@@ -1,7 +1,22 @@
 """Speculative decoding on the GPU: a Qwen3-8B-shaped target with a Qwen3-8B-DFlash-shaped drafter.
 
   python -m benchmarks.decode --gpu [--only SECTIONS] [--out results/NAME] [--target-impl I]
+                              [--family dflash|dflash2|dspark] [--cuts 0.5,0.8] [--ks 3,7]
   python -m benchmarks.decode --smoke        # CPU, tiny dims, seconds (CI): not results
+
+--family picks the drafter: DFlash (Qwen3-8B-DFlash-b16's shape), DFlash2 (the same dims with
+Muse-Glimmer-30B-DFlash2's family fields: K 2, G 16, R 256, k 16, the multiplier and softcap)
+or DSpark (DSPARK_QWEN3_8B_CONFIG: block 7, shifted rows, a vanilla Markov head, a confidence
+head). A round verifies `round_width` rows whatever the family: the drafts of one block + 1,
+i.e. block_size for DFlash / DFlash2, block_size + 1 for DSpark (its block of w shifted rows
+gives w drafts); the target passes of sections 3-5 ("verify16") are of that width too. The
+reduced draft vocab (sections 1 and 6) is DFlash's only (the others index the full
+vocabulary; their reduced columns read '-'). The default ks are those the drafter's block can
+draft (k <= its drafts).
+--cuts adds oracle rows with the drafter's confidence / p-min cut (`Oracle(cut=...)`, i.e.
+decode.Drafter(cut)): the oracle's drafts are the target's own, so every cut draft is a draft
+that would have been accepted; tau and tokens/s with and without the cut show what computing
+it costs (random weights: the values being cut on mean nothing here).
 
 Weights are random bf16, generated on the device (timing does not depend on the values).
 Device time is CUPTI's (the median over iterations of the kernel sum; XLA's copies of a
@@ -31,7 +46,7 @@ a run cut short keeps what it measured):
    bandwidth fraction (live K/V bytes over their time, against the copy bandwidth); xla's
    decode1 at the shortest and the longest context (it reads every slot). `--chunks` adds
    the attention chunk A/B (KernelPolicy.target_attention_chunk) at the longest context.
-6. round: one round at width block_size (16; 8 in --smoke), piece by piece, device time:
+6. round: one round at `round_width` (16; 8 in --smoke), piece by piece, device time:
    draft (`decode.Drafter().propose`: encode + inject of the committed rows + block step +
    drafts), of which inject and block step measured alone; verify of 16 rows; accept +
    commit; a 1-token target decode step (verify and decode with --target-impl). The draft
@@ -68,6 +83,7 @@ import dflash_jax as dfj
 from benchmarks import common as C
 from benchmarks.oracle import Oracle
 from dflash_jax import decode as D
+from dflash_jax.config import DFLASH2_CONFIG, DSPARK_QWEN3_8B_CONFIG, FULL, DSparkFields
 from dflash_jax.dispatch import KernelPolicy
 from dflash_jax.drafter import step as S
 from dflash_jax.models import qwen3 as Q
@@ -105,18 +121,47 @@ class Setup:
   batched_capacity: int
 
 
-def setup(smoke: bool) -> Setup:
+FAMILIES = ("dflash", "dflash2", "dspark")
+
+
+def family_drafter(d: dfj.DFlashConfig, family: str, smoke: bool) -> dfj.DFlashConfig:
+  """The benchmark's drafter d as a drafter of `family` (the module docstring)."""
+  if family == "dflash":
+    return d
+  if family == "dflash2":
+    f = dataclasses.replace(DFLASH2_CONFIG.dflash2, conv_group_size=8, selector_rank=8,
+                            selector_top_k=4) if smoke else DFLASH2_CONFIG.dflash2
+    return dataclasses.replace(d, family="dflash2", family_fields=f)
+  if family != "dspark":
+    raise ValueError(f"family {family!r} not one of {FAMILIES}")
+  if smoke:
+    return dataclasses.replace(d, block_size=7, window=None, layer_types=(FULL,) * d.n_layer,
+                               family="dspark", family_fields=DSparkFields(
+                                   markov_rank=8, markov_head_type="vanilla",
+                                   confidence_head=True, confidence_with_markov=True))
+  return DSPARK_QWEN3_8B_CONFIG
+
+
+def round_width(dc: dfj.DFlashConfig) -> int:
+  """The widest round the drafter's block allows: its drafts + the anchor (block_size for
+  DFlash / DFlash2, block_size + 1 for DSpark's shifted rows)."""
+  return dc.n_drafts() + 1
+
+
+def setup(smoke: bool, family: str = "dflash") -> Setup:
   if smoke:
     t = Q.TargetConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                        num_attention_heads=2, num_key_value_heads=1, head_dim=16, rope_theta=1e4)
     d = dataclasses.replace(dfj.TINY_CONFIG, n_layer=1, n_embd=32, n_ff=64, n_head=2,
                             n_head_kv=1, target_layers=(0, 1), mask_token_id=255, block_size=8,
                             window=32)
-    return Setup(t, d, window=32, capacity=64, prompt_len=12, max_new=24, ks=(3,),
-                 draft_vocab=64, iters=1, inner=2, sync_every=4, live=(24, 64),
+    return Setup(t, family_drafter(d, family, True), window=32, capacity=64, prompt_len=12,
+                 max_new=24, ks=(3,), draft_vocab=64, iters=1, inner=2, sync_every=4, live=(24, 64),
                  long_capacity=64, slots=(1, 2), batched_new=12, batched_capacity=48)
-  return Setup(QWEN3_8B_TARGET, dfj.QWEN3_8B_CONFIG, window=2048, capacity=2048,
-               prompt_len=128, max_new=512, ks=(3, 7, 15), draft_vocab=32768, iters=20,
+  d = family_drafter(dfj.QWEN3_8B_CONFIG, family, False)
+  ks = tuple(k for k in (3, 7, 15) if k <= d.n_drafts())
+  return Setup(QWEN3_8B_TARGET, d, window=2048, capacity=2048,
+               prompt_len=128, max_new=512, ks=ks, draft_vocab=32768, iters=20,
                inner=8, sync_every=64, live=(512, 4096, 16384, 32768), long_capacity=32768,
                slots=(1, 4, 8, 16, 32), batched_new=256, batched_capacity=512)
 
@@ -127,8 +172,11 @@ def random_models(su: Setup, on_device: bool) -> D.Models:
   sizes); else host weights, quicker at tiny dims than compiling a device RNG per shape."""
   tc, dc = su.target, su.drafter
   tp = Q.init_params(tc, jax.random.key(0), jnp.bfloat16)
-  dp = (C.random_params(dc, 16, "bf16") if on_device else dfj.prepare_weights(
-      dc, {**dfj.synthetic_drafter(dc, with_target=False),
+  # The family's vocab-sized tables (DFlash2's selector, DSpark's Markov head) need the
+  # target's vocabulary; DFlash's stand-in head is replaced by the target's anyway.
+  n_vocab = 16 if dc.family == "dflash" else tc.vocab_size
+  dp = (C.random_params(dc, n_vocab, "bf16") if on_device else dfj.prepare_weights(
+      dc, {**dfj.synthetic_drafter(dc, with_target=False, n_vocab=tc.vocab_size),
            "tok_embd": np.zeros((tc.vocab_size, dc.n_embd)),
            "lm_head": np.zeros((tc.vocab_size, dc.n_embd))}, "bf16"))
   dp = dp.replace(tok_embd=tp.embed, lm_head=tp.head)
@@ -178,27 +226,37 @@ def kv_bytes(tc: Q.TargetConfig, live: int, itemsize: int = 2) -> int:
   return 2 * tc.num_hidden_layers * tc.num_key_value_heads * tc.head_dim * itemsize * live
 
 
-def bytes_section(su: Setup, models: D.Models, reduced: D.Models, cache, ring, bw: float):
+def bytes_section(su: Setup, models: D.Models, reduced: D.Models | None, cache, ring,
+                  bw: float):
+  """Section 1. reduced None (a family without the reduced draft vocab): its entries None."""
   dp = models.drafter
   target = C.tree_bytes(models.target)
-  drafter_body = C.tree_bytes((dp.layers, dp.fc, [ip.w for ip in dp.inject], dp.enc_norm, dp.out_norm))
+  # The family's tensors count in full (DFlash2's selector tables are read by gathered rows,
+  # so this overstates them; DSpark's W2 is read once per draft row, so it understates that).
+  drafter_body = C.tree_bytes((dp.layers, dp.fc, [ip.w for ip in dp.inject], dp.enc_norm,
+                               dp.out_norm, dp.family))
   head = C.tree_bytes(dp.lm_head)
-  head_r = C.tree_bytes(reduced.drafter.lm_head)
   cache = C.tree_bytes((cache.k, cache.v))
   ring = C.tree_bytes(ring)
   # One decode step reads every target weight but the embedding (a gather of one row) and
   # the live K/V; one draft step reads the drafter's layers, its head and the ring.
   embed = C.tree_bytes(models.target.embed)
-  live = kv_bytes(su.target, su.prompt_len + su.drafter.block_size)
-  r = dict(target_GB=target / 1e9, target_embedding_GB=embed / 1e9, drafter_body_GB=drafter_body / 1e9,
-           drafter_head_full_GB=head / 1e9, drafter_head_reduced_GB=head_r / 1e9,
+  live = kv_bytes(su.target, su.prompt_len + round_width(su.drafter))
+  r = dict(target_GB=target / 1e9, target_embedding_GB=embed / 1e9,
+           drafter_body_GB=drafter_body / 1e9, drafter_head_full_GB=head / 1e9,
            kv_cache_GB=cache / 1e9, kv_live_GB=live / 1e9, ring_GB=ring / 1e9,
            decode_step_floor_ms=(target - embed + live) / bw * 1e3,
-           draft_floor_full_ms=(drafter_body + head + ring) / bw * 1e3,
-           draft_floor_reduced_ms=(drafter_body + head_r + ring) / bw * 1e3)
-  r["draft_byte_fraction_full"] = r["draft_floor_full_ms"] / (r["draft_floor_full_ms"] + r["decode_step_floor_ms"])
-  r["draft_byte_fraction_reduced"] = r["draft_floor_reduced_ms"] / (
-      r["draft_floor_reduced_ms"] + r["decode_step_floor_ms"])
+           draft_floor_full_ms=(drafter_body + head + ring) / bw * 1e3)
+  r["draft_byte_fraction_full"] = r["draft_floor_full_ms"] / (
+      r["draft_floor_full_ms"] + r["decode_step_floor_ms"])
+  r.update(drafter_head_reduced_GB=None, draft_floor_reduced_ms=None,
+           draft_byte_fraction_reduced=None)
+  if reduced is not None:
+    head_r = C.tree_bytes(reduced.drafter.lm_head)
+    r["drafter_head_reduced_GB"] = head_r / 1e9
+    r["draft_floor_reduced_ms"] = (drafter_body + head_r + ring) / bw * 1e3
+    r["draft_byte_fraction_reduced"] = r["draft_floor_reduced_ms"] / (
+        r["draft_floor_reduced_ms"] + r["decode_step_floor_ms"])
   return r
 
 
@@ -206,7 +264,7 @@ def round_state(su: Setup, models: D.Models, w16: D.DecodeConfig, prompt, kw) ->
   """The round's state: the prompt prefilled, then as after a round that accepted 15 drafts
   (16 committed rows pending for inject; the cache and ring lengths to match)."""
   st = D.start(models, w16, [prompt], su.max_new, **kw)
-  w = su.drafter.block_size
+  w = w16.width
   keys = jax.random.split(jax.random.key(2), 2)
   return st.replace(pending=jax.random.normal(keys[0], st.pending.shape, jnp.float32),
                     n_new=st.n_new + w, n_past=st.n_past + w,
@@ -236,7 +294,8 @@ def target_section(su: Setup, res: dict, tp, cache, bw: float, variants) -> None
     impl, policy = VARIANTS[name]
     p = tp.replace(policy=policy)
     r = {}
-    for label, w, capture in (("decode1", 1, ()), ("verify16", dc.block_size, dc.target_layers)):
+    for label, w, capture in (("decode1", 1, ()),
+                              ("verify16", round_width(dc), dc.target_layers)):
       t0 = time.perf_counter()
       m = _guarded(f"{name} {label}", measure_pass, su, p, cache, _pass_tokens(su, w), capture,
                    impl)
@@ -266,14 +325,14 @@ def launches_section(su: Setup, res: dict) -> None:
     cache = Q.init_cache(cfg, 1, su.capacity, "bf16").replace(
         length=jnp.array([su.prompt_len], jnp.int32))
     for impl in ("xla", "pallas"):
-      for w in (1, su.drafter.block_size):
+      for w in (1, round_width(su.drafter)):
         f = jax.jit(functools.partial(lambda p, c, t, cfg, impl: cfg.verify(p, c, t, impl=impl)[1],
                                       cfg=cfg, impl=impl))
         per = C.without_copies(C.cupti_kernels(f, tp, cache, _pass_tokens(su, w), iterations=3))
         counts[(impl, w, n)] = C.launches(per)
     del tp, cache
   res["launches"] = {f"{impl}_w{w}": counts[(impl, w, 3)] - counts[(impl, w, 2)]
-                     for impl in ("xla", "pallas") for w in (1, su.drafter.block_size)}
+                     for impl in ("xla", "pallas") for w in (1, round_width(su.drafter))}
 
 
 def long_section(su: Setup, res: dict, tp, bw: float, chunks: tuple[int, ...]) -> None:
@@ -303,14 +362,15 @@ def long_section(su: Setup, res: dict, tp, bw: float, chunks: tuple[int, ...]) -
     rows.append(r)
     print(f"  {label} {impl} live {live}: {m['ms']:.3f} ms", flush=True)
 
-  for label, w, capture in (("decode1", 1, ()), ("verify16", dc.block_size, dc.target_layers)):
+  passes = (("decode1", 1, ()), ("verify16", round_width(dc), dc.target_layers))
+  for label, w, capture in passes:
     for live in su.live:
       one(tp, "pallas", live, label, w, capture, chunk=KernelPolicy().target_attention_chunk)
   for live in (min(su.live), max(su.live)):
     one(tp, "xla", live, "decode1", 1, ())
   for chunk in chunks:
     p = tp.replace(policy=KernelPolicy(target_attention_chunk=chunk))
-    for label, w, capture in (("decode1", 1, ()), ("verify16", dc.block_size, dc.target_layers)):
+    for label, w, capture in passes:
       one(p, "pallas", max(su.live), label, w, capture, chunk=chunk)
   res["long"] = rows
 
@@ -328,7 +388,12 @@ def main(argv=None) -> int:
                       "on a GPU, xla on the CPU)")
   p.add_argument("--variants", default=",".join(VARIANTS),
                  help=f"the target section's variants (default {','.join(VARIANTS)})")
-  p.add_argument("--ks", default=None, help="drafts per round, oracle and batched (default 3,7,15)")
+  p.add_argument("--ks", default=None, help="drafts per round, oracle and batched (default "
+                 "3,7,15: those the drafter's block can draft)")
+  p.add_argument("--family", choices=FAMILIES, default="dflash", help="the drafter's family "
+                 "(default dflash)")
+  p.add_argument("--cuts", default="", help="oracle: comma list of cut thresholds, an extra "
+                 "row per k and cut (Oracle(cut=...), i.e. decode.Drafter(cut))")
   p.add_argument("--slots", default=None, help="sequences of the batched section (default "
                  "1,4,8,16,32)")
   p.add_argument("--live", default=None, help="live contexts of the long section (default "
@@ -339,7 +404,7 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
   if args.gpu and not C.ON_GPU:
     p.error("--gpu needs a GPU backend")
-  su = setup(args.smoke)
+  su = setup(args.smoke, args.family)
   ints = lambda v: tuple(int(x) for x in v.split(",") if x)
   for field, v in (("ks", args.ks), ("slots", args.slots), ("live", args.live)):
     if v:
@@ -351,6 +416,15 @@ def main(argv=None) -> int:
   variants = tuple(v for v in args.variants.split(",") if v)
   if set(variants) - set(VARIANTS):
     p.error(f"--variants: unknown {sorted(set(variants) - set(VARIANTS))}")
+  if not su.ks or max(su.ks) > su.drafter.n_drafts() or min(su.ks) < 1:
+    p.error(f"--ks: drafts per round must be in [1, {su.drafter.n_drafts()}] (the "
+            f"{args.family} drafter's block drafts {su.drafter.n_drafts()})")
+  try:
+    cuts = [float(c) for c in args.cuts.split(",") if c]
+  except ValueError:
+    p.error(f"--cuts: not a comma list of numbers: {args.cuts!r}")
+  if any(c <= 0 for c in cuts):
+    p.error("--cuts: thresholds must be > 0 (the plain row is cut 0)")
   if max(su.live) > su.long_capacity:
     p.error(f"--live: contexts must be <= {su.long_capacity} (the long section's cache)")
   impl = "pallas" if C.ON_GPU else "xla"   # the drafter's kernels (interpret mode is slow)
@@ -375,15 +449,17 @@ def main(argv=None) -> int:
   tc, dc = su.target, su.drafter
   models = random_models(su, on_device=args.gpu)
   tp, dp = models.target, models.drafter
-  d2t = jnp.arange(su.draft_vocab, dtype=jnp.int32)
-  reduced = models.replace(drafter=dp.replace(lm_head=tp.head[:su.draft_vocab]), d2t=d2t)
+  reduced = None   # the reduced draft vocab: DFlash's only (the others index the full vocab)
+  if dc.family == "dflash":
+    d2t = jnp.arange(su.draft_vocab, dtype=jnp.int32)
+    reduced = models.replace(drafter=dp.replace(lm_head=tp.head[:su.draft_vocab]), d2t=d2t)
   prompt = np.random.default_rng(0).integers(0, tc.vocab_size, su.prompt_len).tolist()
   kw = dict(capacity=su.capacity, window=su.window, cache_dtype="bf16", ring_dtype="bf16")
-  w16 = D.DecodeConfig(width=dc.block_size, impl=impl, target_impl=target_impl)
+  w16 = D.DecodeConfig(width=round_width(dc), impl=impl, target_impl=target_impl)
   # The target passes' cache as at the round (the K/V values do not change the time; no
   # prefill to compile): the prompt and a block of committed rows.
   cache = tc.init_cache(1, su.capacity, "bf16").replace(
-      length=jnp.array([su.prompt_len + dc.block_size], jnp.int32))
+      length=jnp.array([su.prompt_len + w16.width], jnp.int32))
   ring = models.run.init_ring(dc, 1, su.window, "bf16", su.capacity)
   res["bytes"] = bytes_section(su, models, reduced, cache, ring, bw)
   del ring
@@ -402,7 +478,7 @@ def main(argv=None) -> int:
   if only & {"round", "oracle"}:
     # Target-only: a warm-up run compiles it (same capacity: same shapes), then the timed
     # run, long enough to give the oracle for every speculative run.
-    n_oracle = su.max_new + dc.block_size
+    n_oracle = su.max_new + w16.width
     gkw = dict(rounds_per_call=su.sync_every, target_impl=target_impl, **kw)
     D.generate_target_only(tp, tc, [prompt], 4, **gkw)
     g0 = D.generate_target_only(tp, tc, [prompt], n_oracle, **gkw)
@@ -419,9 +495,10 @@ def main(argv=None) -> int:
     if "oracle" in only:
       res["oracle"] = []
       for k in su.ks:
-        res["oracle"].append(oracle_run(su, models, prompt, oracle, g0, base_tps, k, impl, kw,
-                                        target_impl=target_impl))
-        save("oracle")
+        for cut in [0.0] + cuts:
+          res["oracle"].append(oracle_run(su, models, prompt, oracle, g0, base_tps, k, impl,
+                                          kw, target_impl=target_impl, cut=cut))
+          save("oracle")
   if "batched" in only:
     res["batched"] = []
     for n_seqs in su.slots:
@@ -435,8 +512,8 @@ def main(argv=None) -> int:
 def round_section(su, res, models, reduced, st, prompt, oracle, impl, target_impl) -> None:
   """Section 6 on the round's state (`round_state`)."""
   tc, dc, tp, dp = su.target, su.drafter, models.target, models.drafter
-  w16 = D.DecodeConfig(width=dc.block_size, impl=impl, target_impl=target_impl)
-  w = dc.block_size
+  w16 = D.DecodeConfig(width=round_width(dc), impl=impl, target_impl=target_impl)
+  w = w16.width
   keys = jax.random.split(jax.random.key(3), 3)
   key = jax.random.split(keys[0], 1)
   parts = {}
@@ -444,7 +521,8 @@ def round_section(su, res, models, reduced, st, prompt, oracle, impl, target_imp
   # The drafter's own drafts; weights are arguments of every measured function.
   propose = jax.jit(lambda m, s, k: D.Drafter().propose(m, w16, s, k)[1].drafts)
   for name, m in (("draft_full_vocab", models), ("draft_reduced_vocab", reduced)):
-    parts[name] = device_ms(propose, m, st, key, iters=su.iters)
+    if m is not None:
+      parts[name] = device_ms(propose, m, st, key, iters=su.iters)
   ring0 = jax.tree.map(lambda a: a[0], st.ring)
   positions = st.n_past[0] - st.n_new[0] + jnp.arange(st.pending.shape[1], dtype=jnp.int32)
   # One element of every ring buffer out: the kernel writes them all, nothing big is returned.
@@ -480,17 +558,19 @@ def round_section(su, res, models, reduced, st, prompt, oracle, impl, target_imp
   res["compile_and_measure_target_s"] = time.perf_counter() - t0
   parts["block_width"] = w
   rnd = parts["draft_full_vocab"] + parts["verify_block"] + parts["accept_commit"]
-  rnd_r = parts["draft_reduced_vocab"] + parts["verify_block"] + parts["accept_commit"]
-  parts.update(round_full_vocab=rnd, round_reduced_vocab=rnd_r,
+  parts.update(round_full_vocab=rnd,
                verify_block_over_decode1=parts["verify_block"] / parts["decode1"],
                draft_fraction_full_vocab=parts["draft_full_vocab"] / rnd,
-               draft_fraction_reduced_vocab=parts["draft_reduced_vocab"] / rnd_r,
                decode1_floor_fraction=res["bytes"]["decode_step_floor_ms"] / parts["decode1"])
+  if "draft_reduced_vocab" in parts:   # DFlash only
+    rnd_r = parts["draft_reduced_vocab"] + parts["verify_block"] + parts["accept_commit"]
+    parts.update(round_reduced_vocab=rnd_r,
+                 draft_fraction_reduced_vocab=parts["draft_reduced_vocab"] / rnd_r)
   res["round_ms"] = parts
 
 
 def oracle_runs(su, models, prompts, oracles, k, impl, kw, max_new: int, max_refine: int = 12,
-                target_impl: str = "xla"):
+                target_impl: str = "xla", cut: float = 0.0):
   """Speculative decoding of every prompt (one slot each) with the oracle proposer at k
   drafts per round: a warm-up run compiles (same shapes), then timed runs. The first oracles
   are target-only greedy outputs; where a verify of k + 1 rows breaks a near tie differently
@@ -498,8 +578,11 @@ def oracle_runs(su, models, prompts, oracles, k, impl, kw, max_new: int, max_ref
   rest of the run. So each slot's oracle is refined to a fixed point: each run's committed
   tokens become the next run's oracle (the agreeing prefix grows by at least one round per
   run) until a run commits exactly its oracles, i.e. every draft of every round was accepted.
+  cut > 0: the drafter's cut shortens each round's verify (`Oracle(cut=...)`); a cut draft
+  is one the oracle would have had accepted, so the fixed point is still every oracle.
   Returns (the last run's Generation, runs, fixed point reached, warm-up seconds)."""
-  dcfg = D.DecodeConfig(width=k + 1, impl=impl, target_impl=target_impl, proposer=Oracle())
+  dcfg = D.DecodeConfig(width=k + 1, impl=impl, target_impl=target_impl,
+                        proposer=Oracle(cut=cut))
   length = max(len(o) for o in oracles) + k + 1
   t0 = time.perf_counter()
   D.generate(models, dcfg, prompts, 4, proposer_state=Oracle.state(oracles, length),
@@ -519,16 +602,17 @@ def oracle_runs(su, models, prompts, oracles, k, impl, kw, max_new: int, max_ref
 
 
 def oracle_run(su, models, prompt, oracle, g0, base_tps, k, impl, kw,
-               max_refine: int = 12, target_impl: str = "xla", keep_tokens: bool = False) -> dict:
-  """Section 7 for one k, one sequence (`oracle_runs`); reports the last run (with
+               max_refine: int = 12, target_impl: str = "xla", keep_tokens: bool = False,
+               cut: float = 0.0) -> dict:
+  """Section 7 for one k and cut, one sequence (`oracle_runs`); reports the last run (with
   keep_tokens, its tokens too, as "_tokens")."""
   g, runs, fixed, warm = oracle_runs(su, models, [prompt], oracle, k, impl, kw, su.max_new,
-                                     max_refine, target_impl)
+                                     max_refine, target_impl, cut)
   tps = g.n_tokens / g.seconds
   agree = sum(a == b for a, b in zip(g.tokens[0], g0.tokens[0]))
   extra = {"_tokens": list(g.tokens[0])} if keep_tokens else {}
-  return dict(**extra, k=k, width=k + 1, tokens=g.n_tokens, rounds=int(g.rounds.sum()), tau=g.tau,
-              hist=g.hist.sum(0).tolist(), tokens_per_s=tps,
+  return dict(**extra, k=k, cut=cut, width=k + 1, tokens=g.n_tokens, rounds=int(g.rounds.sum()),
+              tau=g.tau, hist=g.hist.sum(0).tolist(), tokens_per_s=tps,
               ms_per_round=g.seconds / g.rounds.sum() * 1e3,
               ratio_vs_k_plus_1=tps / ((k + 1) * base_tps), ratio_vs_tau=tps / (g.tau * base_tps),
               speedup=tps / base_tps, matches_target_only=f"{agree}/{g.n_tokens}",
@@ -567,19 +651,25 @@ def batched_run(su: Setup, models: D.Models, n_seqs: int, impl: str, target_impl
   return r
 
 
+def _num(v, fmt: str) -> str:
+  """v formatted, or '-' where there is none (a family without the reduced draft vocab)."""
+  return "-" if v is None else format(v, fmt)
+
+
 def markdown(res: dict) -> str:
   b = res["bytes"]
-  lines = [f"- device: {res['device']}, jax {res['jax']}, drafter impl {res['drafter_impl']}, "
-           f"target impl {res['target_impl']}; copy bandwidth {res['copy_bw_TBps']:.2f} TB/s; "
-           f"command `{res['command']}`",
+  family = res["setup"]["drafter"]["family"]
+  lines = [f"- device: {res['device']}, jax {res['jax']}, drafter {family}, drafter impl "
+           f"{res['drafter_impl']}, target impl {res['target_impl']}; copy bandwidth "
+           f"{res['copy_bw_TBps']:.2f} TB/s; command `{res['command']}`",
            f"- bytes: target {b['target_GB']:.2f} GB (embedding {b['target_embedding_GB']:.2f}), "
            f"drafter body {b['drafter_body_GB']:.2f} GB + head {b['drafter_head_full_GB']:.2f} GB "
-           f"(reduced {b['drafter_head_reduced_GB']:.3f} GB), K/V cache {b['kv_cache_GB']:.3f} GB "
-           f"({b['kv_live_GB']:.4f} GB live at the round), ring {b['ring_GB']:.3f} GB; floors: "
-           f"decode step {b['decode_step_floor_ms']:.3f} ms, draft "
-           f"{b['draft_floor_full_ms']:.3f} / {b['draft_floor_reduced_ms']:.3f} ms (byte "
-           f"fraction {b['draft_byte_fraction_full']:.3f} / "
-           f"{b['draft_byte_fraction_reduced']:.3f})"]
+           f"(reduced {_num(b['drafter_head_reduced_GB'], '.3f')} GB, DFlash only), K/V cache "
+           f"{b['kv_cache_GB']:.3f} GB ({b['kv_live_GB']:.4f} GB live at the round), ring "
+           f"{b['ring_GB']:.3f} GB; floors: decode step {b['decode_step_floor_ms']:.3f} ms, draft "
+           f"{b['draft_floor_full_ms']:.3f} / {_num(b['draft_floor_reduced_ms'], '.3f')} ms "
+           f"(byte fraction {b['draft_byte_fraction_full']:.3f} / "
+           f"{_num(b['draft_byte_fraction_reduced'], '.3f')})"]
   t = res.get("target_only")
   if t:
     lines.append(f"- target-only: {t['tokens_per_s']:.1f} tokens/s ({t['ms_per_token']:.3f} "
@@ -635,13 +725,16 @@ def markdown(res: dict) -> str:
     lines += ["", f"verify of {r['block_width']} rows / decode1 = "
               f"{r['verify_block_over_decode1']:.3f}; draft fraction "
               f"{r['draft_fraction_full_vocab']:.3f} (full vocab), "
-              f"{r['draft_fraction_reduced_vocab']:.3f} (reduced draft vocab); decode1 at "
+              f"{_num(r.get('draft_fraction_reduced_vocab'), '.3f')} (reduced draft vocab); "
+              f"decode1 at "
               f"{r['decode1_floor_fraction']:.2f} of its byte floor"]
   if res.get("oracle"):
-    lines += ["", "| k | tau | tokens/s | ms/round (wall) | speedup | / ((k+1) x target-only) | / (tau x target-only) | matches target-only | oracle runs (fixed point) |",
-              "|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| k | cut | tau | tokens/s | ms/round (wall) | speedup | / ((k+1) x "
+              "target-only) | / (tau x target-only) | matches target-only | oracle runs (fixed "
+              "point) |", "|" + "---|" * 10]
     for o in res["oracle"]:
-      lines.append(f"| {o['k']} | {o['tau']:.2f} | {o['tokens_per_s']:.1f} | {o['ms_per_round']:.3f} | "
+      lines.append(f"| {o['k']} | {o.get('cut', 0.0):g} | {o['tau']:.2f} | "
+                   f"{o['tokens_per_s']:.1f} | {o['ms_per_round']:.3f} | "
                    f"{o['speedup']:.2f}x | {o['ratio_vs_k_plus_1']:.3f} | {o['ratio_vs_tau']:.3f} | "
                    f"{o['matches_target_only']} | {o['oracle_runs']} ({o['oracle_fixed_point']}) |")
   if res.get("batched"):
