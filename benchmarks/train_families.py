@@ -145,9 +145,10 @@ def config_to_json(cfg) -> dict:
 
 
 def config_from_json(d: dict):
-  from dflash_jax.config import DFlash2Fields, DFlashConfig, DSparkFields
+  from dflash_jax.config import DFlash2Fields, DFlashConfig, DSparkFields, RopeScaling
   d = dict(d)
   ff = d.pop("family_fields")
+  d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
   kind = {"dflash2": DFlash2Fields, "dspark": DSparkFields}.get(d["family"])
   for k in ("target_layers", "layer_types"):
     if d.get(k) is not None:

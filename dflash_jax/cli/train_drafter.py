@@ -86,7 +86,8 @@ def register(sub) -> None:
                  help="the selector loss's weight next to the block loss")
   g = p.add_argument_group("dspark")
   g.add_argument("--markov-rank", type=int_in(0), default=256, help="0: no Markov head")
-  g.add_argument("--markov-head", choices=MARKOV_HEADS, default="vanilla")
+  g.add_argument("--markov-head", choices=MARKOV_HEADS, default="vanilla",
+                 help="the Markov head's form (docs/SPEC_dflash2_dspark.md section 11)")
   g.add_argument("--confidence", choices=("markov", "hidden", "off"), default="markov",
                  help="confidence head on [h ; W1[prev]], on h, or none")
   g.add_argument("--confidence-weight", type=_nonnegative, default=1.0,
