@@ -348,3 +348,64 @@ def test_the_compile_cache_is_used_by_default(pair, tmp_path):
   env["XDG_CACHE_HOME"] = str(off)
   compile_seconds(["--compile-cache", "off"])
   assert not off.exists()
+
+
+# --- the shipped demo pair (dflash_jax/demo_pair, made by train-target + train-drafter) ---------
+
+PAIR = os.path.join(ROOT, "dflash_jax", "demo_pair")
+
+
+def test_the_shipped_demo_pair_loads_with_the_readmes_shapes():
+  """The pair `demo` decodes with by default: a 4-layer x 256 byte-level Qwen3 target with its
+  tokenizer.json, a 1-layer block-8 drafter for it, all small files of mode 0644, all of them
+  in the installed package's data (pyproject.toml)."""
+  import fnmatch
+  import tomllib
+
+  from dflash_jax.cli import load_drafter_arg
+  from dflash_jax.cli.demo import DEFAULT_DRAFTER, DEFAULT_TARGET
+  from dflash_jax.io import load_drafter
+  from dflash_jax.models import load_target
+  assert DEFAULT_TARGET == os.path.join(PAIR, "target")
+  assert DEFAULT_DRAFTER == os.path.join(PAIR, "drafter.gguf")
+  tcfg, tp = load_target(DEFAULT_TARGET)
+  assert (tcfg.num_hidden_layers, tcfg.hidden_size, tcfg.vocab_size) == (4, 256, 272)
+  assert (tcfg.num_attention_heads, tcfg.num_key_value_heads, tcfg.head_dim) == (4, 2, 64)
+  assert tp.embed.shape == (272, 256)
+  dcfg, w = load_drafter(DEFAULT_DRAFTER)
+  assert (dcfg.n_layer, dcfg.n_embd, dcfg.block_size) == (1, 256, 8)
+  assert dcfg.mask_token_id == TD.TOKENIZER.mask_id and max(dcfg.target_layers) == 4
+  assert "tok_embd" not in w and "lm_head" not in w      # borrowed from the target
+  load_drafter_arg(DEFAULT_DRAFTER, tcfg, tp, DEFAULT_TARGET, "fp32")   # fits its target
+  from tokenizers import Tokenizer
+  tok = Tokenizer.from_file(os.path.join(DEFAULT_TARGET, "tokenizer.json"))
+  assert tok.encode("def f():").ids == list(b"def f():")
+  files = [os.path.join(d, f) for d, _, fs in os.walk(PAIR) for f in fs
+           if "__pycache__" not in d]
+  rel = sorted(os.path.relpath(f, os.path.join(ROOT, "dflash_jax")) for f in files)
+  assert {"demo_pair/README.md", "demo_pair/drafter.gguf", "demo_pair/target/config.json",
+          "demo_pair/target/tokenizer.json"} <= set(rel), rel
+  assert any(r.endswith(".safetensors") for r in rel), rel
+  assert sum(os.path.getsize(f) for f in files) < 12 * 2**20
+  assert {oct(os.stat(f).st_mode & 0o777) for f in files} == {"0o644"}
+  with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+    globs = tomllib.load(f)["tool"]["setuptools"]["package-data"]["dflash_jax"]
+  for r in rel:
+    assert any(fnmatch.fnmatch(r, g) for g in globs), (r, globs)
+
+
+def test_demo_with_the_shipped_pair_decodes_losslessly(capsys):
+  """`demo` with its defaults (one timed run of each decoding): text streams, tau is well
+  above 1 (the drafter was trained for this target), and the output equals target-only
+  decoding."""
+  assert main(["demo", "--repeats", "1"]) == 0
+  cap = capsys.readouterr()
+  from dflash_jax.cli.demo import DEFAULT_PROMPT
+  assert cap.out.startswith(DEFAULT_PROMPT) and len(cap.out) > len(DEFAULT_PROMPT)
+  assert "output:   identical to target-only greedy decoding" in cap.out, cap.out
+  tau = float(re.search(r"tau: +([\d.]+) tokens per round \(256 tokens", cap.out).group(1))
+  assert tau >= 2.5, cap.out
+  assert re.search(r"accepted drafts per round: 0:\d+ 1:\d+ 2:\d+ 3:\d+", cap.out), cap.out
+  assert re.search(r"tokens/s: target only [\d.]+, speculative [\d.]+ ", cap.out), cap.out
+  assert "compile:" in cap.err, cap.err
+  assert "demo_pair/drafter.gguf (1 layers, block 8" in cap.err, cap.err
