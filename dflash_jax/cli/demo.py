@@ -101,7 +101,7 @@ def demo(args) -> int:
   load_s = time.perf_counter() - t_load
   dcfg_d = dparams.cfg
   models = D.Models(target=target, drafter=dparams, d2t=None, target_cfg=tcfg)
-  spec_cfg = D.DecodeConfig(width=block, impl=impl)
+  spec_cfg = D.DecodeConfig(width=block, impl=impl, target_impl=impl)
   eos = tcfg.eos_token_ids
   kw = dict(eos_ids=eos, cache_dtype=args.dtype, capacity=-(-need // 16) * 16)
   dev = jax.devices()[0]
@@ -112,7 +112,7 @@ def demo(args) -> int:
         f"({jax.default_backend()}), impl={impl}; loaded in {load_s:.1f} s", file=sys.stderr)
 
   c_base = D.warm_up(D.Models(target=target, drafter=None, d2t=None, target_cfg=tcfg),
-                     D.DecodeConfig(width=1), [prompt], args.max_new, **kw)
+                     D.DecodeConfig(width=1, target_impl=impl), [prompt], args.max_new, **kw)
   c_spec = D.warm_up(models, spec_cfg, [prompt], args.max_new, ring_dtype=args.dtype, **kw)
   print(f"compile: {c_base:.1f} s target-only, {c_spec:.1f} s speculative (excluded from "
         f"every rate below; a later run of these shapes reads them from the compile cache)",
@@ -128,7 +128,7 @@ def demo(args) -> int:
   base_rates = []
   base = None
   for _ in range(args.repeats):
-    b = D.generate_target_only(target, tcfg, [prompt], args.max_new, **kw)
+    b = D.generate_target_only(target, tcfg, [prompt], args.max_new, target_impl=impl, **kw)
     base = base or b
     base_rates.append(b.n_tokens / b.seconds)
   for _ in range(args.repeats - 1):
