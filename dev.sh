@@ -36,7 +36,7 @@ cmd=${1:-}
 shift || true
 case "$cmd" in
   demo)  exec .venv/bin/python -m dflash_jax demo "$@" ;;
-  test)  exec .venv/bin/python -m pytest -q -n 2 --dist loadfile "$@" ;;
+  test)  exec .venv/bin/python -m pytest -q -n 2 "$@" ;;
   bench) exec .venv/bin/python -m benchmarks.run "$@" ;;
   *) echo "usage: ./dev.sh demo|test|bench [args]" >&2; exit 2 ;;
 esac

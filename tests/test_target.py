@@ -333,7 +333,9 @@ def test_load_target_streams_each_tensor_in_its_stored_dtype(tmp_path, monkeypat
   largest = max(n for _, _, _, n in seen)
   total = sum(n for _, _, _, n in seen)
   assert total > 3 * largest
-  assert peak < 2 * largest + 32_000, (peak, largest, total)
+  # 64 kB for the interpreter's own allocations (jax's tracing caches vary by a few tens of kB
+  # with what ran before), still far below the folder (a host copy of it would exceed this).
+  assert peak < 2 * largest + 64_000 < total, (peak, largest, total)
   # fp32 from the same bf16 folder: the cast runs on the device, the host peak is unchanged.
   tracemalloc.start()
   try:
