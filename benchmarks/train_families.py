@@ -24,11 +24,11 @@ DFlash2 blocks of 8, DSpark shifted blocks of 7), so all verify 8 rows.
   (T = 1; DFlash2's sparse q, DSpark's dense q); DSpark also with the confidence cut, and
   both new families without their head (`ABLATION`). tau and histograms only: the drafter is
   numpy, so its seconds mean nothing;
-- the compiled loop (`train.evaluate`, `dflash_jax.decode`): target-only, DFlash and prompt
-  lookup, with tokens/s (compile excluded). The compiled DFlash2 / DSpark steps are another
-  branch's work: once merged, their rows belong here too.
-The DFlash rows of the two agree (tau within rounding of near-ties), which checks the exact
-evaluator. Writes OUT/families.md, OUT/families.json and OUT/loss_curves.png.
+- the compiled loop (`train.evaluate`, `dflash_jax.decode`, impl xla): target-only, every
+  family and prompt lookup, greedy with tokens/s (compile excluded); then T = 1 (each family's
+  sampled proposals) and DSpark's confidence cut at T = 0 and 1, tau and histograms.
+Each family's greedy rows of the two agree (tau within rounding of near-ties), which checks
+both. Writes OUT/families.md, OUT/families.json and OUT/loss_curves.png.
 """
 from __future__ import annotations
 
@@ -426,29 +426,37 @@ def stage_eval(work: str, out: str, preset: dict, families, smoke: bool, seed: i
     w = {k: z[k] for k in z.files}
     w["tok_embd"], w["lm_head"] = np.asarray(target.embed), np.asarray(target.head)
     drafters[fam] = (cfg, w)
-  # Compiled loop: target-only, DFlash, prompt lookup (greedy), with tokens/s.
-  dp = None
-  if "dflash" in drafters:
-    cfg, w = drafters["dflash"]
+  # Compiled loop (decode, the Pallas-free xla path on CPU): target-only, every family and
+  # prompt lookup, greedy, with tokens/s; each verifies 8 rows per round.
+  dps = {}
+  for fam, (cfg, w) in drafters.items():
     own = {k: v for k, v in w.items() if k not in ("tok_embd", "lm_head")}
-    dp = dfj.prepare_weights(cfg, {**own, "tok_embd": target.embed, "lm_head": target.head},
-                             "fp32")
-  compiled = E.evaluate(target, tcfg, [("dflash", dp)] if dp is not None else [], prompts,
-                        e["gen"], widths=(8,), impl="xla")
+    dps[fam] = dfj.prepare_weights(cfg, {**own, "tok_embd": target.embed,
+                                         "lm_head": target.head}, "fp32")
+  compiled = E.evaluate(target, tcfg, list(dps.items()), prompts, e["gen"], widths=(8,),
+                        impl="xla")
   ref_tokens = [decode.generate_target_only(target, tcfg, [list(map(int, p))], e["gen"]).tokens[0]
                 for p in prompts]
-  # Compiled loop at T = 1: DFlash with sampled proposals, and prompt lookup.
+  # Compiled loop at T = 1 (each family's sampled proposals, prompt lookup), and DSpark's
+  # confidence cut at T = 0 and 1: tau and histograms (greedy rows: outputs vs target-only).
   t1 = []
-  samp = Sampling(temperature=1.0, proposals="sampled")
-  for name, dpp, prop in ([("dflash", dp, decode.Drafter())] if dp is not None else []) + [
-      ("prompt lookup (n <= 3)", None, decode.Lookup(3))]:
+  runs = [(fam, dp, decode.Drafter(), 1.0) for fam, dp in dps.items()]
+  runs += [("prompt lookup (n <= 3)", None, decode.Lookup(3), 1.0)]
+  if "dspark" in dps:
+    runs += [(f"dspark, confidence cut {c:g}", dps["dspark"], decode.Drafter(cut=c), t)
+             for c in e["cuts"] for t in (0.0, 1.0)]
+  for name, dpp, prop, temp in runs:
     models = decode.Models(target=target, drafter=dpp, d2t=None, target_cfg=tcfg)
-    dcfg = decode.DecodeConfig(width=8, sampling=samp if dpp is not None else
-                               Sampling(temperature=1.0), impl="xla", proposer=prop)
+    samp = (Sampling() if temp == 0 else
+            Sampling(temperature=temp, proposals="sampled" if dpp is not None else "greedy"))
+    dcfg = decode.DecodeConfig(width=8, sampling=samp, impl="xla", proposer=prop)
     gens = [decode.generate(models, dcfg, [list(map(int, p))], e["gen"], seed=seed + i)
             for i, p in enumerate(prompts)]
     hist = np.sum([g.hist.sum(0) for g in gens], axis=0)
-    t1.append(dict(method=name, tau=_tau(hist), hist=hist.astype(int).tolist()))
+    same = (sum(g.tokens[0] == r for g, r in zip(gens, ref_tokens)) if temp == 0 else None)
+    t1.append(dict(method=name, temperature=temp, tau=_tau(hist), same_as_target=same,
+                   hist=hist.astype(int).tolist()))
+    print(f"compiled {name} T={temp:g}: tau {t1[-1]['tau']:.2f}", flush=True)
   # The exact evaluator: each family's reference drafts, the target's compiled verify.
   rows = []
   for fam, (cfg, w) in drafters.items():
@@ -473,9 +481,12 @@ def stage_eval(work: str, out: str, preset: dict, families, smoke: bool, seed: i
   sizes = "; ".join(
       f"{fam}: {logs[fam]['n_params'] / 1e6:.3f} M params, {logs[fam]['steps']} steps in "
       f"{logs[fam]['seconds']:.0f} s, exports {logs[fam]['exports']}" for fam in families)
-  t1_lines = ["| method (compiled loop, T = 1) | tau | rounds accepting 0, 1, 2, ... drafts |",
-              "|---|---|---|"] + [f"| {r['method']} | {r['tau']:.2f} | "
-                                  f"{' '.join(map(str, r['hist']))} |" for r in t1]
+  def t1_line(r):
+    same = "-" if r["same_as_target"] is None else f"{r['same_as_target']}/{len(prompts)}"
+    return (f"| {r['method']} | {r['temperature']:g} | {r['tau']:.2f} | {same} | "
+            f"{' '.join(map(str, r['hist']))} |")
+  t1_lines = ["| method (compiled loop) | T | tau | = target | rounds accepting 0, 1, 2, ... "
+              "drafts |", "|---|---|---|---|---|"] + [t1_line(r) for r in t1]
   text = "\n".join([
       f"- device: {jax.devices()[0].device_kind}; target {tcfg.num_hidden_layers} x "
       f"{tcfg.hidden_size}; {len(prompts)} held-out prompts x {e['gen']} tokens",

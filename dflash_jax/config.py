@@ -404,6 +404,11 @@ class DFlashConfig:
     return self.resolve_width(width) - self.first_draft_row
 
   @property
+  def max_verify_width(self) -> int:
+    """The most rows a decoding round verifies: id_last and every draft of a full block."""
+    return self.n_drafts() + 1
+
+  @property
   def n_target_layers(self) -> int:
     return len(self.target_layers)
 

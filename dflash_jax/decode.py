@@ -287,7 +287,7 @@ def check_models(models: Models, dcfg: DecodeConfig) -> None:
   if d is None:
     return
   c = d.cfg
-  lo, hi = 3 - c.first_draft_row, c.block_size + 1 - c.first_draft_row
+  lo, hi = 3 - c.first_draft_row, c.max_verify_width
   if not lo <= dcfg.width <= hi:
     raise ValueError(f"width (rows verified per round: id_last + width - 1 drafts) must lie in "
                      f"[{lo}, {hi}] with a {c.family} drafter of block_size {c.block_size} "

@@ -202,11 +202,17 @@ def test_train_families_benchmark_smoke_run(tmp_path):
     if r["temperature"] == 0:
       assert r["same_as_target"] == r["n_prompts"], r
   assert [r["method"].split(" (")[0] for r in res["compiled"]] == [
-      "target only", "dflash", "prompt lookup"]
-  assert [r["method"].split(" (")[0] for r in res["compiled_t1"]] == ["dflash", "prompt lookup"]
+      "target only", "dflash", "dflash2", "dspark", "prompt lookup"]
+  for r in res["compiled"][1:4]:   # the greedy compiled loop is lossless for every family
+    assert r["same_as_target"] == r["n_prompts"], r
+  assert [(r["method"].split(" (")[0], r["temperature"]) for r in res["compiled_t1"]] == [
+      ("dflash", 1), ("dflash2", 1), ("dspark", 1), ("prompt lookup", 1),
+      ("dspark, confidence cut 0.5", 0), ("dspark, confidence cut 0.5", 1)]
+  cut = res["compiled_t1"][4]
+  assert cut["same_as_target"] == 2 and sum(cut["hist"]) > 0
   for fam in ("dflash", "dflash2", "dspark"):
     assert (work / fam / "weights.npz").exists() and res["sizes"][fam]["steps"] == 6
-  assert res["sizes"]["dflash"]["exports"] == {"gguf": "ok", "hf": "ok"}
+    assert res["sizes"][fam]["exports"] == {"gguf": "ok", "hf": "ok"}
   assert (out / "loss_curves.png").stat().st_size > 1000
   assert train_families.main(["export", "--smoke", "--work", str(work), "--families",
                               "dflash"]) == 0

@@ -130,7 +130,7 @@ def test_eval_refuses_widths_above_a_drafters_block(pair, capsys):
   assert "argument --widths" in line and "[100]" in line and "block_size 8" in line
   assert drafter in line
   assert main(["eval", "--target", target, "--drafter", drafter, "--widths", "16,8"]) == 2
-  assert "[16] exceed the block_size 8" in _err(capsys)
+  assert "[16] exceed the dflash drafter" in _err(capsys)
 
 
 def test_eval_names_prompt_len_when_the_positions_do_not_fit(pair, capsys):

@@ -19,13 +19,11 @@ import numpy as np
 import pytest
 
 import dflash_jax as dfj
-from dflash_jax.config import (DFLASH2_CONFIG, DSPARK_QWEN3_8B_CONFIG, FULL, SLIDING,
-                               TINY_CONFIG, TINY_DFLASH2_CONFIG, TINY_DSPARK_CONFIG,
-                               DFlash2Fields, DSparkFields)
+from dflash_jax.config import DFLASH2_CONFIG, DSPARK_QWEN3_8B_CONFIG
 from dflash_jax.drafter import step as S
 from reference import DFlashRef
 from reference import families as fam
-from test_reference_families import markov_f64
+from test_reference_families import dflash2_cfg, dspark_cfg, markov_f64
 
 V = 512
 ID_LAST = 3
@@ -34,29 +32,6 @@ FP32_TOL = 1e-4
 # bf16 / quantized paths vs the reference rounded the same way (test_step.py's BF16_TOL).
 BF16_TOL = 5e-2
 N_ROWS = 20
-
-
-def dflash2_cfg(block=8, heads=(4, 2), kinds="sliding", k_size=2, group=8, rank=8, top_k=4,
-                cap=12.0, causal=False, window=32, mult=0.5, scale=1.5):
-  layer_types = {"sliding": None, "full": (FULL, FULL), "mixed": (SLIDING, FULL)}[kinds]
-  return dataclasses.replace(
-      TINY_CONFIG, n_head=heads[0], n_head_kv=heads[1], block_size=block, window=window,
-      layer_types=layer_types, context_length=64, family="dflash2",
-      family_fields=DFlash2Fields(conv_kernel_size=k_size, conv_group_size=group,
-                                  selector_rank=rank, selector_top_k=top_k,
-                                  output_multiplier=mult, final_logit_softcapping=cap,
-                                  input_embedding_scale=scale, is_causal=causal))
-
-
-def dspark_cfg(head="vanilla", rank=8, conf=True, with_markov=True, shifted=True, block=7,
-               kinds="full", heads=(4, 2)):
-  layer_types = {"sliding": None, "full": (FULL, FULL), "mixed": (SLIDING, FULL)}[kinds]
-  return dataclasses.replace(
-      TINY_DSPARK_CONFIG, block_size=block, n_head=heads[0], n_head_kv=heads[1],
-      window=32 if kinds != "full" else None, layer_types=layer_types,
-      family_fields=DSparkFields(sample_from_anchor=shifted, markov_rank=rank if head else 0,
-                                 markov_head_type=head, confidence_head=conf,
-                                 confidence_with_markov=conf and with_markov))
 
 
 def weights(cfg, seed=2):

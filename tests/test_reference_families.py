@@ -31,11 +31,12 @@ def dflash2_cfg(block=8, heads=(4, 2), kinds="sliding", k_size=2, group=8, rank=
 
 
 def dspark_cfg(head="vanilla", rank=8, conf=True, with_markov=True, shifted=True, block=7,
-               kinds="full"):
+               kinds="full", heads=(4, 2)):
+  """A tiny DSpark config (head None: no Markov head)."""
   layer_types = {"sliding": None, "full": (FULL, FULL), "mixed": (SLIDING, FULL)}[kinds]
   return dataclasses.replace(
-      TINY_DSPARK_CONFIG, block_size=block, window=32 if kinds != "full" else None,
-      layer_types=layer_types,
+      TINY_DSPARK_CONFIG, block_size=block, n_head=heads[0], n_head_kv=heads[1],
+      window=32 if kinds != "full" else None, layer_types=layer_types,
       family_fields=DSparkFields(sample_from_anchor=shifted, markov_rank=rank if head else 0,
                                  markov_head_type=head, confidence_head=conf,
                                  confidence_with_markov=conf and with_markov))

@@ -1,7 +1,7 @@
 """`python -m dflash_jax eval --target DIR --drafter PATH`: acceptance and speed end to end.
 
 Held-out corpus prompts (read with TARGET/tokenizer.json) are decoded greedily by the target
-alone, by each drafter at each block width (--widths; default: each drafter's block size) and
+alone, by each drafter at each width (--widths; default: each drafter's widest round) and
 by prompt lookup (n-gram drafting) at the same widths, all through dflash_jax.decode with the
 same target code, one prompt at a time, each configuration compiled by an untimed first run.
 Prints the table (tau, tokens/s, speedup over target-only with its 95% bootstrap interval
@@ -36,8 +36,9 @@ def register(sub) -> None:
   p.add_argument("--prompt-len", type=int_in(1), default=128, help="tokens per prompt")
   p.add_argument("--gen", type=int_in(1), default=256, help="tokens generated per prompt")
   p.add_argument("--widths", type=C.int_list, default=None,
-                 help="block widths, each in [2, every drafter's block size] (default: each "
-                      "drafter at its block size, prompt lookup at those)")
+                 help="rows verified per round, each in [2, every drafter's widest round: its "
+                      "block size, DSpark's + 1] (default: each drafter's widest round, prompt "
+                      "lookup at those)")
   p.add_argument("--no-lookup", action="store_true", help="skip the prompt-lookup rows")
   p.add_argument("--max-ngram", type=int_in(1), default=3, help="prompt lookup's longest match")
   p.add_argument("--impl", choices=("auto", "pallas", "xla"), default="auto", help=IMPL_HELP)
@@ -78,13 +79,14 @@ def evaluate(args) -> int:
   for path in args.drafter:
     dp = load_drafter_arg(path, tcfg, target, args.target, args.dtype)
     drafters.append((os.path.basename(os.path.normpath(path)), path, dp))
-  widths = args.widths or tuple(sorted({dp.cfg.block_size for _, _, dp in drafters},
+  widths = args.widths or tuple(sorted({dp.cfg.max_verify_width for _, _, dp in drafters},
                                        reverse=True)) or (16,)
   for name, path, dp in drafters:
-    over = [w for w in widths if w > dp.cfg.block_size]
-    if over:
-      raise C.arg_error("--widths", f"{over} exceed the block_size {dp.cfg.block_size} of "
-                        f"--drafter {path} (widths lie in [2, block_size])")
+    top = dp.cfg.max_verify_width
+    if any(w > top for w in widths):
+      raise C.arg_error("--widths", f"{[w for w in widths if w > top]} exceed the "
+                        f"{dp.cfg.family} drafter {path}'s widest round {top} (its block_size "
+                        f"{dp.cfg.block_size}: widths lie in [2, {top}])")
   need = args.prompt_len + args.gen + max(widths)
   if need > tcfg.max_position_embeddings:
     raise C.arg_error("--prompt-len/--gen", f"{args.prompt_len} + {args.gen} tokens + "

@@ -81,13 +81,14 @@ def evaluate(target: qwen3.TargetParams, tcfg: qwen3.TargetConfig,
              max_new: int, widths: Sequence[int] = (16, 8), *, lookup: bool = True,
              max_ngram: int = 3, impl: str = "pallas", target_impl: str = "xla",
              cache_dtype: Any = "fp32", ring_dtype: Any = "fp32", out=print) -> list[EvalRow]:
-  """Target-only greedy decoding, then each (name, drafter) at each width (each <= its block
-  size: a ValueError otherwise), then prompt lookup at each width; every prompt decoded alone,
-  all greedy, no EOS stop."""
+  """Target-only greedy decoding, then each (name, drafter) at each width (rows verified per
+  round, each <= the drafter's `max_verify_width`: a ValueError otherwise), then prompt lookup
+  at each width; every prompt decoded alone, all greedy, no EOS stop."""
   for name, dp in drafters:
-    over = [w for w in widths if w > dp.cfg.block_size]
+    over = [w for w in widths if w > dp.cfg.max_verify_width]
     if over:
-      raise ValueError(f"widths {over} exceed drafter {name}'s block_size {dp.cfg.block_size}")
+      raise ValueError(f"widths {over} exceed drafter {name}'s max_verify_width "
+                       f"{dp.cfg.max_verify_width}")
   prompts = [list(map(int, p)) for p in prompts]
   kw = dict(cache_dtype=cache_dtype)
   base = _run_each(lambda ps: decode.generate_target_only(target, tcfg, ps, max_new,
