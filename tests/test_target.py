@@ -292,8 +292,9 @@ def test_load_target_picks_the_family_and_ignores_buffers(tmp_path):
 def test_load_target_streams_each_tensor_in_its_stored_dtype(tmp_path, monkeypatch):
   """A bf16 folder of 4 shards: every tensor is read once, as bf16 (the bytes read per shard are
   exactly its data), the params come out bf16 (norms float32), and the host never holds a
-  float32 copy: the traced host peak stays under two of the largest tensor (the one being
-  handed to the device and the one read ahead), far below the folder's size."""
+  float32 copy: on a GPU the traced host peak stays under two of the largest tensor (the one
+  being handed to the device and the one read ahead); on CPU, where device arrays may be host
+  buffers, under the folder plus those two."""
   import tracemalloc
 
   from dflash_jax.io import safetensors as st
@@ -302,7 +303,8 @@ def test_load_target_streams_each_tensor_in_its_stored_dtype(tmp_path, monkeypat
   p = Q.init_params(cfg, jax.random.key(15))
   folder = tmp_path / "bf16"
   save_target(folder, cfg, p, dtype="bf16", max_shard_bytes=200_000)
-  load_target(folder)   # compiles the device-side checks and casts once
+  load_target(folder)   # compiles the device-side checks and casts once, for both dtypes:
+  load_target(folder, dtype="fp32")   # what the traced loads below allocate is then theirs
   real, seen = st.iter_tensors, []
 
   def spy(specs, names, where):
@@ -333,9 +335,13 @@ def test_load_target_streams_each_tensor_in_its_stored_dtype(tmp_path, monkeypat
   largest = max(n for _, _, _, n in seen)
   total = sum(n for _, _, _, n in seen)
   assert total > 3 * largest
-  # 64 kB for the interpreter's own allocations (jax's tracing caches vary by a few tens of kB
-  # with what ran before), still far below the folder (a host copy of it would exceed this).
-  assert peak < 2 * largest + 64_000 < total, (peak, largest, total)
+  # 64 kB for the interpreter's own allocations. On a GPU the device arrays are not host memory:
+  # two tensors in flight at most. The CPU backend may keep a host buffer as its device array
+  # (zero-copy), so there every tensor may stay counted: the bound is then the folder plus two
+  # in flight, still below the float32 host copy this test exists to catch (2 x the folder).
+  slack = 64_000
+  bound = 2 * largest + slack + (0 if jax.default_backend() == "gpu" else total)
+  assert peak < bound < 2 * total, (peak, largest, total)
   # fp32 from the same bf16 folder: the cast runs on the device, the host peak is unchanged.
   tracemalloc.start()
   try:
@@ -343,5 +349,5 @@ def test_load_target_streams_each_tensor_in_its_stored_dtype(tmp_path, monkeypat
     peak = tracemalloc.get_traced_memory()[1]
   finally:
     tracemalloc.stop()
-  assert p3.embed.dtype == jnp.float32 and peak < 2 * largest + 32_000, peak
+  assert p3.embed.dtype == jnp.float32 and peak < bound, (peak, bound)
   _params_equal(p3, jax.tree.map(lambda a: a.astype(jnp.float32), p2))
