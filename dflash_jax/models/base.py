@@ -33,6 +33,7 @@ from __future__ import annotations
 from typing import Any, Protocol, Sequence, runtime_checkable
 
 import jax
+import numpy as np
 
 
 @runtime_checkable
@@ -89,6 +90,15 @@ def prefill_bucket(n: int, minimum: int = 16) -> int:
   """The padded prefill length for n rows: the next power of two >= max(n, minimum), so a
   prompt compiles prefill once per power of two."""
   return max(minimum, 1 << max(0, int(n) - 1).bit_length())
+
+
+def eos_token_ids(ids: Any, vocab_size: int) -> tuple[tuple[int, ...], list[str]]:
+  """A config's `eos_token_ids` as HF writes it (None, one id or a list) -> (the ids as a
+  tuple of ints, the problems to report: ids outside the vocab)."""
+  out = tuple(int(i) for i in (
+      () if ids is None else (ids,) if isinstance(ids, (int, np.integer)) else ids))
+  bad = any(not 0 <= i < max(vocab_size, 1) for i in out)
+  return out, [f"eos_token_ids {out} must lie in [0, {vocab_size})"] if bad else []
 
 
 def check_capture_layers(n_layers: int, capture_layers: Sequence[int]) -> tuple[int, ...]:

@@ -121,11 +121,9 @@ class MuseGlimmerConfig:
       problems.append(f"layer_rope_theta must hold {n} entries >= 0, got {list(thetas)}")
     object.__setattr__(self, "layer_types", kinds)
     object.__setattr__(self, "layer_rope_theta", thetas)
-    ids = self.eos_token_ids
-    object.__setattr__(self, "eos_token_ids", tuple(int(i) for i in (
-        () if ids is None else (ids,) if isinstance(ids, (int, np.integer)) else ids)))
-    if any(not 0 <= i < self.vocab_size for i in self.eos_token_ids):
-      problems.append(f"eos_token_ids {self.eos_token_ids} must lie in [0, {self.vocab_size})")
+    ids, bad = base.eos_token_ids(self.eos_token_ids, self.vocab_size)
+    object.__setattr__(self, "eos_token_ids", ids)
+    problems += bad
     if problems:
       raise ValueError("invalid MuseGlimmerConfig: " + "; ".join(problems))
 

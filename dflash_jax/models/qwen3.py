@@ -109,11 +109,9 @@ class TargetConfig:
       object.__setattr__(self, "rope_scaling", RopeScaling())
     elif not isinstance(self.rope_scaling, RopeScaling):
       problems.append(f"rope_scaling must be a RopeScaling or None, got {self.rope_scaling!r}")
-    ids = self.eos_token_ids
-    object.__setattr__(self, "eos_token_ids", tuple(int(i) for i in (
-        () if ids is None else (ids,) if isinstance(ids, (int, np.integer)) else ids)))
-    if any(not 0 <= i < max(self.vocab_size, 1) for i in self.eos_token_ids):
-      problems.append(f"eos_token_ids {self.eos_token_ids} must lie in [0, {self.vocab_size})")
+    ids, bad = base.eos_token_ids(self.eos_token_ids, self.vocab_size)
+    object.__setattr__(self, "eos_token_ids", ids)
+    problems += bad
     if problems:
       raise ValueError("invalid TargetConfig: " + "; ".join(problems))
 

@@ -149,11 +149,9 @@ class TargetConfig:
       problems.append(f"model_type must be one of {MODEL_TYPES}, got {self.model_type!r}")
     if self.rollback not in ROLLBACKS:
       problems.append(f"rollback must be one of {ROLLBACKS}, got {self.rollback!r}")
-    ids = self.eos_token_ids
-    object.__setattr__(self, "eos_token_ids", tuple(int(i) for i in (
-        () if ids is None else (ids,) if isinstance(ids, (int, np.integer)) else ids)))
-    if any(not 0 <= i < max(self.vocab_size, 1) for i in self.eos_token_ids):
-      problems.append(f"eos_token_ids {self.eos_token_ids} must lie in [0, {self.vocab_size})")
+    ids, bad = base.eos_token_ids(self.eos_token_ids, self.vocab_size)
+    object.__setattr__(self, "eos_token_ids", ids)
+    problems += bad
     if problems:
       raise ValueError("invalid qwen3_5 TargetConfig: " + "; ".join(problems))
 

@@ -100,11 +100,9 @@ class Qwen3MoeConfig:
     if any(not 0 <= i < self.num_hidden_layers for i in only):
       problems.append(f"mlp_only_layers {list(only)} must lie in [0, {self.num_hidden_layers})")
     object.__setattr__(self, "mlp_only_layers", only)
-    ids = self.eos_token_ids
-    object.__setattr__(self, "eos_token_ids", tuple(int(i) for i in (
-        () if ids is None else (ids,) if isinstance(ids, (int, np.integer)) else ids)))
-    if any(not 0 <= i < self.vocab_size for i in self.eos_token_ids):
-      problems.append(f"eos_token_ids {self.eos_token_ids} must lie in [0, {self.vocab_size})")
+    ids, bad = base.eos_token_ids(self.eos_token_ids, self.vocab_size)
+    object.__setattr__(self, "eos_token_ids", ids)
+    problems += bad
     if problems:
       raise ValueError("invalid Qwen3MoeConfig: " + "; ".join(problems))
 
