@@ -256,6 +256,16 @@ class RopeScaling:
     return out
 
 
+def checked_rope_scaling(value: Any, problems: list[str]) -> RopeScaling:
+  """A config's `rope_scaling` field: None is no scaling; anything but a `RopeScaling` is
+  added to `problems` (the config's __post_init__ reports them together)."""
+  if value is None:
+    return RopeScaling()
+  if not isinstance(value, RopeScaling):
+    problems.append(f"rope_scaling must be a RopeScaling or None, got {value!r}")
+  return value
+
+
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
   """YaRN's magnitude correction 0.1 mscale ln(scale) + 1 (1 for scale <= 1), HF's
   `get_mscale`."""
@@ -304,10 +314,7 @@ class DFlashConfig:
 
   def __post_init__(self):
     problems = []
-    if self.rope_scaling is None:
-      object.__setattr__(self, "rope_scaling", RopeScaling())
-    elif not isinstance(self.rope_scaling, RopeScaling):
-      problems.append(f"rope_scaling must be a RopeScaling or None, got {self.rope_scaling!r}")
+    object.__setattr__(self, "rope_scaling", checked_rope_scaling(self.rope_scaling, problems))
     for name in ("n_layer", "n_embd", "n_ff", "n_head", "n_head_kv", "head_dim", "block_size"):
       v = getattr(self, name)
       if not isinstance(v, (int, np.integer)) or v <= 0:

@@ -252,10 +252,35 @@ def test_rope_scaling_checks_its_fields():
   with pytest.raises(ValueError, match="0 < low < high"):
     RopeScaling("llama3", factor=8.0, original_max_position_embeddings=8192,
                 low_freq_factor=4.0, high_freq_factor=1.0)
-  with pytest.raises(ValueError, match="rope_scaling must be a RopeScaling"):
-    dataclasses.replace(dfj.TINY_CONFIG, rope_scaling={"rope_type": "yarn"})
-  assert dataclasses.replace(dfj.TINY_CONFIG, rope_scaling=None) == dfj.TINY_CONFIG
   hash(RopeScaling("yarn", factor=2.0, original_max_position_embeddings=8))
+
+
+def _configs_with_rope_scaling():
+  from dflash_jax.models import qwen3, qwen3_5, qwen3_moe
+  heads = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+  yield dfj.TINY_CONFIG
+  yield qwen3.TargetConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
+                           num_hidden_layers=2, **heads)
+  yield MG.MuseGlimmerConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
+                             num_hidden_layers=4, sliding_window=8, **heads)
+  yield qwen3_moe.Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
+                                 moe_intermediate_size=16, num_hidden_layers=2, num_experts=4,
+                                 num_experts_per_tok=2, **heads)
+  yield qwen3_5.TargetConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
+                             num_hidden_layers=4, linear_conv_kernel_dim=4,
+                             linear_key_head_dim=16, linear_value_head_dim=16,
+                             linear_num_key_heads=2, linear_num_value_heads=2, **heads)
+
+
+@pytest.mark.parametrize("cfg", list(_configs_with_rope_scaling()),
+                         ids=lambda c: type(c).__module__)
+def test_every_config_takes_none_and_refuses_a_dict_for_rope_scaling(cfg):
+  """The drafter's and every target family's config: None is no scaling (the default, equal
+  config), an HF dict must be parsed first (rope_from_hf) and is refused by name."""
+  with pytest.raises(ValueError, match=r"rope_scaling must be a RopeScaling or None, got \{"):
+    dataclasses.replace(cfg, rope_scaling={"rope_type": "yarn"})
+  assert dataclasses.replace(cfg, rope_scaling=None) == cfg
+  assert cfg.rope_scaling == RopeScaling()
 
 
 # ---------------------------------------------------------------------------------------------

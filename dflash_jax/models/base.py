@@ -86,6 +86,27 @@ class Target(Protocol):
     or None, features [B, T, F]); differentiable (training, teacher forcing)."""
 
 
+class HFDecoderFacts:
+  """The config facts every HF decoder family here derives alike from its fields
+  (`num_hidden_layers`, `num_attention_heads`, `num_key_value_heads`, `head_dim`): a mixin of
+  the families' frozen config dataclasses, so each states only what differs."""
+
+  @property
+  def n_layers(self) -> int:
+    return self.num_hidden_layers
+
+  def check_capture_layers(self, capture_layers: Sequence[int]) -> tuple[int, ...]:
+    return check_capture_layers(self.num_hidden_layers, capture_layers)
+
+  @property
+  def q_dim(self) -> int:
+    return self.num_attention_heads * self.head_dim
+
+  @property
+  def kv_dim(self) -> int:
+    return self.num_key_value_heads * self.head_dim
+
+
 def prefill_bucket(n: int, minimum: int = 16) -> int:
   """The padded prefill length for n rows: the next power of two >= max(n, minimum), so a
   prompt compiles prefill once per power of two."""

@@ -37,8 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.config import (FULL, LAYER_TYPES, SLIDING, RopeScaling, rope_from_hf,
-                               rope_inv_freq)
+from dflash_jax.config import (FULL, LAYER_TYPES, SLIDING, RopeScaling, checked_rope_scaling,
+                               rope_from_hf, rope_inv_freq)
 from dflash_jax.models import base
 from dflash_jax.models.qwen3 import normals, rope
 from dflash_jax.dispatch import KernelPolicy, einsum_f32, linear, resolve_dtype, rms_norm
@@ -52,7 +52,7 @@ _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
 @dataclasses.dataclass(frozen=True)
-class MuseGlimmerConfig:
+class MuseGlimmerConfig(base.HFDecoderFacts):
   """The text model's shape and constants (HF text_config names); frozen and hashable.
 
   `layer_types` / `layer_rope_theta` None take HF's defaults (every 4th layer counted back
@@ -84,10 +84,7 @@ class MuseGlimmerConfig:
 
   def __post_init__(self):
     problems = []
-    if self.rope_scaling is None:
-      object.__setattr__(self, "rope_scaling", RopeScaling())
-    elif not isinstance(self.rope_scaling, RopeScaling):
-      problems.append(f"rope_scaling must be a RopeScaling or None, got {self.rope_scaling!r}")
+    object.__setattr__(self, "rope_scaling", checked_rope_scaling(self.rope_scaling, problems))
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                  "num_attention_heads", "num_key_value_heads", "head_dim", "sliding_window",
                  "max_position_embeddings"):
@@ -128,13 +125,6 @@ class MuseGlimmerConfig:
       raise ValueError("invalid MuseGlimmerConfig: " + "; ".join(problems))
 
   # --- the Target protocol (models/base.py) ---
-  @property
-  def n_layers(self) -> int:
-    return self.num_hidden_layers
-
-  def check_capture_layers(self, capture_layers) -> tuple[int, ...]:
-    return base.check_capture_layers(self.num_hidden_layers, capture_layers)
-
   def init_cache(self, batch: int, capacity: int, dtype: Any = "fp32") -> "MuseCache":
     return init_cache(self, batch, capacity, dtype)
 
@@ -163,14 +153,6 @@ class MuseGlimmerConfig:
                    with_logits=with_logits)
 
   # --- derived shapes ---
-  @property
-  def q_dim(self) -> int:
-    return self.num_attention_heads * self.head_dim
-
-  @property
-  def kv_dim(self) -> int:
-    return self.num_key_value_heads * self.head_dim
-
   def is_sliding(self, layer: int) -> bool:
     return self.layer_types[layer] == SLIDING
 

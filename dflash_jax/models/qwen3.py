@@ -52,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from dflash_jax.config import RopeScaling, rope_from_hf, rope_inv_freq
+from dflash_jax.config import RopeScaling, checked_rope_scaling, rope_from_hf, rope_inv_freq
 from dflash_jax.models import base
 from dflash_jax.dispatch import (KernelPolicy, Reduced, einsum_f32, input_dtype, linear,
                                  resolve_dtype, residual_norm, rms_norm, sum_in_order,
@@ -67,7 +67,7 @@ _ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
 
 
 @dataclasses.dataclass(frozen=True)
-class TargetConfig:
+class TargetConfig(base.HFDecoderFacts):
   """The target's shape (HF config.json names); frozen and hashable (a static jit argument).
 
   `rope_scaling` is the rope scaling (none, linear, llama3, yarn; None is read as none).
@@ -105,10 +105,7 @@ class TargetConfig:
       problems.append(f"rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
     if not (self.rope_theta > 0):
       problems.append(f"rope_theta must be > 0, got {self.rope_theta!r}")
-    if self.rope_scaling is None:
-      object.__setattr__(self, "rope_scaling", RopeScaling())
-    elif not isinstance(self.rope_scaling, RopeScaling):
-      problems.append(f"rope_scaling must be a RopeScaling or None, got {self.rope_scaling!r}")
+    object.__setattr__(self, "rope_scaling", checked_rope_scaling(self.rope_scaling, problems))
     ids, bad = base.eos_token_ids(self.eos_token_ids, self.vocab_size)
     object.__setattr__(self, "eos_token_ids", ids)
     problems += bad
@@ -116,13 +113,6 @@ class TargetConfig:
       raise ValueError("invalid TargetConfig: " + "; ".join(problems))
 
   # --- the Target protocol (models/base.py) ---
-  @property
-  def n_layers(self) -> int:
-    return self.num_hidden_layers
-
-  def check_capture_layers(self, capture_layers) -> tuple[int, ...]:
-    return base.check_capture_layers(self.num_hidden_layers, capture_layers)
-
   def init_cache(self, batch: int, capacity: int, dtype: Any = "fp32") -> "TargetCache":
     return init_cache(self, batch, capacity, dtype)
 
@@ -151,14 +141,6 @@ class TargetConfig:
   @property
   def group(self) -> int:
     return self.num_attention_heads // self.num_key_value_heads
-
-  @property
-  def q_dim(self) -> int:
-    return self.num_attention_heads * self.head_dim
-
-  @property
-  def kv_dim(self) -> int:
-    return self.num_key_value_heads * self.head_dim
 
   def to_hf(self) -> dict[str, Any]:
     model_type = "qwen3" if self.qk_norm else "llama"

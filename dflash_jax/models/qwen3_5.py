@@ -56,7 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from dflash_jax.config import RopeScaling, rope_from_hf, rope_inv_freq
+from dflash_jax.config import RopeScaling, checked_rope_scaling, rope_from_hf, rope_inv_freq
 from dflash_jax.models import base
 from dflash_jax.models.qwen3 import _attention, _write
 from dflash_jax.dispatch import KernelPolicy, linear, resolve_dtype, rms_norm
@@ -74,7 +74,7 @@ L2_EPS = 1e-6
 
 
 @dataclasses.dataclass(frozen=True)
-class TargetConfig:
+class TargetConfig(base.HFDecoderFacts):
   """The hybrid's shape (HF config names); frozen and hashable (a static jit argument).
 
   `layer_types`: each layer's mixer, "linear_attention" (Gated DeltaNet) or
@@ -110,6 +110,7 @@ class TargetConfig:
 
   def __post_init__(self):
     problems = []
+    object.__setattr__(self, "rope_scaling", checked_rope_scaling(self.rope_scaling, problems))
     ints = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
             "num_attention_heads", "num_key_value_heads", "head_dim", "linear_conv_kernel_dim",
             "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
@@ -156,13 +157,6 @@ class TargetConfig:
       raise ValueError("invalid qwen3_5 TargetConfig: " + "; ".join(problems))
 
   # --- the Target protocol (models/base.py) ---
-  @property
-  def n_layers(self) -> int:
-    return self.num_hidden_layers
-
-  def check_capture_layers(self, capture_layers) -> tuple[int, ...]:
-    return base.check_capture_layers(self.num_hidden_layers, capture_layers)
-
   def init_cache(self, batch: int, capacity: int, dtype: Any = "fp32") -> "TargetCache":
     return init_cache(self, batch, capacity, dtype)
 
@@ -235,14 +229,6 @@ class TargetConfig:
   def in_dim(self) -> int:
     """Rows of a Gated DeltaNet layer's fused input projection: conv channels, z, b, a."""
     return self.conv_dim + self.value_dim + 2 * self.nv
-
-  @property
-  def q_dim(self) -> int:
-    return self.num_attention_heads * self.head_dim
-
-  @property
-  def kv_dim(self) -> int:
-    return self.num_key_value_heads * self.head_dim
 
   @property
   def rot(self) -> int:

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from dflash_jax.config import RopeScaling, rope_from_hf
+from dflash_jax.config import RopeScaling, checked_rope_scaling, rope_from_hf
 from dflash_jax.models import base, qwen3
 from dflash_jax.models.qwen3 import TargetCache, TargetLayer, TargetParams
 from dflash_jax.dispatch import KernelPolicy, linear, resolve_dtype
@@ -47,7 +47,7 @@ SLOT_MAX_ROWS = moe_gemm.MAX_ROWS
 
 
 @dataclasses.dataclass(frozen=True)
-class Qwen3MoeConfig:
+class Qwen3MoeConfig(base.HFDecoderFacts):
   """The model's shape (HF config.json names); frozen and hashable. `mlp_only_layers` is a
   sorted tuple; `rope_scaling` as in qwen3.TargetConfig."""
   vocab_size: int
@@ -72,10 +72,7 @@ class Qwen3MoeConfig:
 
   def __post_init__(self):
     problems = []
-    if self.rope_scaling is None:
-      object.__setattr__(self, "rope_scaling", RopeScaling())
-    elif not isinstance(self.rope_scaling, RopeScaling):
-      problems.append(f"rope_scaling must be a RopeScaling or None, got {self.rope_scaling!r}")
+    object.__setattr__(self, "rope_scaling", checked_rope_scaling(self.rope_scaling, problems))
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                  "num_attention_heads", "num_key_value_heads", "head_dim", "num_experts",
                  "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step",
@@ -107,13 +104,6 @@ class Qwen3MoeConfig:
       raise ValueError("invalid Qwen3MoeConfig: " + "; ".join(problems))
 
   # --- the Target protocol (models/base.py) ---
-  @property
-  def n_layers(self) -> int:
-    return self.num_hidden_layers
-
-  def check_capture_layers(self, capture_layers) -> tuple[int, ...]:
-    return base.check_capture_layers(self.num_hidden_layers, capture_layers)
-
   def init_cache(self, batch: int, capacity: int, dtype: Any = "fp32") -> TargetCache:
     return qwen3.init_cache(self, batch, capacity, dtype)
 
@@ -141,14 +131,6 @@ class Qwen3MoeConfig:
 
   # --- what qwen3's attention and cache read ---
   qk_norm = True
-
-  @property
-  def q_dim(self) -> int:
-    return self.num_attention_heads * self.head_dim
-
-  @property
-  def kv_dim(self) -> int:
-    return self.num_key_value_heads * self.head_dim
 
   def is_sparse(self, layer: int) -> bool:
     """Whether layer's MLP is the expert mixture (HF's rule)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from dflash_jax.config import rope_from_hf, rope_inv_freq
+from reference.targets.common import neox_rope, rms
 
 PREFIX = "model.language_model."
 
@@ -40,19 +41,10 @@ def text_config(config: dict) -> dict:
   return c
 
 
-def _rms(x, eps):
-  return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
 
 
-def _rope(x, positions, inv_freq, attention_scaling):
-  """NEOX rope of x [T, H, D] at positions [T] over the whole head: the float64 table of
-  `dflash_jax.config.rope_inv_freq` (its scaling certified in tests/test_rope_scaling.py), cos
-  and sin times the attention scaling as HF's rotary embedding applies it."""
-  d = x.shape[-1]
-  ang = positions[:, None, None].astype(np.float64) * inv_freq
-  cos, sin = np.cos(ang) * attention_scaling, np.sin(ang) * attention_scaling
-  x1, x2 = x[..., :d // 2], x[..., d // 2:]
-  return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+
+
 
 
 def hidden_states(config: dict, tensors: dict, tokens, prefix: str = PREFIX):
@@ -68,19 +60,19 @@ def hidden_states(config: dict, tensors: dict, tokens, prefix: str = PREFIX):
   pos = np.arange(t)
   rope = (rope_inv_freq(d, c["rope_theta"], c["rope"], np.float64),
           c["rope"].attention_scaling)
-  x = _rms(t64(prefix + "embed_tokens.weight")[tokens], eps)   # weight-less embedding norm
+  x = rms(t64(prefix + "embed_tokens.weight")[tokens], 1.0, eps)   # weight-less embedding norm
   hs = [x]
   for i in range(c["num_hidden_layers"]):
     p = f"{prefix}layers.{i}."
     w = lambda name: t64(p + name + ".weight")
-    h = _rms(x, eps) * (1 + w("input_layernorm"))
+    h = rms(x, 1.0, eps) * (1 + w("input_layernorm"))
     q = (h @ w("self_attn.q_proj").T).reshape(t, hq, d)
     k = (h @ w("self_attn.k_proj").T).reshape(t, hkv, d)
     v = (h @ w("self_attn.v_proj").T).reshape(t, hkv, d)
-    q = _rms(q, eps) * c["qk_scale_factor"]
-    k = _rms(k, eps)
+    q = rms(q, 1.0, eps) * c["qk_scale_factor"]
+    k = rms(k, 1.0, eps)
     if c["layer_rope_theta"][i] != 0:   # an on/off switch: the global theta is used
-      q, k = _rope(q, pos, *rope), _rope(k, pos, *rope)
+      q, k = neox_rope(q, pos, *rope), neox_rope(k, pos, *rope)
     diff = pos[:, None] - pos[None, :]
     mask = diff >= 0
     if c["layer_types"][i] == "sliding_attention":
@@ -95,13 +87,13 @@ def hidden_states(config: dict, tensors: dict, tokens, prefix: str = PREFIX):
     gate = h @ w("self_attn.gate_proj").T
     o = o.reshape(t, hq * d) / (1 + np.exp(-gate))
     o = o @ w("self_attn.o_proj").T
-    x = x + _rms(o, post_eps) * (1 + w("post_attention_layernorm"))
-    h2 = _rms(x, eps) * (1 + w("pre_feedforward_layernorm"))
+    x = x + rms(o, 1.0, post_eps) * (1 + w("post_attention_layernorm"))
+    h2 = rms(x, 1.0, eps) * (1 + w("pre_feedforward_layernorm"))
     g, u = h2 @ w("mlp.gate_proj").T, h2 @ w("mlp.up_proj").T
     m = (g / (1 + np.exp(-g)) * u) @ w("mlp.down_proj").T
-    x = x + _rms(m, post_eps) * (1 + w("post_feedforward_layernorm"))
+    x = x + rms(m, 1.0, post_eps) * (1 + w("post_feedforward_layernorm"))
     hs.append(x)
-  hs[-1] = _rms(x, eps) * t64(prefix + "norm.weight")   # plain weight
+  hs[-1] = rms(x, 1.0, eps) * t64(prefix + "norm.weight")   # plain weight
   head = (t64(prefix + "embed_tokens.weight") if c["tie_word_embeddings"]
           else t64("lm_head.weight"))
   z = hs[-1] @ head.T * c["output_multiplier"]

@@ -6,21 +6,13 @@ from __future__ import annotations
 import numpy as np
 
 from dflash_jax.config import rope_inv_freq
+from reference.targets.common import neox_rope, rms
 
 
-def _rms(x, w, eps):
-  return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
-def _rope(x, positions, inv_freq, attention_scaling):
-  """NEOX rope of x [T, H, D] at positions [T] over the whole head: the float64 table of
-  `dflash_jax.config.rope_inv_freq` (its scaling certified in tests/test_rope_scaling.py), cos
-  and sin times the attention scaling as HF's rotary embedding applies it."""
-  d = x.shape[-1]
-  ang = positions[:, None, None].astype(np.float64) * inv_freq
-  cos, sin = np.cos(ang) * attention_scaling, np.sin(ang) * attention_scaling
-  x1, x2 = x[..., :d // 2], x[..., d // 2:]
-  return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+
+
 
 
 def hidden_states(params, cfg, tokens):
@@ -37,14 +29,14 @@ def hidden_states(params, cfg, tokens):
   for lp in params.layers:
     wqkv = f64(lp.wqkv)
     wq, wk, wv = wqkv[:hq * d], wqkv[hq * d:(hq + hkv) * d], wqkv[(hq + hkv) * d:]
-    a = _rms(x, f64(lp.attn_norm), cfg.rms_norm_eps)
+    a = rms(x, f64(lp.attn_norm), cfg.rms_norm_eps)
     q = (a @ wq.T).reshape(t, hq, d)
     k = (a @ wk.T).reshape(t, hkv, d)
     v = (a @ wv.T).reshape(t, hkv, d)
     if cfg.qk_norm:
-      q = _rms(q, f64(lp.q_norm), cfg.rms_norm_eps)
-      k = _rms(k, f64(lp.k_norm), cfg.rms_norm_eps)
-    q, k = _rope(q, pos, *rope), _rope(k, pos, *rope)
+      q = rms(q, f64(lp.q_norm), cfg.rms_norm_eps)
+      k = rms(k, f64(lp.k_norm), cfg.rms_norm_eps)
+    q, k = neox_rope(q, pos, *rope), neox_rope(k, pos, *rope)
     o = np.zeros((t, hq, d))
     for h in range(hq):
       kh = h // (hq // hkv)
@@ -53,12 +45,12 @@ def hidden_states(params, cfg, tokens):
       p = np.exp(s - s.max(-1, keepdims=True))
       o[:, h] = (p / p.sum(-1, keepdims=True)) @ v[:, kh]
     x = x + o.reshape(t, hq * d) @ f64(lp.wo).T
-    b = _rms(x, f64(lp.ffn_norm), cfg.rms_norm_eps)
+    b = rms(x, f64(lp.ffn_norm), cfg.rms_norm_eps)
     wgu = f64(lp.wgu)
     f = cfg.intermediate_size
     g, u = b @ wgu[:f].T, b @ wgu[f:].T
     x = x + (g / (1 + np.exp(-g)) * u) @ f64(lp.wd).T
     hs.append(x)
-  hs[-1] = _rms(x, f64(params.final_norm), cfg.rms_norm_eps)
+  hs[-1] = rms(x, f64(params.final_norm), cfg.rms_norm_eps)
   head = f64(params.embed if params.lm_head is None else params.lm_head)
   return hs, hs[-1] @ head.T

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from reference.targets.common import rms, silu
+
 L2_EPS = 1e-6   # the l2 norm of q and k: x / sqrt(sum x^2 + 1e-6)
 
 
@@ -43,17 +45,14 @@ def _rope_facts(text: dict) -> tuple[float, float]:
   return float(theta), float(factor)
 
 
-def rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-  """x / sqrt(mean(x^2) + eps) * w over the last axis."""
-  return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
 
 
 def _sigmoid(x):
   return 1.0 / (1.0 + np.exp(-x))
 
 
-def _silu(x):
-  return x * _sigmoid(x)
+
 
 
 def _softplus(x):
@@ -143,7 +142,7 @@ def _gated_deltanet(t: dict, p: str, text: dict, layout: str, h: np.ndarray):
   o = np.zeros((n_tok, nv, dv))
   for i in range(n_tok):
     hist = np.concatenate([window, mixed[i:i + 1]], axis=0)    # [K, C], oldest first
-    c = _silu(sum(conv_w[:, j] * hist[j] for j in range(kdim)))
+    c = silu(sum(conv_w[:, j] * hist[j] for j in range(kdim)))
     window = hist[1:]
     q = c[:nk * dk].reshape(nk, dk)
     k = c[nk * dk:2 * nk * dk].reshape(nk, dk)
@@ -158,7 +157,7 @@ def _gated_deltanet(t: dict, p: str, text: dict, layout: str, h: np.ndarray):
       u = (v[j] - state[j].T @ k[kh]) * beta[j]
       state[j] = state[j] + np.outer(k[kh], u)
       o[i, j] = state[j].T @ q[kh]
-  o = rms(o, t[p + "norm.weight"], eps) * _silu(z)
+  o = rms(o, t[p + "norm.weight"], eps) * silu(z)
   return o.reshape(n_tok, nv * dv) @ t[p + "out_proj.weight"].T, state, window
 
 
@@ -182,7 +181,7 @@ def forward(tensors: dict, config: dict, tokens):
       states[i] = (s, w)
     h = rms(x, 1.0 + t[p + "post_attention_layernorm.weight"], eps)
     gate, up = h @ t[p + "mlp.gate_proj.weight"].T, h @ t[p + "mlp.up_proj.weight"].T
-    x = x + (_silu(gate) * up) @ t[p + "mlp.down_proj.weight"].T
+    x = x + (silu(gate) * up) @ t[p + "mlp.down_proj.weight"].T
     hs.append(x)
   hs[-1] = rms(x, 1.0 + t[prefix + "norm.weight"], eps)
   head = t.get("lm_head.weight")

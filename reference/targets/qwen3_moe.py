@@ -10,25 +10,16 @@ from __future__ import annotations
 import numpy as np
 
 from dflash_jax.config import rope_from_hf, rope_inv_freq
+from reference.targets.common import neox_rope, rms, silu
 
 
-def _rms(x, w, eps):
-  return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
-def _rope(x, positions, inv_freq, attention_scaling):
-  """NEOX rope of x [T, H, D] at positions [T] over the whole head: the float64 table of
-  `dflash_jax.config.rope_inv_freq` (its scaling certified in tests/test_rope_scaling.py), cos
-  and sin times the attention scaling as HF's rotary embedding applies it."""
-  d = x.shape[-1]
-  ang = positions[:, None, None].astype(np.float64) * inv_freq
-  cos, sin = np.cos(ang) * attention_scaling, np.sin(ang) * attention_scaling
-  x1, x2 = x[..., :d // 2], x[..., d // 2:]
-  return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
 
 
-def _silu(g):
-  return g / (1 + np.exp(-g))
+
+
+
 
 
 def is_sparse(config: dict, layer: int) -> bool:
@@ -72,11 +63,11 @@ def hidden_states(config: dict, tensors: dict, tokens):
   for i in range(c["num_hidden_layers"]):
     p = f"model.layers.{i}."
     w = lambda name: t64(p + name + ".weight")
-    a = _rms(x, w("input_layernorm"), eps)
-    q = _rms((a @ w("self_attn.q_proj").T).reshape(t, hq, d), w("self_attn.q_norm"), eps)
-    k = _rms((a @ w("self_attn.k_proj").T).reshape(t, hkv, d), w("self_attn.k_norm"), eps)
+    a = rms(x, w("input_layernorm"), eps)
+    q = rms((a @ w("self_attn.q_proj").T).reshape(t, hq, d), w("self_attn.q_norm"), eps)
+    k = rms((a @ w("self_attn.k_proj").T).reshape(t, hkv, d), w("self_attn.k_norm"), eps)
     v = (a @ w("self_attn.v_proj").T).reshape(t, hkv, d)
-    q, k = _rope(q, pos, *rope), _rope(k, pos, *rope)
+    q, k = neox_rope(q, pos, *rope), neox_rope(k, pos, *rope)
     o = np.zeros((t, hq, d))
     for head in range(hq):
       kh = head // (hq // hkv)
@@ -84,7 +75,7 @@ def hidden_states(config: dict, tensors: dict, tokens):
       pr = np.exp(s - s.max(-1, keepdims=True))
       o[:, head] = (pr / pr.sum(-1, keepdims=True)) @ v[:, kh]
     x = x + o.reshape(t, hq * d) @ w("self_attn.o_proj").T
-    b = _rms(x, w("post_attention_layernorm"), eps)
+    b = rms(x, w("post_attention_layernorm"), eps)
     if is_sparse(c, i):
       router = w("mlp.gate")
       m = np.zeros_like(b)
@@ -92,12 +83,12 @@ def hidden_states(config: dict, tensors: dict, tokens):
         ids, wts = routing(c, router, b[r])
         for e, we in zip(ids, wts):
           ep = f"mlp.experts.{e}."
-          hidden = _silu(w(ep + "gate_proj") @ b[r]) * (w(ep + "up_proj") @ b[r])
+          hidden = silu(w(ep + "gate_proj") @ b[r]) * (w(ep + "up_proj") @ b[r])
           m[r] += we * (w(ep + "down_proj") @ hidden)
     else:
-      m = (_silu(b @ w("mlp.gate_proj").T) * (b @ w("mlp.up_proj").T)) @ w("mlp.down_proj").T
+      m = (silu(b @ w("mlp.gate_proj").T) * (b @ w("mlp.up_proj").T)) @ w("mlp.down_proj").T
     x = x + m
     hs.append(x)
-  hs[-1] = _rms(x, t64("model.norm.weight"), eps)
+  hs[-1] = rms(x, t64("model.norm.weight"), eps)
   head = t64("model.embed_tokens.weight" if c.get("tie_word_embeddings") else "lm_head.weight")
   return hs, hs[-1] @ head.T
