@@ -3,6 +3,7 @@ with conftest.py's XLA flags, like every test)."""
 import dataclasses
 
 import jax
+import numpy as np
 
 import dflash_jax as dfj
 from dflash_jax.config import DFlash2Fields, DSparkFields
@@ -31,3 +32,15 @@ CFG2 = dataclasses.replace(CFG, family="dflash2", family_fields=DFlash2Fields(
 CFG_SPARK = dataclasses.replace(CFG, block_size=7, family="dspark", family_fields=DSparkFields(
     sample_from_anchor=True, markov_rank=8, markov_head_type="vanilla", confidence_head=True,
     confidence_with_markov=True))
+
+
+def setup_data(seed=0, n_seq=16, t=32):
+  """(TCFG's random target params, random token data for it: n_seq sequences of t tokens,
+  the first 4 of each masked out of the loss)."""
+  from dflash_jax.train import data as D
+  target = qwen3.init_params(TCFG, jax.random.key(seed))
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(0, 79, (n_seq, t)).astype(np.int32)
+  mask = np.ones_like(tokens, bool)
+  mask[:, :4] = False
+  return target, D.DrafterData(tokens, mask, batch_size=8, n_anchors=8, seed=seed)

@@ -48,17 +48,8 @@ def reference(pair, prompts):
 
 
 def _noisy_oracle(prompts, continuations, seed, vocab=97, length=128):
-  """start()'s keywords for the oracle proposer: the target's own continuation with ~1/4 of
-  its tokens replaced, so every acceptance length occurs, with corrections after partial
-  accepts and bonus tokens after full ones."""
-  rng = np.random.default_rng(seed)
-  out = []
-  for p, c in zip(prompts, continuations):
-    c = np.array(c)
-    bad = rng.random(len(c)) < 0.25
-    c[bad] = (c[bad] + 1 + rng.integers(0, vocab - 2, bad.sum())) % vocab
-    out.append(list(p) + c.tolist())
-  return dict(proposer_state=Oracle.state(out, length))
+  """start()'s keywords for the oracle proposer (tiny_models.noisy_oracle_state)."""
+  return dict(proposer_state=TM.noisy_oracle_state(prompts, continuations, seed, vocab, length))
 
 
 @pytest.mark.parametrize("width, oracle", [(8, False), (5, True)], ids=["random-w8", "oracle-w5"])

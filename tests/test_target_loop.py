@@ -47,18 +47,6 @@ def _target(name, cfg=None, seed=0):
   return cfg, t, family.params_from_hf(cfg, t, "fp32")
 
 
-def _noisy_oracle(prompts, continuations, seed, vocab):
-  """start()'s proposer_state for the oracle: the target's continuation with ~1/4 of its
-  tokens changed, so every acceptance length occurs."""
-  rng = np.random.default_rng(seed)
-  out = []
-  for p, c in zip(prompts, continuations):
-    c = np.array(c)
-    bad = rng.random(len(c)) < 0.25
-    c[bad] = (c[bad] + 1 + rng.integers(0, vocab - 2, bad.sum())) % vocab
-    out.append(list(p) + c.tolist())
-  return Oracle.state(out, 256)
-
 
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_greedy_speculative_is_lossless(name):
@@ -81,7 +69,7 @@ def test_greedy_speculative_is_lossless(name):
   models = TM.models(cfg, tp, TM.drafter(cfg, tp, seed=2))
   g = D.generate(models, D.DecodeConfig(width=6, impl="xla"), prompts, MAX_NEW)
   assert g.tokens == base
-  orc = _noisy_oracle(prompts, base, 3, cfg.vocab_size)
+  orc = TM.noisy_oracle_state(prompts, base, 3, cfg.vocab_size, 256)
   g = D.generate(models, D.DecodeConfig(width=5, impl="xla", proposer=Oracle()), prompts,
                  MAX_NEW, proposer_state=orc, rounds_per_call=3)
   assert g.tokens == base
@@ -209,7 +197,7 @@ def test_dflash_drafter_on_muse_glimmer_layers_is_lossless(muse52):
   prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (4, 19)]
   base = D.generate_target_only(tp, cfg, prompts, 16).tokens
   g = D.generate(models, D.DecodeConfig(width=8, impl="xla", proposer=Oracle()), prompts, 16,
-                 proposer_state=_noisy_oracle(prompts, base, 25, cfg.vocab_size))
+                 proposer_state=TM.noisy_oracle_state(prompts, base, 25, cfg.vocab_size, 256))
   assert g.tokens == base and g.hist[:, 1:].sum() > 0
 
 

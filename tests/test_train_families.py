@@ -15,30 +15,22 @@ import dflash_jax as dfj
 from dflash_jax.__main__ import main
 from dflash_jax.config import DFlash2Fields, DSparkFields
 from dflash_jax.models import qwen3, save_target
-from dflash_jax.train import data as D
 from dflash_jax.train import features as FS
 from dflash_jax.train import forward as F
 from dflash_jax.train import trainer as TR
 from dflash_jax.train.loss import block_targets, resolve_gamma
 
-from _train_common import CFG, CFG2, CFG_SPARK, TC, TCFG, TRAIN_STATIC, drafter_step
+from _train_common import (CFG, CFG2, CFG_SPARK, TC, TCFG, TRAIN_STATIC, drafter_step,
+                           setup_data)
 
 _loss = jax.jit(TR.drafter_loss, static_argnames=TRAIN_STATIC)
 _grad = jax.jit(jax.grad(TR.drafter_loss, has_aux=True), static_argnames=TRAIN_STATIC)
 
 
-def _setup(seed=0, n_seq=16, t=32):
-  target = qwen3.init_params(TCFG, jax.random.key(seed))
-  rng = np.random.default_rng(seed)
-  tokens = rng.integers(0, 79, (n_seq, t)).astype(np.int32)
-  mask = np.ones_like(tokens, bool)
-  mask[:, :4] = False
-  return target, D.DrafterData(tokens, mask, batch_size=8, n_anchors=8, seed=seed)
-
 
 @pytest.mark.parametrize("cfg", [CFG, CFG2, CFG_SPARK], ids=["dflash", "dflash2", "dspark"])
 def test_each_family_step_lowers_its_loss(cfg):
-  target, data = _setup()
+  target, data = setup_data()
   state = TR.init_state(F.init_drafter(cfg, seed=1, n_vocab=TCFG.vocab_size), TC.optim)
   b = data.batch(0)
   first = None
@@ -53,7 +45,7 @@ def test_each_family_step_lowers_its_loss(cfg):
 
 
 def test_dflash2_selector_loss_trains_the_selector_only():
-  target, data = _setup(1)
+  target, data = setup_data(1)
   w = F.init_drafter(CFG2, seed=2, n_vocab=TCFG.vocab_size)
   w = dict(w, selector_successor=w["selector_predecessor"] * 0.5)   # a live edge term
   b = data.batch(0)
@@ -75,7 +67,7 @@ def test_dspark_confidence_target_is_one_minus_tv_against_the_target_logits(laye
   cfg = dataclasses.replace(CFG_SPARK, target_layers=layers)
   capture = TR.training_capture_layers(cfg, TCFG)
   assert capture == (1, 2)   # the target's final state (HF index 2) once, appended or not
-  target, data = _setup(2)
+  target, data = setup_data(2)
   w = F.init_drafter(cfg, seed=3, n_vocab=TCFG.vocab_size)
   b = data.batch(0)
   tc = dataclasses.replace(TC, compute_dtype="fp32")

@@ -7,29 +7,18 @@ import numpy as np
 import pytest
 
 import dflash_jax as dfj
-from dflash_jax.models import qwen3
 from dflash_jax.train import checkpoint as C
-from dflash_jax.train import data as D
 from dflash_jax.train import features as FS
 from dflash_jax.train import forward as F
 from dflash_jax.train import recipes
 from dflash_jax.train import trainer as TR
 
-from _train_common import CFG, TC, TCFG, drafter_step
+from _train_common import CFG, TC, TCFG, drafter_step, setup_data
 
-
-def _setup(seed=0, n_seq=16, t=32):
-  target = qwen3.init_params(TCFG, jax.random.key(seed))
-  rng = np.random.default_rng(seed)
-  tokens = rng.integers(0, 79, (n_seq, t)).astype(np.int32)
-  mask = np.ones_like(tokens, bool)
-  mask[:, :4] = False
-  data = D.DrafterData(tokens, mask, batch_size=8, n_anchors=8, seed=seed)
-  return target, data
 
 
 def test_online_features_equal_cached_feature_shards(tmp_path):
-  target, data = _setup()
+  target, data = setup_data()
   m = FS.write_feature_shards(str(tmp_path), target, TCFG, CFG.target_layers, data.tokens,
                               batch_size=8, shard_rows=8)
   assert [s["rows"] for s in m["shards"]] == [8, 8]
@@ -65,7 +54,7 @@ def _run(state, target, data, steps):
 
 
 def test_resume_from_a_checkpoint_matches_the_uninterrupted_run(tmp_path):
-  target, data = _setup()
+  target, data = setup_data()
   fresh = lambda: TR.init_state(F.init_drafter(CFG, seed=1), TC.optim)
   straight, losses = _run(fresh(), target, data, range(6))
   assert all(np.isfinite(losses))

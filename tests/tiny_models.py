@@ -45,3 +45,18 @@ def models(tcfg, tparams, dparams, d2t=None):
   return D.Models(target=tparams, drafter=dparams,
                   d2t=None if d2t is None else jax.numpy.asarray(d2t, jax.numpy.int32),
                   target_cfg=tcfg)
+
+
+def noisy_oracle_state(prompts, continuations, seed, vocab, length):
+  """The oracle proposer's state (`benchmarks.oracle.Oracle`): each prompt followed by the
+  target's own continuation with ~1/4 of its tokens changed, so every acceptance length
+  occurs, with corrections after partial accepts and bonus tokens after full ones."""
+  from benchmarks.oracle import Oracle
+  rng = np.random.default_rng(seed)
+  out = []
+  for p, c in zip(prompts, continuations):
+    c = np.array(c)
+    bad = rng.random(len(c)) < 0.25
+    c[bad] = (c[bad] + 1 + rng.integers(0, vocab - 2, bad.sum())) % vocab
+    out.append(list(p) + c.tolist())
+  return Oracle.state(out, length)
