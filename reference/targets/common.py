@@ -10,7 +10,7 @@ def rms(x: np.ndarray, w, eps: float) -> np.ndarray:
 
 
 def neox_rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray,
-         attention_scaling: float) -> np.ndarray:
+              attention_scaling: float) -> np.ndarray:
   """NEOX rope of x [T, H, D] at positions [T] over the whole head: the float64 table of
   `dflash_jax.config.rope_inv_freq` (its scaling certified in tests/test_rope_scaling.py), cos
   and sin times the attention scaling as HF's rotary embedding applies it."""
