@@ -98,6 +98,20 @@ def test_load_target_benchmark_smoke_run(tmp_path):
   assert run["dtypes"] == ["bfloat16", "float32"] and run["param_bytes"] > 0
 
 
+def test_compile_cache_benchmark_smoke_run(tmp_path):
+  """benchmarks.compile_cache at tiny dims: two `generate` processes on one cache folder; the
+  second reads every program the warm-up needs from it, and the split is reported."""
+  from benchmarks import compile_cache
+  out = tmp_path / "cc.json"
+  assert compile_cache.main(["--smoke", "--folder", str(tmp_path / "w"), "--out", str(out)]) == 0
+  first, second = json.loads(out.read_text())["runs"]
+  assert first["programs"] > 0 and first["cache_hits"] == 0
+  assert second["programs"] == first["programs"] == second["cache_hits"]
+  for r in (first, second):
+    assert r["trace_s"] > 0 and r["lower_s"] > 0
+    assert 0 < r["trace_s"] + r["lower_s"] + r["backend_s"] <= r["compile_s"] + 0.05
+
+
 def test_gdn_benchmark_smoke_bytes_round(tmp_path):
   """benchmarks.gdn at tiny dims: the byte floors and the round pieces of both rollbacks."""
   from benchmarks import gdn

@@ -267,8 +267,9 @@ def test_gpu_verify_runs_as_one_command_buffer(tmp_path):
     assert kernel in text, kernel
 
 
-def _layer_launches(impl: str, policy: KernelPolicy, w: int) -> int:
-  """Kernels per decoder layer of a w-row verify (CUPTI: 3 layers minus 2 layers)."""
+def _layer_launches(impl: str, policy: KernelPolicy, w: int) -> tuple[int, list[str]]:
+  """Kernels per decoder layer of a w-row verify (CUPTI: 3 layers minus 2 layers), and the
+  3-layer verify's kernel names in launch order (what a failure shows)."""
   from benchmarks import common as C
   counts = []
   for n in (2, 3):
@@ -276,10 +277,10 @@ def _layer_launches(impl: str, policy: KernelPolicy, w: int) -> int:
     params = Q.init_params(cfg, jax.random.key(0), "bf16").replace(policy=policy)
     cache = Q.init_cache(cfg, 1, 2048, "bf16").replace(length=jnp.array([100], jnp.int32))
     f = jax.jit(functools.partial(Q.verify, cfg=cfg, impl=impl))
-    per = C.cupti_kernels(lambda p, c, t: f(p, cache=c, tokens=t)[1], params, cache,
-                          jnp.ones((1, w), jnp.int32), iterations=3)
-    counts.append(C.launches(C.without_copies(per)))
-  return counts[1] - counts[0]
+    per = C.without_copies(C.cupti_kernels(lambda p, c, t: f(p, cache=c, tokens=t)[1], params,
+                                           cache, jnp.ones((1, w), jnp.int32), iterations=3))
+    counts.append(C.launches(per))
+  return counts[1] - counts[0], [name for name, _ in per[0]]
 
 
 @pytest.mark.gpu
@@ -288,6 +289,7 @@ def test_gpu_launches_per_target_layer():
   attention partial + combine, o, pre-norm, gate+up, down), at 1 and 16 rows; XLA's
   path for comparison (printed: the count before issue 41's kernels)."""
   for w in (1, 16):
-    assert _layer_launches("pallas", KernelPolicy(), w) == 9, w
+    n, names = _layer_launches("pallas", KernelPolicy(), w)
+    assert n == 9, (w, n, names)
   print("xla launches per layer (w = 1, 16):",
-        [_layer_launches("xla", KernelPolicy(), w) for w in (1, 16)])
+        [_layer_launches("xla", KernelPolicy(), w)[0] for w in (1, 16)])
