@@ -151,7 +151,7 @@ def test_qwen3_next_groups_are_per_key_head(model):
     out = g.replace("model.language_model.", "model.")
     tensors[out + "in_proj_qkvz.weight"] = np.concatenate(rows)
     tensors[out + "in_proj_ba.weight"] = np.concatenate(ba)
-  got = M.params_from_hf(nxt, tensors, "fp32")
+  got = M.params_from_hf(nxt, dict(tensors), "fp32")
   for x, y in zip(jax.tree.leaves(p), jax.tree.leaves(got), strict=True):
     np.testing.assert_array_equal(x, y)
   back = M.params_to_hf(nxt, got)

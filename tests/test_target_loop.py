@@ -15,6 +15,7 @@ import dflash_jax as dfj
 from dflash_jax import decode as D
 from dflash_jax import sampling as SP
 from dflash_jax.models import muse_glimmer as M
+from dflash_jax.models import qwen3, qwen3_5
 from dflash_jax.models import qwen3_moe as Q
 from reference import DFlashRef
 from reference.targets import muse_glimmer as RM
@@ -22,7 +23,9 @@ from reference.targets import qwen3_moe as RQ
 import target_checkpoints as TC
 from benchmarks.oracle import Oracle
 import tiny_models as TM
+from test_qwen3_5 import TINY as QWEN3_5
 from test_sampling import ALPHA, _chi2_p, _np_probs
+from test_target import TINY as QWEN3
 
 pytestmark = pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
 
@@ -36,6 +39,7 @@ MOE = Q.Qwen3MoeConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_
                        mlp_only_layers=(1,), rope_theta=1e4, max_position_embeddings=512)
 FAMILIES = {"muse": (M, MUSE, RM, lambda n: "layernorm" in n),
             "moe": (Q, MOE, RQ, lambda n: False)}
+LOADED = {"qwen3": (qwen3, QWEN3), "muse": (M, MUSE), "moe": (Q, MOE), "qwen3_5": (qwen3_5, QWEN3_5)}
 PROMPT_LENGTHS = (1, 3, 8, 17)
 MAX_NEW = 20
 
@@ -44,8 +48,26 @@ def _target(name, cfg=None, seed=0):
   family, default, ref, centered = FAMILIES[name]
   cfg = cfg or default
   t = TC.random_tensors(family.hf_tensor_shapes(cfg), seed, centered)
-  return cfg, t, family.params_from_hf(cfg, t, "fp32")
+  return cfg, t, family.params_from_hf(cfg, dict(t), "fp32")
 
+
+
+@pytest.mark.parametrize("name", list(LOADED))
+def test_params_from_hf_takes_each_tensor_out_as_it_reads_it(name):
+  """`load_target` hands a family's params_from_hf every stored tensor on the device; each
+  piece leaves the dict once read, so the device holds it only until its fused / cast form
+  exists (a 30B checkpoint needs its size once, not twice). The params equal those made
+  from a copy of the dict, which the caller keeps whole."""
+  family, cfg = LOADED[name]
+  host = TC.random_tensors(family.hf_tensor_shapes(cfg), 3)
+  t = {n: jnp.asarray(a) for n, a in host.items()}
+  params = family.params_from_hf(cfg, t, "bf16")
+  assert t == {}
+  kept = dict(host)
+  again = family.params_from_hf(cfg, kept, "bf16")
+  assert kept == {} and set(host) == set(family.hf_tensor_shapes(cfg))
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(again), strict=True):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))

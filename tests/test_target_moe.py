@@ -27,7 +27,7 @@ TOL = dict(rtol=2e-4, atol=2e-4)
 
 def _model(cfg, seed, dtype="fp32"):
   t = TC.random_tensors(Q.hf_tensor_shapes(cfg), seed)
-  return t, Q.params_from_hf(cfg, t, dtype)
+  return t, Q.params_from_hf(cfg, dict(t), dtype)
 
 
 def _tokens(seed, shape, vocab=TINY.vocab_size):

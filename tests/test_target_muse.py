@@ -37,7 +37,7 @@ def _centered(name):   # the four sandwich norms are (1 + w); the final norm is 
 
 def _model(cfg, seed):
   t = TC.random_tensors(M.hf_tensor_shapes(cfg), seed, _centered)
-  return t, M.params_from_hf(cfg, t, "fp32")
+  return t, M.params_from_hf(cfg, dict(t), "fp32")
 
 
 def _tokens(seed, shape, vocab=TINY.vocab_size):

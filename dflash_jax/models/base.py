@@ -30,10 +30,13 @@ layer receives), i = n_layers the final-normed state. Rows are the concatenation
 """
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+
+from dflash_jax.dispatch import resolve_dtype
 
 
 @runtime_checkable
@@ -106,6 +109,34 @@ class HFDecoderFacts:
   def kv_dim(self) -> int:
     return self.num_key_value_heads * self.head_dim
 
+  def dim_problems(self, more_ints: Sequence[str] = (),
+                   positive: Sequence[str] = ("rms_norm_eps", "rope_theta"),
+                   neox_head: bool = True) -> list[str]:
+    """What `__post_init__` reports about the shared fields: the dimensions (and more_ints)
+    positive ints, the query heads a multiple of the K/V heads, head_dim even when NEOX rope
+    turns the whole head (neox_head), the `positive` floats > 0. Checks past the ints run only
+    when they hold."""
+    problems = []
+    for name in _DECODER_INTS + tuple(more_ints):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
+        problems.append(f"{name} must be a positive int, got {v!r}")
+    if not problems:
+      if self.num_attention_heads % self.num_key_value_heads:
+        problems.append(f"num_attention_heads ({self.num_attention_heads}) must be a multiple "
+                        f"of num_key_value_heads ({self.num_key_value_heads})")
+      if neox_head and self.head_dim % 2:
+        problems.append(f"head_dim must be even for NEOX rope, got {self.head_dim}")
+    for name in positive:
+      if not getattr(self, name) > 0:
+        problems.append(f"{name} must be > 0, got {getattr(self, name)!r}")
+    return problems
+
+
+_DECODER_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads", "head_dim",
+                 "max_position_embeddings")
+
 
 def prefill_bucket(n: int, minimum: int = 16) -> int:
   """The padded prefill length for n rows: the next power of two >= max(n, minimum), so a
@@ -130,6 +161,28 @@ def check_capture_layers(n_layers: int, capture_layers: Sequence[int]) -> tuple[
     raise ValueError(f"capture_layers {bad} outside [0, {n_layers}] (HF hidden_states indices "
                      f"of a {n_layers}-layer target)")
   return out
+
+
+def hf_takers(tensors: dict[str, Any], dtype: Any
+              ) -> tuple[Callable[..., jax.Array], Callable[[str], jax.Array],
+                         Callable[[str], jax.Array]]:
+  """What a family's `params_from_hf` reads checkpoint-named arrays with: (mat, vec, take),
+  each taking its entries out of `tensors` as it reads them, so the device holds a stored
+  piece only until its fused / cast form exists (a 30B checkpoint would otherwise need twice
+  its size on the device). take(name): the array as it is stored; mat(*names): the pieces
+  concatenated along axis 0 and cast to dtype on the device; vec(name): float32."""
+  dt = resolve_dtype(dtype)
+
+  def take(name: str) -> jax.Array:
+    return jnp.asarray(tensors.pop(name))
+
+  def mat(*names: str) -> jax.Array:
+    parts = [take(n) for n in names]
+    return (jnp.concatenate(parts) if len(parts) > 1 else parts[0]).astype(dt)
+
+  def vec(name: str) -> jax.Array:
+    return take(name).astype(jnp.float32)
+  return mat, vec, take
 
 
 def check_hf_tensors(shapes: dict[str, tuple[int, ...]], tensors, where: str = "tensors") -> None:

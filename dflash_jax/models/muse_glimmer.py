@@ -85,23 +85,11 @@ class MuseGlimmerConfig(base.HFDecoderFacts):
   def __post_init__(self):
     problems = []
     object.__setattr__(self, "rope_scaling", checked_rope_scaling(self.rope_scaling, problems))
-    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                 "num_attention_heads", "num_key_value_heads", "head_dim", "sliding_window",
-                 "max_position_embeddings"):
-      v = getattr(self, name)
-      if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
-        problems.append(f"{name} must be a positive int, got {v!r}")
+    problems += self.dim_problems(("sliding_window",), positive=(
+        "rms_norm_eps", "post_norm_eps", "rope_theta", "output_multiplier"))
     if problems:
       raise ValueError("invalid MuseGlimmerConfig: " + "; ".join(problems))
     n = self.num_hidden_layers
-    if self.num_attention_heads % self.num_key_value_heads:
-      problems.append(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                      f"num_key_value_heads ({self.num_key_value_heads})")
-    if self.head_dim % 2:
-      problems.append(f"head_dim must be even for NEOX rope, got {self.head_dim}")
-    for name in ("rms_norm_eps", "post_norm_eps", "rope_theta", "output_multiplier"):
-      if not getattr(self, name) > 0:
-        problems.append(f"{name} must be > 0, got {getattr(self, name)!r}")
     cap = self.final_logit_softcapping
     if cap is not None and not cap > 0:
       problems.append(f"final_logit_softcapping must be > 0 or None, got {cap!r}")
@@ -610,18 +598,12 @@ def hf_ignored(name: str) -> bool:
   return name.startswith(_IGNORED_PREFIXES) or name.endswith(_IGNORED_SUFFIXES)
 
 
-def params_from_hf(cfg: MuseGlimmerConfig, tensors: Mapping[str, Any], dtype: Any) -> MuseParams:
+def params_from_hf(cfg: MuseGlimmerConfig, tensors: dict[str, Any], dtype: Any) -> MuseParams:
   """Checkpoint-named arrays (host numpy or device jax.Array, in their stored dtype) ->
-  MuseParams: matrices fused and cast to dtype on the device, norms float32."""
+  MuseParams: matrices fused and cast to dtype on the device, norms float32. The entries are
+  taken out of `tensors` as they are used (`base.hf_takers`)."""
   base.check_hf_tensors(hf_tensor_shapes(cfg), tensors)
-  dt = resolve_dtype(dtype)
-
-  def mat(*names):
-    parts = [jnp.asarray(tensors[n]) for n in names]
-    return (jnp.concatenate(parts) if len(parts) > 1 else parts[0]).astype(dt)
-
-  def vec(name):
-    return jnp.asarray(tensors[name]).astype(jnp.float32)
+  mat, vec, _ = base.hf_takers(tensors, dtype)
 
   layers = []
   for i in range(cfg.num_hidden_layers):

@@ -89,22 +89,7 @@ class TargetConfig(base.HFDecoderFacts):
   eos_token_ids: tuple[int, ...] = ()
 
   def __post_init__(self):
-    problems = []
-    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                 "num_attention_heads", "num_key_value_heads", "head_dim",
-                 "max_position_embeddings"):
-      v = getattr(self, name)
-      if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
-        problems.append(f"{name} must be a positive int, got {v!r}")
-    if not problems and self.num_attention_heads % self.num_key_value_heads:
-      problems.append(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                      f"num_key_value_heads ({self.num_key_value_heads})")
-    if not problems and self.head_dim % 2:
-      problems.append(f"head_dim must be even for NEOX rope, got {self.head_dim}")
-    if not (self.rms_norm_eps > 0):
-      problems.append(f"rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
-    if not (self.rope_theta > 0):
-      problems.append(f"rope_theta must be > 0, got {self.rope_theta!r}")
+    problems = self.dim_problems()
     object.__setattr__(self, "rope_scaling", checked_rope_scaling(self.rope_scaling, problems))
     ids, bad = base.eos_token_ids(self.eos_token_ids, self.vocab_size)
     object.__setattr__(self, "eos_token_ids", ids)
@@ -645,17 +630,9 @@ def params_from_hf(cfg: TargetConfig, t: dict[str, Any], dtype: Any) -> TargetPa
   `t` as they are used (a stored piece is freed once its fused form exists). A tied model's
   stored lm_head must equal the embedding (ValueError naming both).
   """
-  dt = resolve_dtype(dtype)
-
-  def mat(*names):
-    parts = [jnp.asarray(t.pop(n)) for n in names]
-    return (jnp.concatenate(parts) if len(parts) > 1 else parts[0]).astype(dt)
-
-  def vec(name):
-    return jnp.asarray(t.pop(name)).astype(jnp.float32)
-
+  mat, vec, take = base.hf_takers(t, dtype)
   if "lm_head.weight" in hf_optional(cfg) and "lm_head.weight" in t:
-    head = jnp.asarray(t.pop("lm_head.weight"))
+    head = take("lm_head.weight")
     embed = jnp.asarray(t["model.embed_tokens.weight"])
     if head.shape != embed.shape or not bool(jnp.array_equal(head, embed)):
       raise ValueError("tie_word_embeddings is true but lm_head.weight differs from "

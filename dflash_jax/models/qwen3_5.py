@@ -111,18 +111,10 @@ class TargetConfig(base.HFDecoderFacts):
   def __post_init__(self):
     problems = []
     object.__setattr__(self, "rope_scaling", checked_rope_scaling(self.rope_scaling, problems))
-    ints = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-            "num_attention_heads", "num_key_value_heads", "head_dim", "linear_conv_kernel_dim",
-            "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
-            "linear_num_value_heads", "max_position_embeddings")
-    for name in ints:
-      v = getattr(self, name)
-      if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
-        problems.append(f"{name} must be a positive int, got {v!r}")
+    problems += self.dim_problems(("linear_conv_kernel_dim", "linear_key_head_dim",
+                                   "linear_value_head_dim", "linear_num_key_heads",
+                                   "linear_num_value_heads"), neox_head=False)
     if not problems:
-      if self.num_attention_heads % self.num_key_value_heads:
-        problems.append(f"num_attention_heads ({self.num_attention_heads}) must be a multiple "
-                        f"of num_key_value_heads ({self.num_key_value_heads})")
       if self.linear_num_value_heads % self.linear_num_key_heads:
         problems.append(f"linear_num_value_heads ({self.linear_num_value_heads}) must be a "
                         f"multiple of linear_num_key_heads ({self.linear_num_key_heads})")
@@ -142,10 +134,6 @@ class TargetConfig(base.HFDecoderFacts):
         problems.append(f"layer_types has {len(kinds)} entries for num_hidden_layers "
                         f"{self.num_hidden_layers}")
       object.__setattr__(self, "layer_types", kinds)
-    if not (self.rms_norm_eps > 0):
-      problems.append(f"rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
-    if not (self.rope_theta > 0):
-      problems.append(f"rope_theta must be > 0, got {self.rope_theta!r}")
     if self.model_type not in MODEL_TYPES:
       problems.append(f"model_type must be one of {MODEL_TYPES}, got {self.model_type!r}")
     if self.rollback not in ROLLBACKS:
@@ -900,15 +888,15 @@ def hf_ignored(name: str) -> bool:
           or name.endswith(".rotary_emb.inv_freq"))
 
 
-def params_from_hf(cfg: TargetConfig, tensors: Mapping[str, Any], dtype: Any) -> TargetParams:
+def params_from_hf(cfg: TargetConfig, tensors: dict[str, Any], dtype: Any) -> TargetParams:
   """Checkpoint-named arrays (hf_tensor_shapes' names; host or device, any stored float
   dtype) -> TargetParams: matrices cast to dtype on the device and fused; qwen3_next's
-  grouped projections reordered into the split layout; norms, conv, dt_bias, A_log float32."""
+  grouped projections reordered into the split layout; norms, conv, dt_bias, A_log float32.
+  The entries are taken out of `tensors` as they are used (`base.hf_takers`)."""
   dt = resolve_dtype(dtype)
-  dev = lambda name: jnp.asarray(tensors[name])
+  _, vec, dev = base.hf_takers(tensors, dtype)
   mat = lambda *parts: jnp.concatenate([x.astype(dt) for x in parts]) if len(parts) > 1 \
       else parts[0].astype(dt)
-  vec = lambda name: dev(name).astype(jnp.float32)
   r, e = cfg.nv // cfg.nk, cfg.hidden_size
   layers = []
   for i, kind in enumerate(cfg.layer_types):

@@ -73,26 +73,13 @@ class Qwen3MoeConfig(base.HFDecoderFacts):
   def __post_init__(self):
     problems = []
     object.__setattr__(self, "rope_scaling", checked_rope_scaling(self.rope_scaling, problems))
-    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                 "num_attention_heads", "num_key_value_heads", "head_dim", "num_experts",
-                 "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step",
-                 "max_position_embeddings"):
-      v = getattr(self, name)
-      if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
-        problems.append(f"{name} must be a positive int, got {v!r}")
+    problems += self.dim_problems(("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                                   "decoder_sparse_step"))
     if problems:
       raise ValueError("invalid Qwen3MoeConfig: " + "; ".join(problems))
-    if self.num_attention_heads % self.num_key_value_heads:
-      problems.append(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                      f"num_key_value_heads ({self.num_key_value_heads})")
-    if self.head_dim % 2:
-      problems.append(f"head_dim must be even for NEOX rope, got {self.head_dim}")
     if self.num_experts_per_tok > self.num_experts:
       problems.append(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds num_experts "
                       f"({self.num_experts})")
-    for name in ("rms_norm_eps", "rope_theta"):
-      if not getattr(self, name) > 0:
-        problems.append(f"{name} must be > 0, got {getattr(self, name)!r}")
     only = tuple(sorted(int(i) for i in self.mlp_only_layers))
     if any(not 0 <= i < self.num_hidden_layers for i in only):
       problems.append(f"mlp_only_layers {list(only)} must lie in [0, {self.num_hidden_layers})")
@@ -425,20 +412,14 @@ def hf_ignored(name: str) -> bool:
   return name.endswith(_IGNORED_SUFFIXES)
 
 
-def params_from_hf(cfg: Qwen3MoeConfig, tensors: Mapping[str, Any], dtype: Any) -> TargetParams:
+def params_from_hf(cfg: Qwen3MoeConfig, tensors: dict[str, Any], dtype: Any) -> TargetParams:
   """Checkpoint-named arrays (host numpy or device jax.Array, in their stored dtype) ->
   device params: q/k/v and gate/up fused, each sparse layer's experts stacked, matrices cast
-  to dtype on the device, norms float32."""
+  to dtype on the device, norms float32. The entries are taken out of `tensors` as they are
+  used (`base.hf_takers`)."""
   base.check_hf_tensors(hf_tensor_shapes(cfg), tensors)
   dt = resolve_dtype(dtype)
-  arr = lambda n: jnp.asarray(tensors[n])
-
-  def mat(*names):
-    parts = [arr(n) for n in names]
-    return (jnp.concatenate(parts) if len(parts) > 1 else parts[0]).astype(dt)
-
-  def vec(name):
-    return arr(name).astype(jnp.float32)
+  mat, vec, take = base.hf_takers(tensors, dtype)
 
   layers = []
   for i in range(cfg.num_hidden_layers):
@@ -452,9 +433,9 @@ def params_from_hf(cfg: Qwen3MoeConfig, tensors: Mapping[str, Any], dtype: Any) 
       ex = [f"{p}mlp.experts.{e}." for e in range(cfg.num_experts)]
       layers.append(MoeLayer(
           **common, router=mat(p + "mlp.gate.weight"),
-          w_gu=jnp.stack([jnp.concatenate([arr(q + "gate_proj.weight"), arr(q + "up_proj.weight")])
-                          for q in ex]).astype(dt),
-          w_d=jnp.stack([arr(q + "down_proj.weight") for q in ex]).astype(dt)))
+          w_gu=jnp.stack([jnp.concatenate([take(q + "gate_proj.weight"),
+                                           take(q + "up_proj.weight")]) for q in ex]).astype(dt),
+          w_d=jnp.stack([take(q + "down_proj.weight") for q in ex]).astype(dt)))
     else:
       layers.append(TargetLayer(
           **common, wgu=mat(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
