@@ -172,6 +172,8 @@ def test_decode_benchmark_smoke_run_for_a_family(tmp_path, family):
   assert (plain["cut"], cut["cut"]) == (0.0, 0.5) and plain["k"] == cut["k"] == 3
   assert plain["tau"] == 4.0 and 1.0 <= cut["tau"] <= plain["tau"]
   assert plain["oracle_fixed_point"] and cut["matches_target_only"] == plain["matches_target_only"]
+
+
 def test_decode_benchmark_target_sections_smoke(tmp_path):
   """benchmarks.decode's target sections at tiny dims: the three target variants with their
   byte floors, launches per layer, the long-context rows (attention share, chunk A/B) and the
@@ -197,6 +199,8 @@ def test_decode_benchmark_target_sections_smoke(tmp_path):
   assert b["slots"] == 2 and b["target_only_tokens_per_s"] > 0
   assert o["k"] == 3 and o["tokens"] == 2 * 12 and o["oracle_fixed_point"]
   assert (tmp_path / "decode.md").read_text().startswith("- device:")
+
+
 def test_train_families_benchmark_smoke_run(tmp_path):
   """benchmarks.train_families at tiny dims: a target, the three families trained on the same
   distilled data, the exact evaluator (greedy: every output equals target-only's) and the

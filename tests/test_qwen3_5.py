@@ -365,9 +365,12 @@ def test_verify_commit_every_n_keep(model, rollback, impl):
     seqs = [np.concatenate([toks[b, :n_prompt[b]], drafts[b, :int(n_keep[b])],
                             toks[b, 20:24]]) for b in range(2)]
     _, logits, _ = M.verify_jit(p, cfg, cache, np.stack([s[-4:] for s in seqs]), impl=impl)
+    # One forward of both sequences padded at the end to one length (it is causal: the
+    # padding changes no earlier row), so every n_keep reuses one compilation.
+    padded = np.stack([np.pad(s, (0, 20 - len(s))) for s in seqs])
+    ref, _ = M.forward_jit(p, cfg, padded)
     for b in range(2):
-      ref, _ = M.forward_jit(p, cfg, seqs[b][None])
-      np.testing.assert_allclose(logits[b], ref[0, -4:], **TOL)
+      np.testing.assert_allclose(logits[b], ref[b, len(seqs[b]) - 4:len(seqs[b])], **TOL)
 
 
 def test_truncating_without_restoring_the_state_is_wrong(model):
@@ -477,9 +480,10 @@ def test_pallas_path_gpu():
       cache = M.commit_jit(cfg, cache, jnp.full((2,), n, jnp.int32))
       states[rollback] = np.asarray(cache.state)
       _, logits, _ = M.verify_jit(p, cfg, cache, toks[:, 60:64], impl="pallas")
-      seq = np.concatenate([toks[:, :40 + n], toks[:, 60:64]], 1)
+      # Padded at the end to one length (causal: no earlier row changes), one compilation.
+      seq = np.concatenate([toks[:, :40 + n], toks[:, 60:64], toks[:, :16 - n]], 1)
       ref, _ = M.forward_jit(p, cfg, seq)
-      np.testing.assert_allclose(logits, ref[:, -4:], rtol=1e-4, atol=1e-4)
+      np.testing.assert_allclose(logits, ref[:, 40 + n:44 + n], rtol=1e-4, atol=1e-4)
     np.testing.assert_array_equal(states["replay"], states["snapshot"])
 
 
