@@ -48,6 +48,10 @@ _EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace_s",
            "/jax/compilation_cache/cache_retrieval_time_sec": "cache_read_s"}
 
 
+# The jitted functions of the decoding loop that `io.programs` keeps on disk (their trace names).
+LOOP_PROGRAMS = {"_prefill", "_rounds"}
+
+
 def child() -> None:
   """`python -c "from benchmarks.compile_cache import child; child()" generate ...`: the CLI in
   this process, with jax's compile events summed over `decode.warm_up` (the compile time the
@@ -56,13 +60,15 @@ def child() -> None:
 
   from dflash_jax import __main__ as cli
   from dflash_jax import decode
-  sums = dict.fromkeys(_EVENTS.values(), 0.0) | {"programs": 0, "cache_hits": 0}
+  sums = dict.fromkeys(_EVENTS.values(), 0.0) | {"programs": 0, "cache_hits": 0, "traced": []}
   on = [False]
 
   def duration(event: str, secs: float, **kw) -> None:
     if on[0] and event in _EVENTS:
       sums[_EVENTS[event]] += secs
       sums["programs"] += event.endswith("backend_compile_duration")
+      if event.endswith("jaxpr_trace_duration"):
+        sums["traced"].append(str(kw.get("fun_name", "?")))
 
   def count(event: str, **kw) -> None:
     if on[0] and event == "/jax/compilation_cache/cache_hits":
@@ -140,8 +146,9 @@ def main(argv: list[str] | None = None) -> int:
       rest = r["compile_s"] - r["trace_s"] - r["lower_s"] - r["backend_s"]
       print(f"  compile split: trace {r['trace_s']:.2f} s, lower {r['lower_s']:.2f} s, backend "
             f"{r['backend_s']:.2f} s ({r['programs']} programs, {r['cache_hits']} cache hits, "
-            f"cache reads {r['cache_read_s']:.2f} s), rest {rest:.2f} s (the prefill's run, "
-            "eager ops, Python)", flush=True)
+            f"cache reads {r['cache_read_s']:.2f} s), rest {rest:.2f} s (loading kept "
+            f"programs, the prefill's run, eager ops, Python); the decoding loop's programs "
+            f"traced: {sorted(set(r['traced']) & LOOP_PROGRAMS) or 'none'}", flush=True)
     print(f"second run starts decoding {runs[1]['compile_s']:.1f} s after loading "
           f"(goal: <= 3 s); compile {runs[0]['compile_s'] / max(runs[1]['compile_s'], 1e-9):.1f}x "
           "faster than the first")

@@ -46,6 +46,7 @@ from jax import lax
 from dflash_jax import sampling as SP
 from dflash_jax.drafter import step
 from dflash_jax.drafter.weights import DrafterParams
+from dflash_jax.io import programs
 from dflash_jax.models.base import Target, prefill_bucket
 from dflash_jax.sampling import Sampling
 
@@ -438,6 +439,13 @@ def _rounds(models: Models, dcfg: DecodeConfig, state: DecodeState, max_rounds) 
 run_rounds = jax.jit(_rounds, static_argnames=("dcfg",), donate_argnames=("state",))
 
 
+def _run_rounds(models: Models, dcfg: DecodeConfig, state: DecodeState, n: int) -> DecodeState:
+  """run_rounds for up to n rounds as the host loops call it: through the programs kept on
+  disk (`io.programs`: a later process loads it without tracing when JAX's cache is on)."""
+  return programs.call(run_rounds, "rounds", dict(dcfg=dcfg), models=models, state=state,
+                       max_rounds=jnp.int32(n))
+
+
 @functools.partial(jax.jit, static_argnames=("impl", "target_impl"),
                    donate_argnames=("cache", "ring"))
 def _prefill(models: Models, cache, ring, tokens, n_valid, *, impl: str, target_impl: str):
@@ -519,8 +527,11 @@ def start(models: Models, dcfg: DecodeConfig, prompts: Sequence[Sequence[int]], 
   if models.drafter is not None:
     ring = models.run.init_ring(models.drafter.cfg, s, window, ring_dtype, capacity)
     pending = jnp.zeros((s, w, models.drafter.cfg.n_embd_fc), jnp.float32)
-  cache, ring = _prefill(models, cache, ring, jnp.asarray(tokens[:, :bucket]),
-                         jnp.asarray(n_prompt - 1), impl=dcfg.impl, target_impl=dcfg.target_impl)
+  cache, ring = programs.call(_prefill, "prefill", dict(impl=dcfg.impl,
+                                                        target_impl=dcfg.target_impl),
+                              models=models, cache=cache, ring=ring,
+                              tokens=jnp.asarray(tokens[:, :bucket]),
+                              n_valid=jnp.asarray(n_prompt - 1))
   slots = models.run.place(dict(
       tokens=jnp.asarray(tokens), n_past=jnp.asarray(n_prompt - 1),
       id_last=jnp.asarray(tokens[np.arange(s), n_prompt - 1]), pending=pending,
@@ -582,7 +593,7 @@ def generate(models: Models, dcfg: DecodeConfig, prompts: Sequence[Sequence[int]
   n_prompt = np.asarray(state.n_prompt)
   sent = [0] * len(n_prompt)
   while True:
-    state = run_rounds(models, dcfg, state, jnp.int32(rounds_per_call))
+    state = _run_rounds(models, dcfg, state, rounds_per_call)
     n_past, done, tokens = jax.device_get((state.n_past, state.done, state.tokens))
     for i in range(len(n_prompt)):
       vis = _visible(tokens[i, n_prompt[i]:n_past[i] + 1], eos_ids, max_new)
@@ -615,7 +626,7 @@ def warm_up(models: Models, dcfg: DecodeConfig, prompts: Sequence[Sequence[int]]
   (a later `generate` of the same shapes compiles nothing)."""
   t0 = time.perf_counter()
   state = start(models, dcfg, prompts, max_new, **start_kw)
-  jax.block_until_ready(run_rounds(models, dcfg, state, jnp.int32(0)).n_past)
+  jax.block_until_ready(_run_rounds(models, dcfg, state, 0).n_past)
   return time.perf_counter() - t0
 
 
@@ -737,12 +748,13 @@ def serve(models: Models, dcfg: DecodeConfig, prompts: Sequence[Sequence[int]], 
       n_prompt[slot], mask[slot] = len(ps[i]), True
     keys = jax.random.split(jax.random.key(seed), len(ps) + 1)
     slot_keys = jnp.stack([keys[assign.get(j, len(ps))] for j in range(s)])
-    return _join(models, state, jnp.asarray(rows), jnp.asarray(n_prompt),
-                 jnp.int32(max_new), jnp.asarray(mask), slot_keys, **impls)
+    return programs.call(_join, "join", impls, models=models, state=state,
+                         rows=jnp.asarray(rows), n_prompt=jnp.asarray(n_prompt),
+                         max_new=jnp.int32(max_new), join=jnp.asarray(mask), keys=slot_keys)
 
   t0 = time.perf_counter()
   state = join_call(state, {})   # compiles the join (joins nothing) ...
-  state = run_rounds(models, dcfg, state, jnp.int32(0))   # ... and the rounds
+  state = _run_rounds(models, dcfg, state, 0)   # ... and the rounds
   jax.block_until_ready(state.n_past)
   compile_seconds = time.perf_counter() - t0
 
@@ -760,7 +772,7 @@ def serve(models: Models, dcfg: DecodeConfig, prompts: Sequence[Sequence[int]], 
       for slot, i in assign.items():
         slot_of[slot], joined_at[i] = i, now
       free = [f for f in free if f not in assign]
-    state = run_rounds(models, dcfg, state, jnp.int32(rounds_per_call))
+    state = _run_rounds(models, dcfg, state, rounds_per_call)
     done, n_past, tokens, rounds, hist = jax.device_get(
         (state.done, state.n_past, state.tokens, state.rounds, state.hist))
     now = time.perf_counter()

@@ -105,10 +105,13 @@ def test_compile_cache_benchmark_smoke_run(tmp_path):
   out = tmp_path / "cc.json"
   assert compile_cache.main(["--smoke", "--folder", str(tmp_path / "w"), "--out", str(out)]) == 0
   first, second = json.loads(out.read_text())["runs"]
-  assert first["programs"] > 0 and first["cache_hits"] == 0
-  assert second["programs"] == first["programs"] == second["cache_hits"]
+  # The first run traces and compiles the loop's programs; the second loads them as kept
+  # (io.programs) and reads the small eager programs from JAX's cache.
+  assert set(first["traced"]) >= compile_cache.LOOP_PROGRAMS
+  assert not set(second["traced"]) & compile_cache.LOOP_PROGRAMS, second["traced"]
+  assert first["programs"] > second["programs"] > 0 and first["cache_hits"] == 0
+  assert second["programs"] == second["cache_hits"]
   for r in (first, second):
-    assert r["trace_s"] > 0 and r["lower_s"] > 0
     assert 0 < r["trace_s"] + r["lower_s"] + r["backend_s"] <= r["compile_s"] + 0.05
 
 

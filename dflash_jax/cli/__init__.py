@@ -119,7 +119,8 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
   """Options every subcommand takes."""
   p.add_argument("--compile-cache", metavar="DIR|off", default=default_compile_cache(),
                  help="JAX's persistent compilation cache: compiled programs are kept in DIR "
-                      "and reused by later runs of the same shapes ('off': compile every run; "
+                      "and reused by later runs of the same shapes, the decoding loop's "
+                      "without tracing (DIR/programs) ('off': compile every run; "
                       "the default comes from $DFLASH_JAX_COMPILE_CACHE, else "
                       "$XDG_CACHE_HOME/dflash_jax/jax)")
 

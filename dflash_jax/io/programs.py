@@ -1,0 +1,175 @@
+"""Compiled programs kept on disk beside JAX's persistent compilation cache, found before tracing.
+
+JAX's persistent cache skips XLA's compilation, but its key is the lowered module: every run
+still traces and lowers each program before it can look the executable up. For the decoding
+loop at Qwen3-8B shapes with the Pallas kernels that Python work is seconds (RESULTS.md,
+"2026-12-05 session 25: where a cached start spends its time"). `call` keys a jitted call by
+what fixes its program before tracing (the code, the versions, the device, the configuration,
+the arguments' structure with every static field, their shapes, dtypes and placement, the
+static arguments) and keeps the serialized executable in a folder `programs/` of the one JAX's
+cache uses (`jax_compilation_cache_dir`; nothing is kept while that is unset, and `call` is the
+jitted call itself). A later process with the same key loads the executable and runs it
+without tracing or lowering anything.
+
+An executable is machine code for this machine's devices and runs with the process's rights:
+the folder must be as trusted as JAX's own cache (it holds the same kind of data).
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import pickle
+import re
+import warnings
+from typing import Any
+
+import jax
+
+from dflash_jax.io import atomic
+
+SUBDIR = "programs"
+_loaded: dict[Any, Any] = {}   # in-process: (function, structure, avals, statics) -> executable
+
+
+def folder() -> str | None:
+  """Where programs are kept: `programs/` in JAX's compilation cache folder, or None (unset)."""
+  where = jax.config.values.get("jax_compilation_cache_dir")
+  if not where or not jax.config.values.get("jax_enable_compilation_cache", True):
+    return None
+  return os.path.join(where, SUBDIR)
+
+
+@functools.cache
+def code_digest() -> str:
+  """sha256 over the path and bytes of every .py file of the packages programs are traced
+  from (this one and pallas_kernels): a change to any of them is a new key."""
+  import pallas_kernels
+  h = hashlib.sha256()
+  for pkg in (os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+              os.path.dirname(os.path.abspath(pallas_kernels.__file__))):
+    for d, dirs, files in os.walk(pkg):
+      dirs.sort()
+      for f in sorted(files):
+        if f.endswith(".py"):
+          path = os.path.join(d, f)
+          h.update(os.path.relpath(path, os.path.dirname(pkg)).encode())
+          with open(path, "rb") as fh:
+            h.update(fh.read())
+  return h.hexdigest()
+
+
+def _environment() -> str:
+  """What else decides the program: versions, devices, XLA's flags, JAX's configuration."""
+  import jaxlib
+  devs = jax.devices()
+  config = {k: v for k, v in jax.config.values.items() if "cache" not in k}
+  return repr((jax.__version__, jaxlib.__version__, devs[0].client.platform,
+               devs[0].client.platform_version, [d.device_kind for d in devs],
+               jax.process_count(), os.environ.get("XLA_FLAGS", ""), sorted(config.items())))
+
+
+def _aval(x) -> tuple:
+  a = jax.typeof(x)
+  sharding = x.sharding if isinstance(x, jax.Array) else None
+  return (a.shape, str(a.dtype), getattr(a, "weak_type", False), sharding)
+
+
+def signature(fun, static: dict[str, Any], args: dict[str, Any]) -> tuple:
+  """What picks a call's program in this process: the function, the arguments' structure
+  (with every static field of their pytrees), each leaf's shape, dtype, weak type and
+  sharding, and the static arguments."""
+  leaves, tree = jax.tree.flatten(args)
+  return (fun, tree, tuple(_aval(x) for x in leaves), tuple(sorted(static.items())))
+
+
+def key(name: str, sig: tuple) -> str | None:
+  """The file key of a call's program: its signature (the function by its role `name`) with
+  the code digest and the environment; None when a static value prints its address (an
+  object without a repr of its fields, e.g. a custom proposer), which no later process
+  could match: such a program is compiled in each process, as jit does."""
+  _, tree, avals, statics = sig
+  text = repr((name, code_digest(), _environment(), str(tree), avals, statics))
+  if re.search(r" at 0x[0-9a-fA-F]+>", text):
+    return None
+  return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def call(fun, name: str, static: dict[str, Any], **args):
+  """fun(**static, **args) for `fun` a `jax.jit` function whose static arguments are those
+  named in `static`, through the kept executable when JAX's cache folder is set (see the
+  module's docstring; donation is the executable's own, as in `fun`). name: the program's
+  role, the prefix of its file name."""
+  where = folder()
+  if where is None:
+    return fun(**static, **args)
+  sig = signature(fun, static, args)
+  exe = _loaded.get(sig)
+  if exe is None:
+    k = key(name, sig)
+    if k is None:
+      return fun(**static, **args)
+    exe = _loaded[sig] = _load_or_compile(fun, static, args,
+                                          os.path.join(where, f"{name}-{k}.bin"))
+  return exe(**args)
+
+
+# An executable that JAX's cache loaded cannot always be serialized again (on CPU the copy lost
+# its fused functions: "Function ... not found" when it ran), so a program is kept only from a
+# compilation of its own. When JAX's cache holds the program already (kept by an older tree,
+# or our file went missing), the compilation is repeated with a debug option that changes
+# JAX's cache key and nothing in the code XLA generates (it names dump files, and nothing is
+# dumped).
+_FRESH_OPTIONS = ({}, {"xla_dump_include_timestamp": True})
+_CACHE_HITS = "/jax/compilation_cache/cache_hits"
+_hits = [0]
+
+
+def _count_hits(event: str, **kw) -> None:
+  if event == _CACHE_HITS:
+    _hits[0] += 1
+
+
+jax.monitoring.register_event_listener(_count_hits)
+
+
+def _fresh(lowered) -> tuple[Any, bool]:
+  """(lowered compiled, whether XLA compiled it in this process rather than JAX's cache
+  returning it; False only when the cache answers both ways of asking)."""
+  for options in _FRESH_OPTIONS:
+    before = _hits[0]
+    exe = lowered.compile(compiler_options=options or None)
+    if _hits[0] == before:
+      return exe, True
+  return exe, False
+
+
+def _load_or_compile(fun, static: dict, args: dict, path: str):
+  from jax.experimental import serialize_executable as se
+  if os.path.isfile(path):
+    try:
+      with open(path, "rb") as f:
+        blob, in_tree, out_tree, device_ids = pickle.load(f)
+      by_id = {d.id: d for d in jax.devices()}
+      return se.deserialize_and_load(blob, in_tree, out_tree,
+                                     execution_devices=[by_id[i] for i in device_ids])
+    except Exception as e:   # a damaged or foreign file: compile again and replace it
+      warnings.warn(f"{path}: cannot load the kept program ({type(e).__name__}: {e}); "
+                    "compiling it again", RuntimeWarning, stacklevel=3)
+  exe, fresh = _fresh(fun.lower(**static, **args))
+  if not fresh:
+    return exe
+  # The devices the executable runs on, in its device assignment's order (a one-device
+  # program on a host of several must be loaded onto its one device).
+  device_ids = [d.id for d in exe._executable.xla_executable.local_devices()]
+  try:
+    data = pickle.dumps((*se.serialize(exe), device_ids))
+  except (ValueError, NotImplementedError) as e:
+    warnings.warn(f"{os.path.basename(path)}: the program cannot be kept on disk ({e}); it "
+                  "is compiled in every process", RuntimeWarning, stacklevel=3)
+    return exe
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with atomic.replacing(path) as tmp:
+    with open(tmp, "wb") as f:
+      f.write(data)
+  return exe

@@ -1,0 +1,129 @@
+"""io.programs: the decoding loop's programs kept on disk and loaded by a later process without
+tracing. Each run is a fresh process (what the CLIs do), pointed at one cache folder."""
+import dataclasses
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dflash_jax import decode as D
+from dflash_jax.io import programs
+import tiny_models as TM
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Greedy speculative decoding of one prompt on tiny random models; prints the tokens, which of
+# the loop's programs this process traced, and whether run_rounds' donated state was freed.
+SCRIPT = textwrap.dedent("""
+  import json, sys, warnings
+  sys.path[:0] = [{root!r}, {tests!r}]
+  import jax, jax.numpy as jnp
+  jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+  traced = []
+  jax.monitoring.register_event_duration_secs_listener(
+      lambda e, s, **k: traced.append(k.get("fun_name"))
+      if e.endswith("jaxpr_trace_duration") else None)
+  import tiny_models as TM
+  from dflash_jax import decode as D
+  from dflash_jax.io import programs
+  tcfg, tp = TM.target()
+  models = TM.models(tcfg, tp, TM.drafter(tcfg, tp))
+  dcfg = D.DecodeConfig(width=6, impl="xla", target_impl="xla")
+  with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    tokens = D.generate(models, dcfg, [list(range(1, 12))], 20).tokens[0]
+    state = D.start(models, dcfg, [list(range(1, 12))], 20)
+    programs.call(D.run_rounds, "rounds", dict(dcfg=dcfg), models=models, state=state,
+                  max_rounds=jnp.int32(1))
+  print(json.dumps(dict(tokens=tokens, traced=sorted({{"_rounds", "_prefill"}} & set(traced)),
+                        donated=state.tokens.is_deleted(),
+                        warnings=[str(x.message) for x in w if "kept program" in str(x.message)])))
+""")
+
+
+def _run(cache, devices=1):
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+  script = SCRIPT.format(root=ROOT, tests=os.path.join(ROOT, "tests"))
+  r = subprocess.run([sys.executable, "-c", script, str(cache)], capture_output=True, text=True,
+                     env=env, cwd=ROOT)
+  assert r.returncode == 0, r.stderr[-3000:]
+  import json
+  return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _kept(cache):
+  return sorted(os.listdir(cache / programs.SUBDIR))
+
+
+def test_a_later_process_loads_the_loop_without_tracing_it(tmp_path):
+  """First process: traces the prefill and the rounds and keeps both; second: traces
+  neither, decodes the same tokens, and the kept rounds still donate the state. A damaged
+  file is compiled again (a warning names it) and replaced; JAX's cache holds that program,
+  and an executable it returns does not survive being kept again on CPU, so the replacement
+  must come from a compilation of its own: the next process loads and runs it. A host of two
+  devices (another environment: new files) keeps and loads its one-device programs too."""
+  first = _run(tmp_path)
+  assert first["traced"] == ["_prefill", "_rounds"] and first["donated"]
+  kept = _kept(tmp_path)
+  assert [k.split("-")[0] for k in kept] == ["prefill", "rounds"]
+  second = _run(tmp_path)
+  assert second == dict(first, traced=[]), (first, second)
+  assert _kept(tmp_path) == kept
+  damaged = tmp_path / programs.SUBDIR / kept[1]
+  damaged.write_bytes(b"not a program")
+  third = _run(tmp_path)
+  assert third["traced"] == ["_rounds"] and third["tokens"] == first["tokens"]
+  assert len(third["warnings"]) == 1 and str(damaged) in third["warnings"][0]
+  assert _run(tmp_path) == dict(first, traced=[])
+  two = [_run(tmp_path, devices=2) for _ in range(2)]
+  assert two[0] == first and two[1] == dict(first, traced=[])
+  assert len(_kept(tmp_path)) == 4
+
+
+def _sig(models, dcfg, state):
+  return programs.signature(D.run_rounds, dict(dcfg=dcfg),
+                            dict(models=models, state=state, max_rounds=jnp.int32(1)))
+
+
+def test_the_key_changes_with_what_changes_the_program(monkeypatch):
+  """Static fields (the decode config, the target's config), a shape, a dtype, the code and
+  XLA's flags each give another key; equal calls give one key."""
+  tcfg, tp = TM.target()
+  models = TM.models(tcfg, tp, TM.drafter(tcfg, tp))
+  dcfg = D.DecodeConfig(width=6, impl="xla", target_impl="xla")
+  state = D.start(models, dcfg, [[1, 2, 3]], 8)
+  base = programs.key("rounds", _sig(models, dcfg, state))
+  assert base == programs.key("rounds", _sig(models, dcfg, D.start(models, dcfg, [[4, 5, 6]], 8)))
+  others = [
+      programs.key("rounds", _sig(models, dataclasses.replace(dcfg, width=5), state)),
+      programs.key("rounds", _sig(models.replace(target_cfg=dataclasses.replace(
+          tcfg, rms_norm_eps=1e-5)), dcfg, state)),
+      programs.key("rounds", _sig(models, dcfg, D.start(models, dcfg, [[1, 2, 3]], 30))),
+      programs.key("rounds", _sig(models, dcfg, state.replace(
+          pending=state.pending.astype(jnp.bfloat16)))),
+      programs.key("prefill", _sig(models, dcfg, state)),
+  ]
+  monkeypatch.setattr(programs, "code_digest", lambda: "another tree")
+  others.append(programs.key("rounds", _sig(models, dcfg, state)))
+  monkeypatch.undo()
+  monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=false")
+  others.append(programs.key("rounds", _sig(models, dcfg, state)))
+  assert len({base, *others}) == len(others) + 1, others
+
+
+def test_a_static_value_without_a_stable_repr_is_not_kept():
+  """A proposer printed with its address could never be found again: no key (the call is
+  then jit's own)."""
+  class Mine(D.Drafter):
+    __repr__ = object.__repr__
+  tcfg, tp = TM.target()
+  models = TM.models(tcfg, tp, TM.drafter(tcfg, tp))
+  dcfg = D.DecodeConfig(width=6, impl="xla", target_impl="xla", proposer=Mine())
+  assert programs.key("rounds", _sig(models, dcfg, D.start(models, dcfg, [[1, 2]], 8))) is None
+  assert programs.folder() is None   # the tests run without JAX's cache: calls are jit's own
