@@ -24,6 +24,7 @@ SCRIPT = textwrap.dedent("""
   sys.path[:0] = [{root!r}, {tests!r}]
   import jax, jax.numpy as jnp
   jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)   # as the CLIs do
   traced = []
   jax.monitoring.register_event_duration_secs_listener(
       lambda e, s, **k: traced.append(k.get("fun_name"))

@@ -118,9 +118,9 @@ def call(fun, name: str, static: dict[str, Any], **args):
 # its fused functions: "Function ... not found" when it ran), so a program is kept only from a
 # compilation of its own. When JAX's cache holds the program already (kept by an older tree,
 # or our file went missing), the compilation is repeated with a debug option that changes
-# JAX's cache key and nothing in the code XLA generates (it names dump files, and nothing is
-# dumped).
-_FRESH_OPTIONS = ({}, {"xla_dump_include_timestamp": True})
+# JAX's cache key (jax's cache_key drops the other dump options from it) and nothing in the
+# code XLA generates (it shapes dump files, and nothing is dumped).
+_FRESH_OPTIONS = ({}, {"xla_dump_large_constants": True})
 _CACHE_HITS = "/jax/compilation_cache/cache_hits"
 _hits = [0]
 
