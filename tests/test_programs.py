@@ -25,6 +25,9 @@ SCRIPT = textwrap.dedent("""
   import jax, jax.numpy as jnp
   jax.config.update("jax_compilation_cache_dir", sys.argv[1])
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)   # as the CLIs do
+  from dflash_jax.io import programs
+  if sys.argv[2] != "-":
+    programs.code_digest = lambda: sys.argv[2]   # stands for an edited tree
   traced = []
   jax.monitoring.register_event_duration_secs_listener(
       lambda e, s, **k: traced.append(k.get("fun_name"))
@@ -47,11 +50,12 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _run(cache, devices=1):
+def _run(cache, devices=1, code="-"):
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
   script = SCRIPT.format(root=ROOT, tests=os.path.join(ROOT, "tests"))
-  r = subprocess.run([sys.executable, "-c", script, str(cache)], capture_output=True, text=True,
+  r = subprocess.run([sys.executable, "-c", script, str(cache), code], capture_output=True,
+                     text=True,
                      env=env, cwd=ROOT)
   assert r.returncode == 0, r.stderr[-3000:]
   import json
@@ -73,6 +77,7 @@ def test_a_later_process_loads_the_loop_without_tracing_it(tmp_path):
   assert first["traced"] == ["_prefill", "_rounds"] and first["donated"]
   kept = _kept(tmp_path)
   assert [k.split("-")[0] for k in kept] == ["prefill", "rounds"]
+  assert {k.split("-")[1] for k in kept} == {programs.code_digest()[:12]}
   second = _run(tmp_path)
   assert second == dict(first, traced=[]), (first, second)
   assert _kept(tmp_path) == kept
@@ -85,6 +90,9 @@ def test_a_later_process_loads_the_loop_without_tracing_it(tmp_path):
   two = [_run(tmp_path, devices=2) for _ in range(2)]
   assert two[0] == first and two[1] == dict(first, traced=[])
   assert len(_kept(tmp_path)) == 4
+  # Other code: its programs are kept, and every file of the code before is removed.
+  edited = _run(tmp_path, code="e" * 64)
+  assert edited == first and [k.split("-")[1] for k in _kept(tmp_path)] == ["e" * 12] * 2
 
 
 def _sig(models, dcfg, state):

@@ -16,11 +16,13 @@ the folder must be as trusted as JAX's own cache (it holds the same kind of data
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
 import pickle
 import re
+import secrets
 import warnings
 from typing import Any
 
@@ -109,18 +111,18 @@ def call(fun, name: str, static: dict[str, Any], **args):
     k = key(name, sig)
     if k is None:
       return fun(**static, **args)
-    exe = _loaded[sig] = _load_or_compile(fun, static, args,
-                                          os.path.join(where, f"{name}-{k}.bin"))
+    exe = _loaded[sig] = _load_or_compile(fun, static, args, where, name, k)
   return exe(**args)
 
 
 # An executable that JAX's cache loaded cannot always be serialized again (on CPU the copy lost
 # its fused functions: "Function ... not found" when it ran), so a program is kept only from a
 # compilation of its own. When JAX's cache holds the program already (kept by an older tree,
-# or our file went missing), the compilation is repeated with a debug option that changes
-# JAX's cache key (jax's cache_key drops the other dump options from it) and nothing in the
-# code XLA generates (it shapes dump files, and nothing is dumped).
-_FRESH_OPTIONS = ({}, {"xla_dump_large_constants": True})
+# or our file went missing), the compilation is repeated with a debug option set to a value of
+# its own: it changes JAX's cache key (which keeps that option; it drops the dump options) and
+# nothing in the code XLA generates (it bounds a debug listing of buffers). That one entry of
+# JAX's cache is never read again.
+_NONCE_OPTION = "xla_debug_buffer_assignment_show_max"
 _CACHE_HITS = "/jax/compilation_cache/cache_hits"
 _hits = [0]
 
@@ -133,19 +135,22 @@ def _count_hits(event: str, **kw) -> None:
 jax.monitoring.register_event_listener(_count_hits)
 
 
-def _fresh(lowered) -> tuple[Any, bool]:
-  """(lowered compiled, whether XLA compiled it in this process rather than JAX's cache
-  returning it; False only when the cache answers both ways of asking)."""
-  for options in _FRESH_OPTIONS:
-    before = _hits[0]
-    exe = lowered.compile(compiler_options=options or None)
-    if _hits[0] == before:
-      return exe, True
-  return exe, False
+def _fresh(lowered):
+  """lowered compiled by XLA in this process, not returned by JAX's cache."""
+  before = _hits[0]
+  exe = lowered.compile()
+  if _hits[0] == before:
+    return exe
+  return lowered.compile(compiler_options={_NONCE_OPTION: 1000 + secrets.randbelow(1 << 30)})
 
 
-def _load_or_compile(fun, static: dict, args: dict, path: str):
+def _load_or_compile(fun, static: dict, args: dict, where: str, name: str, k: str):
+  """The executable from `where`'s file for (name, key k), else compiled and kept there. File
+  names carry the code digest's first characters: keeping a program removes its role's files
+  of other code, so the folder holds only programs this code can load."""
   from jax.experimental import serialize_executable as se
+  code = code_digest()[:12]
+  path = os.path.join(where, f"{name}-{code}-{k}.bin")
   if os.path.isfile(path):
     try:
       with open(path, "rb") as f:
@@ -156,9 +161,7 @@ def _load_or_compile(fun, static: dict, args: dict, path: str):
     except Exception as e:   # a damaged or foreign file: compile again and replace it
       warnings.warn(f"{path}: cannot load the kept program ({type(e).__name__}: {e}); "
                     "compiling it again", RuntimeWarning, stacklevel=3)
-  exe, fresh = _fresh(fun.lower(**static, **args))
-  if not fresh:
-    return exe
+  exe = _fresh(fun.lower(**static, **args))
   # The devices the executable runs on, in its device assignment's order (a one-device
   # program on a host of several must be loaded onto its one device).
   device_ids = [d.id for d in exe._executable.xla_executable.local_devices()]
@@ -168,8 +171,13 @@ def _load_or_compile(fun, static: dict, args: dict, path: str):
     warnings.warn(f"{os.path.basename(path)}: the program cannot be kept on disk ({e}); it "
                   "is compiled in every process", RuntimeWarning, stacklevel=3)
     return exe
-  os.makedirs(os.path.dirname(path), exist_ok=True)
+  os.makedirs(where, exist_ok=True)
   with atomic.replacing(path) as tmp:
     with open(tmp, "wb") as f:
       f.write(data)
+  for old in os.listdir(where):
+    parts = old.split("-")
+    if len(parts) == 3 and parts[0] == name and parts[1] != code and old.endswith(".bin"):
+      with contextlib.suppress(FileNotFoundError):   # another process may remove it first
+        os.unlink(os.path.join(where, old))
   return exe
