@@ -1,15 +1,13 @@
 """io.programs: the decoding loop's programs kept on disk and loaded by a later process without
 tracing. Each run is a fresh process (what the CLIs do), pointed at one cache folder."""
 import dataclasses
+import json
 import os
 import subprocess
 import sys
 import textwrap
 
-import jax
 import jax.numpy as jnp
-import numpy as np
-import pytest
 
 from dflash_jax import decode as D
 from dflash_jax.io import programs
@@ -34,7 +32,6 @@ SCRIPT = textwrap.dedent("""
       if e.endswith("jaxpr_trace_duration") else None)
   import tiny_models as TM
   from dflash_jax import decode as D
-  from dflash_jax.io import programs
   tcfg, tp = TM.target()
   models = TM.models(tcfg, tp, TM.drafter(tcfg, tp))
   dcfg = D.DecodeConfig(width=6, impl="xla", target_impl="xla")
@@ -58,7 +55,6 @@ def _run(cache, devices=1, code="-"):
                      text=True,
                      env=env, cwd=ROOT)
   assert r.returncode == 0, r.stderr[-3000:]
-  import json
   return json.loads(r.stdout.strip().splitlines()[-1])
 
 
@@ -93,6 +89,44 @@ def test_a_later_process_loads_the_loop_without_tracing_it(tmp_path):
   # Other code: its programs are kept, and every file of the code before is removed.
   edited = _run(tmp_path, code="e" * 64)
   assert edited == first and [k.split("-")[1] for k in _kept(tmp_path)] == ["e" * 12] * 2
+
+
+MESH_SCRIPT = textwrap.dedent("""
+  import json, sys
+  sys.path[:0] = [{root!r}, {tests!r}]
+  import jax
+  jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  traced = []
+  jax.monitoring.register_event_duration_secs_listener(
+      lambda e, s, **k: traced.append(k.get("fun_name"))
+      if e.endswith("jaxpr_trace_duration") else None)
+  import tiny_models as TM
+  from dflash_jax import decode as D, sharding as SH
+  tcfg, tp = TM.target(vocab=128, layers=1, seed=1)
+  models = TM.models(tcfg, tp, TM.drafter(tcfg, tp, seed=2))
+  dcfg = D.DecodeConfig(width=8, impl="xla")
+  prompts = [[1, 5, 9, 3, 7], [2, 4, 6, 8, 10, 12, 14]]
+  sharded = D.generate(SH.shard_models(models, SH.make_plan(tp=2, dp=2)), dcfg, prompts, 12)
+  print(json.dumps(dict(tokens=sharded.tokens, plain=D.generate(models, dcfg, prompts, 12).tokens,
+                        traced=sorted({{"_rounds", "_prefill"}} & set(traced)))))
+""")
+
+
+def test_programs_on_a_mesh_are_kept_and_loaded(tmp_path):
+  """Models on a dp = 2 x tp = 2 mesh of host devices (static fields that hold devices): the
+  second process traces none of the loop's programs and commits the same tokens, which are
+  the unsharded ones."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  script = MESH_SCRIPT.format(root=ROOT, tests=os.path.join(ROOT, "tests"))
+  runs = []
+  for _ in range(2):
+    r = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True,
+                       text=True, env=env, cwd=ROOT)
+    assert r.returncode == 0 and "cannot be kept" not in r.stderr, r.stderr[-3000:]
+    runs.append(json.loads(r.stdout.strip().splitlines()[-1]))
+  assert runs[0]["traced"] == ["_prefill", "_rounds"] and runs[1]["traced"] == []
+  assert runs[0]["tokens"] == runs[1]["tokens"] == runs[0]["plain"]
 
 
 def _sig(models, dcfg, state):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import io
 import os
 import pickle
 import re
@@ -154,10 +155,12 @@ def _load_or_compile(fun, static: dict, args: dict, where: str, name: str, k: st
   if os.path.isfile(path):
     try:
       with open(path, "rb") as f:
-        blob, in_tree, out_tree, device_ids = pickle.load(f)
+        device_ids, blob, trees = pickle.load(f)
       by_id = {d.id: d for d in jax.devices()}
-      return se.deserialize_and_load(blob, in_tree, out_tree,
-                                     execution_devices=[by_id[i] for i in device_ids])
+      devices = [by_id[i] for i in device_ids]
+      in_tree, out_tree = se._JaxPjrtUnpickler(io.BytesIO(trees), devices[0].client,
+                                               devices).load()
+      return se.deserialize_and_load(blob, in_tree, out_tree, execution_devices=devices)
     except Exception as e:   # a damaged or foreign file: compile again and replace it
       warnings.warn(f"{path}: cannot load the kept program ({type(e).__name__}: {e}); "
                     "compiling it again", RuntimeWarning, stacklevel=3)
@@ -166,8 +169,12 @@ def _load_or_compile(fun, static: dict, args: dict, where: str, name: str, k: st
   # program on a host of several must be loaded onto its one device).
   device_ids = [d.id for d in exe._executable.xla_executable.local_devices()]
   try:
-    data = pickle.dumps((*se.serialize(exe), device_ids))
-  except (ValueError, NotImplementedError) as e:
+    blob, in_tree, out_tree = se.serialize(exe)
+    with io.BytesIO() as f:   # the trees' static fields may hold devices (a mesh): as ids
+      se._JaxPjrtPickler(f).dump((in_tree, out_tree))
+      trees = f.getvalue()
+    data = pickle.dumps((device_ids, blob, trees))
+  except (ValueError, NotImplementedError, TypeError, pickle.PicklingError) as e:
     warnings.warn(f"{os.path.basename(path)}: the program cannot be kept on disk ({e}); it "
                   "is compiled in every process", RuntimeWarning, stacklevel=3)
     return exe
