@@ -65,9 +65,10 @@ def child() -> None:
 
   def duration(event: str, secs: float, **kw) -> None:
     if on[0] and event in _EVENTS:
-      sums[_EVENTS[event]] += secs
-      sums["programs"] += event.endswith("backend_compile_duration")
-      if event.endswith("jaxpr_trace_duration"):
+      what = _EVENTS[event]
+      sums[what] += secs
+      sums["programs"] += what == "backend_s"
+      if what == "trace_s":
         sums["traced"].append(str(kw.get("fun_name", "?")))
 
   def count(event: str, **kw) -> None:
@@ -131,9 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     _drafter(drafter, tcfg, args.smoke)
   cache = tempfile.mkdtemp(prefix="dflash_jit_cache_")
   max_new = args.max_new or (32 if args.smoke else 256)
-  cmd = [sys.executable, "-c", "from benchmarks.compile_cache import child; child()", "generate", "--target", target, "--drafter",
-         drafter, "--prompt-ids", ",".join(str(i) for i in range(1, 65)), "--max-new",
-         str(max_new), "--compile-cache", cache]
+  cmd = [sys.executable, "-c", "from benchmarks.compile_cache import child; child()", "generate",
+         "--target", target, "--drafter", drafter, "--prompt-ids",
+         ",".join(str(i) for i in range(1, 65)), "--max-new", str(max_new), "--compile-cache",
+         cache]
   try:
     runs = []
     for which in ("first (cache empty)", "second (cache filled)"):

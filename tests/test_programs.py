@@ -15,23 +15,30 @@ import tiny_models as TM
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# What every script below starts with: JAX's cache in argv[1] with the CLIs' settings, the
+# code digest replaced by argv[2] unless it is "-" (an edited tree), and a list of the
+# functions this process traces.
+PRELUDE = """
+import json, sys, warnings
+sys.path[:0] = [{root!r}, {tests!r}]
+import jax, jax.numpy as jnp
+jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+from dflash_jax.io import programs
+if sys.argv[2] != "-":
+  programs.code_digest = lambda: sys.argv[2]
+traced = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda e, s, **k: traced.append(k.get("fun_name"))
+    if e.endswith("jaxpr_trace_duration") else None)
+import tiny_models as TM
+from dflash_jax import decode as D
+LOOP = lambda: sorted({{"_rounds", "_prefill"}} & set(traced))
+"""
+
 # Greedy speculative decoding of one prompt on tiny random models; prints the tokens, which of
 # the loop's programs this process traced, and whether run_rounds' donated state was freed.
-SCRIPT = textwrap.dedent("""
-  import json, sys, warnings
-  sys.path[:0] = [{root!r}, {tests!r}]
-  import jax, jax.numpy as jnp
-  jax.config.update("jax_compilation_cache_dir", sys.argv[1])
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)   # as the CLIs do
-  from dflash_jax.io import programs
-  if sys.argv[2] != "-":
-    programs.code_digest = lambda: sys.argv[2]   # stands for an edited tree
-  traced = []
-  jax.monitoring.register_event_duration_secs_listener(
-      lambda e, s, **k: traced.append(k.get("fun_name"))
-      if e.endswith("jaxpr_trace_duration") else None)
-  import tiny_models as TM
-  from dflash_jax import decode as D
+SCRIPT = PRELUDE + textwrap.dedent("""
   tcfg, tp = TM.target()
   models = TM.models(tcfg, tp, TM.drafter(tcfg, tp))
   dcfg = D.DecodeConfig(width=6, impl="xla", target_impl="xla")
@@ -41,19 +48,19 @@ SCRIPT = textwrap.dedent("""
     state = D.start(models, dcfg, [list(range(1, 12))], 20)
     programs.call(D.run_rounds, "rounds", dict(dcfg=dcfg), models=models, state=state,
                   max_rounds=jnp.int32(1))
-  print(json.dumps(dict(tokens=tokens, traced=sorted({{"_rounds", "_prefill"}} & set(traced)),
-                        donated=state.tokens.is_deleted(),
+  print(json.dumps(dict(tokens=tokens, traced=LOOP(), donated=state.tokens.is_deleted(),
                         warnings=[str(x.message) for x in w if "kept program" in str(x.message)])))
 """)
 
 
-def _run(cache, code="-"):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
-  script = SCRIPT.format(root=ROOT, tests=os.path.join(ROOT, "tests"))
+def _run(cache, script=SCRIPT, devices=1, code="-"):
+  """The script in a fresh process on `devices` host devices -> its JSON line."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+  script = script.format(root=ROOT, tests=os.path.join(ROOT, "tests"))
   r = subprocess.run([sys.executable, "-c", script, str(cache), code], capture_output=True,
-                     text=True,
-                     env=env, cwd=ROOT)
-  assert r.returncode == 0, r.stderr[-3000:]
+                     text=True, env=env, cwd=ROOT)
+  assert r.returncode == 0 and "cannot be kept" not in r.stderr, r.stderr[-3000:]
   return json.loads(r.stdout.strip().splitlines()[-1])
 
 
@@ -88,25 +95,15 @@ def test_a_later_process_loads_the_loop_without_tracing_it(tmp_path):
   assert edited == first and [k.split("-")[1] for k in _kept(tmp_path)] == ["e" * 12] * 2
 
 
-MESH_SCRIPT = textwrap.dedent("""
-  import json, sys
-  sys.path[:0] = [{root!r}, {tests!r}]
-  import jax
-  jax.config.update("jax_compilation_cache_dir", sys.argv[1])
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-  traced = []
-  jax.monitoring.register_event_duration_secs_listener(
-      lambda e, s, **k: traced.append(k.get("fun_name"))
-      if e.endswith("jaxpr_trace_duration") else None)
-  import tiny_models as TM
-  from dflash_jax import decode as D, sharding as SH
+MESH_SCRIPT = PRELUDE + textwrap.dedent("""
+  from dflash_jax import sharding as SH
   tcfg, tp = TM.target(vocab=128, layers=1, seed=1)
   models = TM.models(tcfg, tp, TM.drafter(tcfg, tp, seed=2))
   dcfg = D.DecodeConfig(width=8, impl="xla")
   prompts = [[1, 5, 9, 3, 7], [2, 4, 6, 8, 10, 12, 14]]
   sharded = D.generate(SH.shard_models(models, SH.make_plan(tp=2, dp=2)), dcfg, prompts, 12)
   print(json.dumps(dict(tokens=sharded.tokens, plain=D.generate(models, dcfg, prompts, 12).tokens,
-                        traced=sorted({{"_rounds", "_prefill"}} & set(traced)))))
+                        traced=LOOP())))
 """)
 
 
@@ -115,14 +112,7 @@ def test_programs_on_a_mesh_are_kept_and_loaded(tmp_path):
   the same models unsharded (one-device programs on a host of four): the second process
   traces none of the loop's programs and commits the same tokens, the sharded ones equal to
   the unsharded."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
-  script = MESH_SCRIPT.format(root=ROOT, tests=os.path.join(ROOT, "tests"))
-  runs = []
-  for _ in range(2):
-    r = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True,
-                       text=True, env=env, cwd=ROOT)
-    assert r.returncode == 0 and "cannot be kept" not in r.stderr, r.stderr[-3000:]
-    runs.append(json.loads(r.stdout.strip().splitlines()[-1]))
+  runs = [_run(tmp_path, MESH_SCRIPT, devices=4) for _ in range(2)]
   assert runs[0]["traced"] == ["_prefill", "_rounds"] and runs[1]["traced"] == []
   assert runs[0]["tokens"] == runs[1]["tokens"] == runs[0]["plain"]
 

@@ -39,7 +39,8 @@ MOE = Q.Qwen3MoeConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_
                        mlp_only_layers=(1,), rope_theta=1e4, max_position_embeddings=512)
 FAMILIES = {"muse": (M, MUSE, RM, lambda n: "layernorm" in n),
             "moe": (Q, MOE, RQ, lambda n: False)}
-LOADED = {"qwen3": (qwen3, QWEN3), "muse": (M, MUSE), "moe": (Q, MOE), "qwen3_5": (qwen3_5, QWEN3_5)}
+LOADED = {"qwen3": (qwen3, QWEN3), "muse": (M, MUSE), "moe": (Q, MOE),
+          "qwen3_5": (qwen3_5, QWEN3_5)}
 PROMPT_LENGTHS = (1, 3, 8, 17)
 MAX_NEW = 20
 
@@ -49,7 +50,6 @@ def _target(name, cfg=None, seed=0):
   cfg = cfg or default
   t = TC.random_tensors(family.hf_tensor_shapes(cfg), seed, centered)
   return cfg, t, family.params_from_hf(cfg, dict(t), "fp32")
-
 
 
 @pytest.mark.parametrize("name", list(LOADED))
