@@ -97,7 +97,8 @@ def check_draft(cfg, d, want, tol, width=None) -> int:
   """The jitted greedy Draft against the reference's; returns the clear prefix length."""
   w = cfg.resolve_width(width)
   n = cfg.n_drafts(width)
-  assert d.drafts.shape == (n,) and d.logits.shape == (w, V)
+  # The vocabulary is the drafter's (V in the small cases, the real one at real dims).
+  assert d.drafts.shape == (n,) and d.logits.shape == want.logits.shape == (w, want.logits.shape[1])
   clear = clear_prefix(want, cfg, tol)
   np.testing.assert_array_equal(d.drafts[:clear], want.drafts[:clear])
   # Along the shared path the logits, probabilities and family outputs agree.
