@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
+import functools
 import json
 import os
 import re
@@ -234,6 +236,26 @@ def without_copies(per_iter):
   """Drop the ring copies that a non-donating measurement jit adds before aliased kernels
   (CUPTI calls the function repeatedly on the same arguments, so it cannot donate)."""
   return [[k for k in it if "copy" not in k[0].lower()] for it in per_iter]
+
+
+def target_layer_launches(cfg, impl: str, w: int, capacity: int, live: int,
+                          policy=None) -> tuple[int, list[str]]:
+  """Kernels one decoder layer adds to a w-row verify of a Qwen3 target (CUPTI, copies
+  dropped): a 3-layer minus a 2-layer `cfg` at `live` cached rows; with the 3-layer pass's
+  kernel names in launch order."""
+  from dflash_jax.models import qwen3 as Q
+  counts, names = {}, []
+  for n in (2, 3):
+    c = dataclasses.replace(cfg, num_hidden_layers=n)
+    tp = Q.init_params(c, jax.random.key(0), jnp.bfloat16)
+    if policy is not None:
+      tp = tp.replace(policy=policy)
+    cache = Q.init_cache(c, 1, capacity, "bf16").replace(length=jnp.array([live], jnp.int32))
+    tokens = jax.random.randint(jax.random.key(5), (1, w), 0, c.vocab_size, jnp.int32)
+    f = jax.jit(functools.partial(lambda p, k, t, c: c.verify(p, k, t, impl=impl)[1], c=c))
+    per = without_copies(cupti_kernels(f, tp, cache, tokens, iterations=3))
+    counts[n], names = launches(per), [name for name, _ in per[0]]
+  return counts[3] - counts[2], names
 
 
 def tree_bytes(tree) -> int:

@@ -68,7 +68,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import os
 import sys
@@ -318,21 +317,9 @@ def target_section(su: Setup, res: dict, tp, cache, bw: float, variants) -> None
 
 def launches_section(su: Setup, res: dict) -> None:
   """Section 4: kernels per decoder layer, a 3-layer minus a 2-layer target (CUPTI)."""
-  counts = {}
-  for n in (2, 3):
-    cfg = dataclasses.replace(su.target, num_hidden_layers=n)
-    tp = Q.init_params(cfg, jax.random.key(0), jnp.bfloat16)
-    cache = Q.init_cache(cfg, 1, su.capacity, "bf16").replace(
-        length=jnp.array([su.prompt_len], jnp.int32))
-    for impl in ("xla", "pallas"):
-      for w in (1, round_width(su.drafter)):
-        f = jax.jit(functools.partial(lambda p, c, t, cfg, impl: cfg.verify(p, c, t, impl=impl)[1],
-                                      cfg=cfg, impl=impl))
-        per = C.without_copies(C.cupti_kernels(f, tp, cache, _pass_tokens(su, w), iterations=3))
-        counts[(impl, w, n)] = C.launches(per)
-    del tp, cache
-  res["launches"] = {f"{impl}_w{w}": counts[(impl, w, 3)] - counts[(impl, w, 2)]
-                     for impl in ("xla", "pallas") for w in (1, round_width(su.drafter))}
+  res["launches"] = {
+      f"{impl}_w{w}": C.target_layer_launches(su.target, impl, w, su.capacity, su.prompt_len)[0]
+      for impl in ("xla", "pallas") for w in (1, round_width(su.drafter))}
 
 
 def long_section(su: Setup, res: dict, tp, bw: float, chunks: tuple[int, ...]) -> None:

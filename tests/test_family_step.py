@@ -75,50 +75,53 @@ class Setup:
     return jax.tree.map(lambda a: np.asarray(a[0]), d)
 
 
-def clear_prefix(ref_draft, cfg, tol) -> int:
-  """The draft rows, from the first, on which the reference's choice is clear of `tol` (any
-  logit of the path under test may be off by tol): DFlash2 needs the k-th / (k+1)-th logit gap
-  (the candidate set) and the top-2 score gap clear; DSpark the top-2 gap of the chain's
-  logits. After the first unclear row the two paths may part."""
+def clear_rows(ref_draft, cfg, tol):
+  """Per draft row, whether the reference's choice is clear of `tol` (any logit of the path
+  under test may be off by tol), and whether its DFlash2 candidate set is: DFlash2 needs the
+  k-th / (k+1)-th logit gap (the candidate set) and the top-2 score gap clear; DSpark the
+  top-2 gap of the chain's logits."""
   if cfg.family == "dflash2":
     k = cfg.dflash2.selector_top_k
     rows = np.sort(ref_draft.logits[1:], axis=-1)[:, ::-1]
     cand_ok = rows[:, k - 1] - rows[:, k] > 2 * tol
     sc = np.sort(ref_draft.scores, axis=-1)
-    ok = cand_ok & (sc[:, -1] - sc[:, -2] > 6 * tol)
-  else:
-    rows = np.sort(ref_draft.logits[cfg.first_draft_row:], axis=-1)
-    ok = rows[:, -1] - rows[:, -2] > 4 * tol
-  bad = np.flatnonzero(~ok)
-  return int(bad[0]) if bad.size else len(ok)
+    return cand_ok & (sc[:, -1] - sc[:, -2] > 6 * tol), cand_ok
+  rows = np.sort(ref_draft.logits[cfg.first_draft_row:], axis=-1)
+  return rows[:, -1] - rows[:, -2] > 4 * tol, None
 
 
 def check_draft(cfg, d, want, tol, width=None) -> int:
-  """The jitted greedy Draft against the reference's; returns the clear prefix length."""
+  """The jitted greedy Draft against the reference's along their shared path; returns its
+  length (the drafts both made alike). The paths may part only at a row where the
+  reference's choice is a near tie."""
   w = cfg.resolve_width(width)
   n = cfg.n_drafts(width)
   # The vocabulary is the drafter's (V in the small cases, the real one at real dims).
-  assert d.drafts.shape == (n,) and d.logits.shape == want.logits.shape == (w, want.logits.shape[1])
-  clear = clear_prefix(want, cfg, tol)
-  np.testing.assert_array_equal(d.drafts[:clear], want.drafts[:clear])
+  vocab = want.logits.shape[1]
+  assert d.drafts.shape == (n,) and d.logits.shape == want.logits.shape == (w, vocab)
+  ok, cand_ok = clear_rows(want, cfg, tol)
+  differ = np.flatnonzero(d.drafts != want.drafts)
+  same = int(differ[0]) if differ.size else n
+  assert same == n or not ok[same], (
+      f"drafts part at row {same} where the reference's choice is clear: "
+      f"{d.drafts} vs {want.drafts}")
   # Along the shared path the logits, probabilities and family outputs agree.
   first = cfg.first_draft_row
-  np.testing.assert_allclose(d.logits[:first + clear], want.logits[:first + clear],
+  np.testing.assert_allclose(d.logits[:first + same], want.logits[:first + same],
                              atol=tol, rtol=0)
   # A greedy draft is its row's top token: the reference's probability of it is top_prob.
-  np.testing.assert_allclose(d.top_prob[:clear], want.draft_prob[:clear], atol=tol * 10)
+  np.testing.assert_allclose(d.top_prob[:same], want.draft_prob[:same], atol=tol * 10)
   if cfg.family == "dflash2":
     np.testing.assert_allclose(d.logits, want.logits, atol=tol, rtol=0)   # no path dependence
-    for p in range(clear):
+    for p in np.flatnonzero(cand_ok[:same]):
       assert set(d.candidates[p]) == set(want.candidates[p]), p
       np.testing.assert_allclose(np.sort(d.scores[p]), np.sort(want.scores[p]), atol=3 * tol)
   if cfg.family == "dspark":
-    np.testing.assert_allclose(d.logits[:first], want.logits[:first], atol=tol, rtol=0)
     if want.conf is None:
       assert d.conf is None
     else:
-      np.testing.assert_allclose(d.conf[:clear + 1], want.conf[:clear + 1], atol=tol)
-  return clear
+      np.testing.assert_allclose(d.conf[:same + 1], want.conf[:same + 1], atol=tol)
+  return same
 
 
 # --------------------------------------------------------------------------------- DFlash2
@@ -149,18 +152,18 @@ def test_dflash2_step_matches_reference(case, impl):
   cfg = dflash2_cfg(**DFLASH2_CASES[case])
   st = Setup(cfg, impl)
   widths = (None, 4) if impl == "xla" else (None,)
-  clear = 0
+  shared = 0
   for width in widths:
     for id_last in (ID_LAST, 101):
       d = st.draft(id_last, width)
       want = st.ref.draft(id_last, st.n_past, width)
-      clear += check_draft(st.cfg, d, want, FP32_TOL, width)
+      shared += check_draft(st.cfg, d, want, FP32_TOL, width)
   # The one-sequence entry point (no slot axis) computes the same block.
   logits = S.block_step_jit(st.params, jax.tree.map(lambda a: a[0], st.ring), ID_LAST,
                             st.n_past, impl=impl)
   np.testing.assert_allclose(np.asarray(logits), st.ref.step(ID_LAST, st.n_past),
                              atol=FP32_TOL, rtol=0)
-  assert clear >= len(widths) * 2 * (cfg.block_size // 2 - 1), clear
+  assert shared >= len(widths) * 2 * (cfg.block_size // 2 - 1), shared
 
 
 def test_dflash2_selector_moves_drafts_off_the_argmax():
@@ -246,14 +249,14 @@ DS_PARAMS = ([pytest.param(c, "xla", id=f"{c}-xla") for c in DSPARK_CASES]
 def test_dspark_step_matches_reference(case, impl):
   cfg = dspark_cfg(**DSPARK_CASES[case])
   st = Setup(cfg, impl)
-  clear = 0
+  shared = 0
   widths = (None, 3) if impl == "xla" else (None,)
   for width in widths:
     for id_last in (ID_LAST, 77):
       d = st.draft(id_last, width)
       want = st.ref.draft(id_last, st.n_past, width)
-      clear += check_draft(st.cfg, d, want, FP32_TOL, width)
-  assert clear >= len(widths) * 2 * (cfg.n_drafts() // 2), clear
+      shared += check_draft(st.cfg, d, want, FP32_TOL, width)
+  assert shared >= len(widths) * 2 * (cfg.n_drafts() // 2), shared
 
 
 def test_dspark_markov_heads_move_drafts():
@@ -368,12 +371,12 @@ def test_weight_formats_match_the_rounded_reference(family, fmt, impl):
   if family == "dflash2":
     quantized += [c.proj for c in fp.attn_conv]
   assert all(dfj.dispatch.matrix_format(m) == fmt for m in quantized)
-  clear = 0
+  shared = 0
   for id_last in (ID_LAST, 101, 7):
     d = st.draft(id_last)
     want = st.ref.draft(id_last, st.n_past)
-    clear += check_draft(st.cfg, d, want, BF16_TOL)
-  assert clear >= 3, clear
+    shared += check_draft(st.cfg, d, want, BF16_TOL)
+  assert shared >= 3, shared
 
 
 # ------------------------------------------------------------------- GPU, real dims
@@ -405,7 +408,9 @@ def test_gpu_real_dims_match_reference(family):
                   jnp.array([n_rows]), jnp.ones(1, bool))
   d = jax.tree.map(lambda a: np.asarray(a[0]), d)
   want = ref.draft(17, n_rows)
-  assert check_draft(cfg, d, want, BF16_TOL) >= 1
+  # Random weights at a real vocabulary leave near ties anywhere (no count of shared rows is
+  # promised); the logits are compared on every row the two paths share, all rows for DFlash2.
+  check_draft(cfg, d, want, BF16_TOL)
 
 
 @pytest.mark.gpu

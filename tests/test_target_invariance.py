@@ -12,7 +12,6 @@ the verify's cache updated in place, one command buffer, the launches per layer.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import glob
 import os
 import re
@@ -267,29 +266,14 @@ def test_gpu_verify_runs_as_one_command_buffer(tmp_path):
     assert kernel in text, kernel
 
 
-def _layer_launches(impl: str, policy: KernelPolicy, w: int) -> tuple[int, list[str]]:
-  """Kernels per decoder layer of a w-row verify (CUPTI: 3 layers minus 2 layers), and the
-  3-layer verify's kernel names in launch order (what a failure shows)."""
-  from benchmarks import common as C
-  counts = []
-  for n in (2, 3):
-    cfg = dataclasses.replace(QWEN3_8B, num_hidden_layers=n, vocab_size=32768)
-    params = Q.init_params(cfg, jax.random.key(0), "bf16").replace(policy=policy)
-    cache = Q.init_cache(cfg, 1, 2048, "bf16").replace(length=jnp.array([100], jnp.int32))
-    f = jax.jit(functools.partial(Q.verify, cfg=cfg, impl=impl))
-    per = C.without_copies(C.cupti_kernels(lambda p, c, t: f(p, cache=c, tokens=t)[1], params,
-                                           cache, jnp.ones((1, w), jnp.int32), iterations=3))
-    counts.append(C.launches(per))
-  return counts[1] - counts[0], [name for name, _ in per[0]]
-
-
 @pytest.mark.gpu
 def test_gpu_launches_per_target_layer():
   """Per decoder layer: 9 on the Pallas path (pre-norm, qkv, norm + rope + cache write,
   attention partial + combine, o, pre-norm, gate+up, down), at 1 and 16 rows; XLA's
   path for comparison (printed: the count before issue 41's kernels)."""
+  from benchmarks import common as C
   for w in (1, 16):
-    n, names = _layer_launches("pallas", KernelPolicy(), w)
+    n, names = C.target_layer_launches(QWEN3_8B, "pallas", w, 2048, 128, KernelPolicy())
     assert n == 9, (w, n, names)
   print("xla launches per layer (w = 1, 16):",
-        [_layer_launches("xla", KernelPolicy(), w)[0] for w in (1, 16)])
+        [C.target_layer_launches(QWEN3_8B, "xla", w, 2048, 128)[0] for w in (1, 16)])
