@@ -102,6 +102,8 @@ def _run(cmd: list[str]) -> dict:
   out = dict(load_s=grab(r"loaded in ([\d.]+) s"), compile_s=grab(r"compile: ([\d.]+) s"),
              tokens_per_s=grab(r"speed:\s+([\d.]+) tokens/s"), wall_s=wall)
   out.update(json.loads(re.search(r"compile breakdown: (.*)", r.stderr).group(1)))
+  # What io.programs said (a program it could not keep or load warns, naming the file).
+  out["warnings"] = [line for line in r.stderr.splitlines() if "Warning" in line]
   return out
 
 
@@ -141,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     for which in ("first (cache empty)", "second (cache filled)"):
       r = _run(cmd)
       r["run"], r["cache_mb"] = which, _size(cache) / 2**20
+      kept = os.path.join(cache, "programs")
+      r["kept"] = sorted(os.listdir(kept)) if os.path.isdir(kept) else []
       runs.append(r)
       print(f"{which}: load {r['load_s']:.1f} s, compile {r['compile_s']:.1f} s (loaded -> "
             f"decoding), {r['tokens_per_s']:.1f} tokens/s decoding, process {r['wall_s']:.1f} s; "
@@ -151,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
             f"cache reads {r['cache_read_s']:.2f} s), rest {rest:.2f} s (loading kept "
             f"programs, the prefill's run, eager ops, Python); the decoding loop's programs "
             f"traced: {sorted(set(r['traced']) & LOOP_PROGRAMS) or 'none'}", flush=True)
+      print(f"  kept programs: {r['kept'] or 'none'}", flush=True)
+      for line in r["warnings"]:
+        print(f"  warning: {line}", flush=True)
     print(f"second run starts decoding {runs[1]['compile_s']:.1f} s after loading "
           f"(goal: <= 3 s); compile {runs[0]['compile_s'] / max(runs[1]['compile_s'], 1e-9):.1f}x "
           "faster than the first")
