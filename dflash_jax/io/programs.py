@@ -9,7 +9,9 @@ the arguments' structure with every static field, their shapes, dtypes and place
 static arguments) and keeps the serialized executable in a folder `programs/` of the one JAX's
 cache uses (`jax_compilation_cache_dir`; nothing is kept while that is unset, and `call` is the
 jitted call itself). A later process with the same key loads the executable and runs it
-without tracing or lowering anything.
+without tracing or lowering anything. A program that cannot be kept or loaded on this machine
+is noted as such and runs as jit does from then on (a warning says so), so the cost of trying
+is paid once.
 
 An executable is machine code for this machine's devices and runs with the process's rights:
 the folder must be as trusted as JAX's own cache (it holds the same kind of data).
@@ -122,9 +124,8 @@ def call(fun, name: str, static: dict[str, Any], **args):
   exe = _loaded.get(sig)
   if exe is None:
     k = key(name, sig)
-    if k is None:
-      return fun(**static, **args)
-    exe = _loaded[sig] = _load_or_compile(fun, static, args, where, name, k)
+    exe = _loaded[sig] = (functools.partial(fun, **static) if k is None
+                          else _load_or_compile(fun, static, args, where, name, k))
   _last[(fun, statics)] = (tree, exe)
   return exe(**args)
 
@@ -159,12 +160,23 @@ def _fresh(lowered):
 
 
 def _load_or_compile(fun, static: dict, args: dict, where: str, name: str, k: str):
-  """The executable from `where`'s file for (name, key k), else compiled and kept there. File
-  names carry the code digest's first characters: keeping a program removes its role's files
-  of other code, so the folder holds only programs this code can load."""
+  """The executable from `where`'s file for (name, key k), else compiled and kept there; or
+  `fun` itself (jit, through JAX's cache) for a program that cannot be kept or loaded here.
+  Such a program leaves a note in place of its file (`.unkept`, with the reason) so that no
+  later process pays for a compilation of its own again; a warning names it each time. File
+  names carry the code digest's first characters: keeping a program (or its note) removes
+  its role's files of other code, so the folder holds only what this code can use."""
   from jax.experimental import serialize_executable as se
   code = code_digest()[:12]
   path = os.path.join(where, f"{name}-{code}-{k}.bin")
+  note = path[:-len(".bin")] + ".unkept"
+  jitted = functools.partial(fun, **static)
+  if os.path.isfile(note):
+    with open(note) as f:
+      why = f.read().strip()
+    warnings.warn(f"{name}: not kept on disk here ({why}); it is compiled through JAX's cache "
+                  f"in each process (remove {note} to try again)", RuntimeWarning, stacklevel=3)
+    return jitted
   if os.path.isfile(path):
     try:
       with open(path, "rb") as f:
@@ -174,9 +186,10 @@ def _load_or_compile(fun, static: dict, args: dict, where: str, name: str, k: st
       in_tree, out_tree = se._JaxPjrtUnpickler(io.BytesIO(trees), devices[0].client,
                                                devices).load()
       return se.deserialize_and_load(blob, in_tree, out_tree, execution_devices=devices)
-    except Exception as e:   # a damaged or foreign file: compile again and replace it
-      warnings.warn(f"{path}: cannot load the kept program ({type(e).__name__}: {e}); "
-                    "compiling it again", RuntimeWarning, stacklevel=3)
+    except Exception as e:   # a damaged or foreign file, or one this machine cannot load
+      _leave_note(where, name, code, path, note, f"cannot load the kept program: "
+                  f"{type(e).__name__}: {e}")
+      return jitted
   exe = _fresh(fun.lower(**static, **args))
   # The devices the executable runs on, in its device assignment's order (a one-device
   # program on a host of several must be loaded onto its one device).
@@ -188,16 +201,29 @@ def _load_or_compile(fun, static: dict, args: dict, where: str, name: str, k: st
       trees = f.getvalue()
     data = pickle.dumps((device_ids, blob, trees))
   except (ValueError, NotImplementedError, TypeError, pickle.PicklingError) as e:
-    warnings.warn(f"{os.path.basename(path)}: the program cannot be kept on disk ({e}); it "
-                  "is compiled in every process", RuntimeWarning, stacklevel=3)
+    _leave_note(where, name, code, path, note, f"cannot serialize it: {type(e).__name__}: {e}")
     return exe
+  _write(where, name, code, path, data)
+  return exe
+
+
+def _leave_note(where: str, name: str, code: str, path: str, note: str, why: str) -> None:
+  warnings.warn(f"{path}: {why}; from now on it is compiled through JAX's cache in each "
+                f"process (remove {note} to try again)", RuntimeWarning, stacklevel=4)
+  with contextlib.suppress(FileNotFoundError):
+    os.unlink(path)
+  _write(where, name, code, note, why.encode())
+
+
+def _write(where: str, name: str, code: str, path: str, data: bytes) -> None:
+  """path's bytes written whole, then the role's files of other code removed."""
   os.makedirs(where, exist_ok=True)
   with atomic.replacing(path) as tmp:
     with open(tmp, "wb") as f:
       f.write(data)
   for old in os.listdir(where):
     parts = old.split("-")
-    if len(parts) == 3 and parts[0] == name and parts[1] != code and old.endswith(".bin"):
+    if (len(parts) == 3 and parts[0] == name and parts[1] != code
+        and old.endswith((".bin", ".unkept"))):
       with contextlib.suppress(FileNotFoundError):   # another process may remove it first
         os.unlink(os.path.join(where, old))
-  return exe
