@@ -60,7 +60,8 @@ def child() -> None:
 
   from dflash_jax import __main__ as cli
   from dflash_jax import decode
-  sums = dict.fromkeys(_EVENTS.values(), 0.0) | {"programs": 0, "cache_hits": 0, "traced": []}
+  sums = dict.fromkeys(_EVENTS.values(), 0.0) | {"programs": 0, "cache_hits": 0, "traced": [],
+                                                 "by_fun": {}}
   on = [False]
 
   def duration(event: str, secs: float, **kw) -> None:
@@ -68,8 +69,13 @@ def child() -> None:
       what = _EVENTS[event]
       sums[what] += secs
       sums["programs"] += what == "backend_s"
+      name = re.sub(r"^jit\((.*)\)$", r"\1", str(kw.get("fun_name", "?")))
       if what == "trace_s":
-        sums["traced"].append(str(kw.get("fun_name", "?")))
+        sums["traced"].append(name)
+      if what != "cache_read_s":   # seconds of trace, lower, backend per traced function name
+        row = sums["by_fun"].setdefault(name, [0.0, 0.0, 0.0, 0])
+        row[["trace_s", "lower_s", "backend_s"].index(what)] += secs
+        row[3] += what == "trace_s"
 
   def count(event: str, **kw) -> None:
     if on[0] and event == "/jax/compilation_cache/cache_hits":
@@ -155,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
             f"cache reads {r['cache_read_s']:.2f} s), rest {rest:.2f} s (loading kept "
             f"programs, the prefill's run, eager ops, Python); the decoding loop's programs "
             f"traced: {sorted(set(r['traced']) & LOOP_PROGRAMS) or 'none'}", flush=True)
+      top = sorted(r["by_fun"].items(), key=lambda kv: -sum(kv[1][:3]))[:8]
+      print("  by function (trace / lower / backend s, traces): " + "; ".join(
+          f"{n} {t:.2f}/{lo:.2f}/{b:.2f} x{c}" for n, (t, lo, b, c) in top), flush=True)
       print(f"  kept programs: {r['kept'] or 'none'}", flush=True)
       for line in r["warnings"]:
         print(f"  warning: {line}", flush=True)
