@@ -49,7 +49,7 @@ _EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace_s",
 
 
 # The jitted functions of the decoding loop that `io.programs` keeps on disk (their trace names).
-LOOP_PROGRAMS = {"_prefill", "_rounds"}
+LOOP_PROGRAMS = {"_start", "_rounds"}
 
 
 def child() -> None:

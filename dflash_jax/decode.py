@@ -443,7 +443,7 @@ def _run_rounds(models: Models, dcfg: DecodeConfig, state: DecodeState, n: int) 
   """run_rounds for up to n rounds as the host loops call it: through the programs kept on
   disk (`io.programs`: a later process loads it without tracing when JAX's cache is on)."""
   return programs.call(run_rounds, "rounds", dict(dcfg=dcfg), models=models, state=state,
-                       max_rounds=jnp.int32(n))
+                       max_rounds=np.int32(n))
 
 
 @functools.partial(jax.jit, static_argnames=("impl", "target_impl"),
@@ -522,25 +522,39 @@ def start(models: Models, dcfg: DecodeConfig, prompts: Sequence[Sequence[int]], 
   if not longest - 1 <= bucket <= capacity:
     raise ValueError(f"prefill_len {bucket} must lie in [longest prompt - 1 = {longest - 1}, "
                      f"capacity {capacity}]")
-  cache = tc.init_cache(s, capacity, cache_dtype)
+  statics = dict(capacity=capacity, window=window, cache_dtype=cache_dtype,
+                 ring_dtype=ring_dtype, bucket=bucket, impl=dcfg.impl,
+                 target_impl=dcfg.target_impl)
+  # jax.random.key of a Python int keeps its low 32 bits (64-bit ints are off): the same key.
+  return programs.call(_start, "start", statics, models=models, tokens=tokens,
+                       n_prompt=n_prompt, max_len=(n_prompt + max_new).astype(np.int32),
+                       eos=np.tile(np.array(eos_ids or (-1,), np.int32), (s, 1)),
+                       seed=np.uint32(seed % 2**32), proposer_state=proposer_state)
+
+
+@functools.partial(jax.jit, static_argnames=("capacity", "window", "cache_dtype", "ring_dtype",
+                                             "bucket", "impl", "target_impl"))
+def _start(models: Models, tokens, n_prompt, max_len, eos, seed, proposer_state, *,
+           capacity: int, window, cache_dtype, ring_dtype, bucket: int, impl: str,
+           target_impl: str) -> DecodeState:
+  """start's device work as one program (a later process loads it whole, where separate
+  array creations would each be traced, lowered and looked up): the empty target cache and
+  ring, the prefill of tokens[:, :bucket], each slot's entries. tokens [S, capacity + width]."""
+  s, w = tokens.shape[0], tokens.shape[1] - capacity
+  cache = models.target_cfg.init_cache(s, capacity, cache_dtype)
   ring = pending = None
   if models.drafter is not None:
     ring = models.run.init_ring(models.drafter.cfg, s, window, ring_dtype, capacity)
     pending = jnp.zeros((s, w, models.drafter.cfg.n_embd_fc), jnp.float32)
-  cache, ring = programs.call(_prefill, "prefill", dict(impl=dcfg.impl,
-                                                        target_impl=dcfg.target_impl),
-                              models=models, cache=cache, ring=ring,
-                              tokens=jnp.asarray(tokens[:, :bucket]),
-                              n_valid=jnp.asarray(n_prompt - 1))
+  n_past = n_prompt - 1
+  cache, ring = _prefill(models, cache, ring, tokens[:, :bucket], n_past, impl=impl,
+                         target_impl=target_impl)
   slots = models.run.place(dict(
-      tokens=jnp.asarray(tokens), n_past=jnp.asarray(n_prompt - 1),
-      id_last=jnp.asarray(tokens[np.arange(s), n_prompt - 1]), pending=pending,
-      n_new=jnp.zeros((s,), jnp.int32), n_prompt=jnp.asarray(n_prompt),
-      max_len=jnp.asarray(n_prompt + max_new, jnp.int32), done=jnp.zeros((s,), bool),
-      rounds=jnp.zeros((s,), jnp.int32), hist=jnp.zeros((s, w), jnp.int32),
-      eos=jnp.asarray(np.tile(np.array(eos_ids or (-1,), np.int32), (s, 1))),
-      key=jax.random.split(jax.random.key(seed), s),
-      proposer_state=jax.tree.map(jnp.asarray, proposer_state)))
+      tokens=tokens, n_past=n_past, id_last=tokens[jnp.arange(s), n_past], pending=pending,
+      n_new=jnp.zeros((s,), jnp.int32), n_prompt=n_prompt, max_len=max_len,
+      done=jnp.zeros((s,), bool), rounds=jnp.zeros((s,), jnp.int32),
+      hist=jnp.zeros((s, w), jnp.int32), eos=eos,
+      key=jax.random.split(jax.random.key(seed), s), proposer_state=proposer_state))
   return DecodeState(cache=cache, ring=ring, **slots)
 
 
@@ -647,7 +661,8 @@ def _join(models: Models, state: DecodeState, rows: jax.Array, n_prompt: jax.Arr
           target_impl: str) -> DecodeState:
   """New prompts into the slots where join [S]: their target cache (`Target.reset`) and ring
   emptied, their prompt rows[s] [L] (padded) prefilled into them alone (n_valid 0 elsewhere,
-  which leaves the other slots as they are), their per-slot entries those of a fresh start."""
+  which leaves the other slots as they are), their per-slot entries those of a fresh start
+  (keys [S, 2]: each slot's new key as key data)."""
   s = join.shape[0]
   cache = models.target_cfg.reset(state.cache, join)
   ring = None if state.ring is None else _reset_ring(state.ring, join)
@@ -658,7 +673,6 @@ def _join(models: Models, state: DecodeState, rows: jax.Array, n_prompt: jax.Arr
   def pick(new, old):
     return jnp.where(join.reshape(-1, *([1] * (old.ndim - 1))), new, old)
 
-  fresh = jax.random.key_data(keys)
   return state.replace(
       cache=cache, ring=ring, tokens=pick(rows, state.tokens),
       n_past=pick(n_prompt - 1, state.n_past),
@@ -670,7 +684,7 @@ def _join(models: Models, state: DecodeState, rows: jax.Array, n_prompt: jax.Arr
                                                                  state.done),
       rounds=pick(jnp.zeros_like(state.rounds), state.rounds),
       hist=pick(jnp.zeros_like(state.hist), state.hist),
-      key=jax.random.wrap_key_data(pick(fresh, jax.random.key_data(state.key))))
+      key=jax.random.wrap_key_data(pick(keys, jax.random.key_data(state.key))))
 
 
 @dataclasses.dataclass
@@ -738,6 +752,10 @@ def serve(models: Models, dcfg: DecodeConfig, prompts: Sequence[Sequence[int]], 
   state = state.replace(done=jnp.ones((s,), bool))
   buf = state.tokens.shape[1]
   impls = dict(bucket=bucket, impl=dcfg.impl, target_impl=dcfg.target_impl)
+  # Prompt i samples with key i (the last one for slots that join nothing), as key data on
+  # the host: a join then dispatches its one program and nothing else.
+  prompt_keys = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(seed),
+                                                                len(ps) + 1)))
 
   def join_call(state, assign: dict[int, int]):
     rows = np.zeros((s, buf), np.int32)
@@ -746,11 +764,9 @@ def serve(models: Models, dcfg: DecodeConfig, prompts: Sequence[Sequence[int]], 
     for slot, i in assign.items():
       rows[slot, :len(ps[i])] = ps[i]
       n_prompt[slot], mask[slot] = len(ps[i]), True
-    keys = jax.random.split(jax.random.key(seed), len(ps) + 1)
-    slot_keys = jnp.stack([keys[assign.get(j, len(ps))] for j in range(s)])
-    return programs.call(_join, "join", impls, models=models, state=state,
-                         rows=jnp.asarray(rows), n_prompt=jnp.asarray(n_prompt),
-                         max_new=jnp.int32(max_new), join=jnp.asarray(mask), keys=slot_keys)
+    return programs.call(_join, "join", impls, models=models, state=state, rows=rows,
+                         n_prompt=n_prompt, max_new=np.int32(max_new), join=mask,
+                         keys=prompt_keys[[assign.get(j, len(ps)) for j in range(s)]])
 
   t0 = time.perf_counter()
   state = join_call(state, {})   # compiles the join (joins nothing) ...

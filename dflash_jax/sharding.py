@@ -314,6 +314,8 @@ def _place(plan: Plan, tree, layout, copy: bool):
     if l.segments is not None:
       a = _fuse_split(jnp.asarray(a), l.segments, l.parts)
     sharding = NamedSharding(plan.mesh, l.spec)
+    if isinstance(a, jax.core.Tracer):   # inside a jitted program (decode's start): a layout
+      return jax.lax.with_sharding_constraint(a, sharding)
     if (isinstance(a, jax.Array) and isinstance(a.sharding, NamedSharding)
         and a.sharding.mesh == plan.mesh and a.sharding.is_equivalent_to(sharding, a.ndim)):
       return a   # already on this mesh (e.g. a decode state's cache after its sharded prefill)

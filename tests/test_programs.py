@@ -42,7 +42,7 @@ jax.monitoring.register_event_listener(
                                    - (e.endswith("cache_hits"))))
 import tiny_models as TM
 from dflash_jax import decode as D
-LOOP = lambda: sorted({{"_rounds", "_prefill"}} & set(traced))
+LOOP = lambda: sorted({{"_rounds", "_start"}} & set(traced))
 """
 
 # Greedy speculative decoding of one prompt on tiny random models; prints the tokens, which of
@@ -87,10 +87,10 @@ def test_a_later_process_loads_the_loop_without_tracing_it(tmp_path):
   keeps its own files and removes those of the code before. (A host of several devices:
   test_programs_on_a_mesh_are_kept_and_loaded.)"""
   first = _run(tmp_path)
-  assert first["traced"] == ["_prefill", "_rounds"] and first["donated"]
+  assert first["traced"] == ["_rounds", "_start"] and first["donated"]
   assert first["warnings"] == []
   kept = _kept(tmp_path)
-  assert [k.split("-")[0] for k in kept] == ["prefill", "rounds"]
+  assert [k.split("-")[0] for k in kept] == ["rounds", "start"]
   assert {k.split("-")[1] for k in kept} == {programs.code_digest()[:12]}
   second = _run(tmp_path)
   assert second == dict(first, traced=[]), (first, second)
@@ -106,7 +106,7 @@ def test_a_program_that_cannot_be_loaded_runs_as_jit_from_then_on(tmp_path):
   cache: no compilation of its own, which a JAX-cached program would need to be kept), with a
   warning naming the note, and decode the same tokens. Removing the note keeps it again."""
   first = _run(tmp_path)
-  rounds = tmp_path / programs.SUBDIR / _kept(tmp_path)[1]
+  rounds = tmp_path / programs.SUBDIR / _kept(tmp_path)[0]
   rounds.write_bytes(b"not a program")
   for _ in range(2):
     again = _run(tmp_path)
@@ -128,9 +128,9 @@ def test_a_program_that_cannot_be_serialized_is_compiled_once_for_it(tmp_path):
   for _ in range(3):
     r = _run(tmp_path, SCRIPT_COUNTING, how="no-serialize")
     compiles.append(r["compiles"])
-    assert r["traced"] == ["_prefill", "_rounds"] and len(r["warnings"]) == 2, r
+    assert r["traced"] == ["_rounds", "_start"] and len(r["warnings"]) == 2, r
   notes = _kept(tmp_path)
-  assert [n.split("-")[0] for n in notes] == ["prefill", "rounds"]
+  assert [n.split("-")[0] for n in notes] == ["rounds", "start"]
   assert all(n.endswith(".unkept") for n in notes), notes
   assert compiles[0] > 0 and compiles[1] == compiles[2] == 0, compiles
 
@@ -153,7 +153,7 @@ def test_programs_on_a_mesh_are_kept_and_loaded(tmp_path):
   traces none of the loop's programs and commits the same tokens, the sharded ones equal to
   the unsharded."""
   runs = [_run(tmp_path, MESH_SCRIPT, devices=4) for _ in range(2)]
-  assert runs[0]["traced"] == ["_prefill", "_rounds"] and runs[1]["traced"] == []
+  assert runs[0]["traced"] == ["_rounds", "_start"] and runs[1]["traced"] == []
   assert runs[0]["tokens"] == runs[1]["tokens"] == runs[0]["plain"]
 
 
@@ -178,7 +178,7 @@ def test_the_key_changes_with_what_changes_the_program(monkeypatch):
       programs.key("rounds", _sig(models, dcfg, D.start(models, dcfg, [[1, 2, 3]], 30))),
       programs.key("rounds", _sig(models, dcfg, state.replace(
           pending=state.pending.astype(jnp.bfloat16)))),
-      programs.key("prefill", _sig(models, dcfg, state)),
+      programs.key("start", _sig(models, dcfg, state)),
   ]
   monkeypatch.setattr(programs, "code_digest", lambda: "another tree")
   others.append(programs.key("rounds", _sig(models, dcfg, state)))
