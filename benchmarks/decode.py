@@ -205,14 +205,21 @@ def target_loop(tc: Q.TargetConfig, inner: int, capture, impl: str):
 
 
 def measure_pass(su: Setup, tp, cache, tokens, capture, impl: str) -> dict:
-  """One target pass (inside `target_loop`): device ms, kernels per pass, and the attention
-  kernels' ms (0 where the pass has none of them)."""
+  """One target pass (inside `target_loop`): device ms, kernels per pass, the attention
+  kernels' ms (0 where the pass has none of them), ms and calls per kernel name, and the
+  first pass's kernels in launch order (median ms each: where a pass's time goes)."""
   f = target_loop(su.target, su.inner, capture, impl)
   per = C.without_copies(C.cupti_kernels(f, tp, cache, tokens, iterations=su.iters))
-  attn = sum(ms for name, ms in C.kernel_medians(per)
-             if any(k in name for k in ATTENTION_KERNELS))
+  medians = C.kernel_medians(per)
+  attn = sum(ms for name, ms in medians if any(k in name for k in ATTENTION_KERNELS))
+  by_kernel: dict[str, list] = {}
+  for name, ms in medians:
+    row = by_kernel.setdefault(name, [0, 0.0])
+    row[0] += 1 / su.inner
+    row[1] += ms / su.inner
   return dict(ms=C.device_ms(per) / su.inner, attention_ms=attn / su.inner,
-              launches=C.launches(per) / su.inner)
+              launches=C.launches(per) / su.inner, by_kernel=by_kernel,
+              kernels=medians[:len(medians) // su.inner])
 
 
 def weight_bytes(tp) -> int:
@@ -302,7 +309,8 @@ def target_section(su: Setup, res: dict, tp, cache, bw: float, variants) -> None
         floor = (weight_bytes(tp) + kv_bytes(tc, live0 + w)) / bw * 1e3
         m.update(floor_ms=floor, floor_fraction=floor / m["ms"])
       r[label] = dict(**m, compile_and_measure_s=time.perf_counter() - t0)
-      print(f"  {name} {label}: {r[label]}", flush=True)
+      print(f"  {name} {label}: " + ", ".join(f"{k} {v:.4g}" for k, v in r[label].items()
+                                             if isinstance(v, float)), flush=True)
     if "ms" in r["decode1"] and "ms" in r["verify16"]:
       r["verify16_over_decode1"] = r["verify16"]["ms"] / r["decode1"]["ms"]
     out[name] = r
@@ -679,6 +687,12 @@ def markdown(res: dict) -> str:
                    f"{w['floor_fraction']:.3f} | {v['verify16_over_decode1']:.3f} | "
                    f"{d['launches']:.1f} / {w['launches']:.1f} | {d['attention_ms']:.4f} / "
                    f"{w['attention_ms']:.4f} |")
+    for name, label in (("pallas", "decode1"), ("pallas", "verify16")):
+      bk = tg.get(name, {}).get(label, {}).get("by_kernel")
+      if bk:
+        top = sorted(bk.items(), key=lambda kv: -kv[1][1])
+        lines.append(f"- {name} {label}, ms per pass by kernel (calls): " + ", ".join(
+            f"{k} {ms:.3f} ({n:.0f})" for k, (n, ms) in top))
     for label in ("decode1", "verify16"):
       if f"invariance_cost_{label}" in tg:
         lines.append(f"- {label}: cost of invariance (pallas / pallas_fast - 1) "

@@ -63,7 +63,8 @@ SCRIPT = PRELUDE + textwrap.dedent("""
 
 
 # The same, also printing how many programs XLA compiled (not answered by JAX's cache).
-SCRIPT_COUNTING = SCRIPT.replace("print(json.dumps(dict(", "print(json.dumps(dict(compiles=own[0], ")
+SCRIPT_COUNTING = SCRIPT.replace("print(json.dumps(dict(",
+                                 "print(json.dumps(dict(compiles=own[0], ")
 
 
 def _run(cache, script=SCRIPT, devices=1, code="-", how="-"):
