@@ -96,7 +96,9 @@ def test_a_later_process_loads_the_loop_without_tracing_it(tmp_path):
   second = _run(tmp_path)
   assert second == dict(first, traced=[]), (first, second)
   assert _kept(tmp_path) == kept
-  # Other code: its programs are kept, and every file of the code before is removed.
+  # Other code: its programs are kept, and every file of the code before is removed (also
+  # of a role this code does not have).
+  (tmp_path / programs.SUBDIR / ("prefill-" + kept[0].split("-", 1)[1])).write_bytes(b"old")
   edited = _run(tmp_path, code="e" * 64)
   assert edited == first and [k.split("-")[1] for k in _kept(tmp_path)] == ["e" * 12] * 2
 

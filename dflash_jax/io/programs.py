@@ -165,7 +165,7 @@ def _load_or_compile(fun, static: dict, args: dict, where: str, name: str, k: st
   Such a program leaves a note in place of its file (`.unkept`, with the reason) so that no
   later process pays for a compilation of its own again; a warning names it each time. File
   names carry the code digest's first characters: keeping a program (or its note) removes
-  its role's files of other code, so the folder holds only what this code can use."""
+  the files of other code, so the folder holds only what this code can use."""
   from jax.experimental import serialize_executable as se
   code = code_digest()[:12]
   path = os.path.join(where, f"{name}-{code}-{k}.bin")
@@ -187,7 +187,7 @@ def _load_or_compile(fun, static: dict, args: dict, where: str, name: str, k: st
                                                devices).load()
       return se.deserialize_and_load(blob, in_tree, out_tree, execution_devices=devices)
     except Exception as e:   # a damaged or foreign file, or one this machine cannot load
-      _leave_note(where, name, code, path, note, f"cannot load the kept program: "
+      _leave_note(where, code, path, note, f"cannot load the kept program: "
                   f"{type(e).__name__}: {e}")
       return jitted
   exe = _fresh(fun.lower(**static, **args))
@@ -201,29 +201,29 @@ def _load_or_compile(fun, static: dict, args: dict, where: str, name: str, k: st
       trees = f.getvalue()
     data = pickle.dumps((device_ids, blob, trees))
   except (ValueError, NotImplementedError, TypeError, pickle.PicklingError) as e:
-    _leave_note(where, name, code, path, note, f"cannot serialize it: {type(e).__name__}: {e}")
+    _leave_note(where, code, path, note, f"cannot serialize it: {type(e).__name__}: {e}")
     return exe
-  _write(where, name, code, path, data)
+  _write(where, code, path, data)
   return exe
 
 
-def _leave_note(where: str, name: str, code: str, path: str, note: str, why: str) -> None:
+def _leave_note(where: str, code: str, path: str, note: str, why: str) -> None:
   warnings.warn(f"{path}: {why}; from now on it is compiled through JAX's cache in each "
                 f"process (remove {note} to try again)", RuntimeWarning, stacklevel=4)
   with contextlib.suppress(FileNotFoundError):
     os.unlink(path)
-  _write(where, name, code, note, why.encode())
+  _write(where, code, note, why.encode())
 
 
-def _write(where: str, name: str, code: str, path: str, data: bytes) -> None:
-  """path's bytes written whole, then the role's files of other code removed."""
+def _write(where: str, code: str, path: str, data: bytes) -> None:
+  """path's bytes written whole, then the files of other code removed (whatever their role:
+  no process of this code can load them)."""
   os.makedirs(where, exist_ok=True)
   with atomic.replacing(path) as tmp:
     with open(tmp, "wb") as f:
       f.write(data)
   for old in os.listdir(where):
     parts = old.split("-")
-    if (len(parts) == 3 and parts[0] == name and parts[1] != code
-        and old.endswith((".bin", ".unkept"))):
+    if len(parts) == 3 and parts[1] != code and old.endswith((".bin", ".unkept")):
       with contextlib.suppress(FileNotFoundError):   # another process may remove it first
         os.unlink(os.path.join(where, old))
