@@ -296,6 +296,10 @@ def target_section(su: Setup, res: dict, tp, cache, bw: float, variants) -> None
   tc, dc = su.target, su.drafter
   live0 = int(cache.length[0])
   out = res.setdefault("target", {})
+  # The weights each Pallas GEMM kernel streams in one pass (its kernels summed by name).
+  gemm_bytes = {"skinny_matmul_gate_up": C.tree_bytes([l.wgu for l in tp.layers]),
+                "skinny_matmul": C.tree_bytes([(l.wqkv, l.wo, l.wd) for l in tp.layers])
+                + C.tree_bytes(tp.head)}
   for name in variants:
     impl, policy = VARIANTS[name]
     p = tp.replace(policy=policy)
@@ -308,6 +312,9 @@ def target_section(su: Setup, res: dict, tp, cache, bw: float, variants) -> None
       if "error" not in m:
         floor = (weight_bytes(tp) + kv_bytes(tc, live0 + w)) / bw * 1e3
         m.update(floor_ms=floor, floor_fraction=floor / m["ms"])
+        m["gemm_bw_fraction"] = {
+            k: gemm_bytes[k] / (m["by_kernel"][k][1] * 1e-3) / bw
+            for k in gemm_bytes if m["by_kernel"].get(k, [0, 0.0])[1] > 0}
       r[label] = dict(**m, compile_and_measure_s=time.perf_counter() - t0)
       print(f"  {name} {label}: " + ", ".join(f"{k} {v:.4g}" for k, v in r[label].items()
                                              if isinstance(v, float)), flush=True)
@@ -693,6 +700,10 @@ def markdown(res: dict) -> str:
         top = sorted(bk.items(), key=lambda kv: -kv[1][1])
         lines.append(f"- {name} {label}, ms per pass by kernel (calls): " + ", ".join(
             f"{k} {ms:.3f} ({n:.0f})" for k, (n, ms) in top))
+        fr = tg[name][label].get("gemm_bw_fraction", {})
+        if fr:
+          lines.append(f"- {name} {label}, GEMM weight bytes / (kernel time x copy bandwidth): "
+                       + ", ".join(f"{k} {v:.3f}" for k, v in fr.items()))
     for label in ("decode1", "verify16"):
       if f"invariance_cost_{label}" in tg:
         lines.append(f"- {label}: cost of invariance (pallas / pallas_fast - 1) "
