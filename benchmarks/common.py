@@ -22,6 +22,7 @@ from dflash_jax.drafter.step import KVCache, RingState
 from dflash_jax.drafter.weights import (ConvParams, DFlash2Params, DrafterParams, DSparkParams,
                                         InjectParams, LayerParams)
 from dflash_jax.io import atomic
+from dflash_jax.models import qwen3 as Q
 
 ON_GPU = jax.default_backend() == "gpu"
 # What jax records for each XLA backend compilation (jax._src.dispatch.BACKEND_COMPILE_EVENT).
@@ -243,7 +244,6 @@ def target_layer_launches(cfg, impl: str, w: int, capacity: int, live: int,
   """Kernels one decoder layer adds to a w-row verify of a Qwen3 target (CUPTI, copies
   dropped): a 3-layer minus a 2-layer `cfg` at `live` cached rows; with the 3-layer pass's
   kernel names in launch order."""
-  from dflash_jax.models import qwen3 as Q
   counts, names = {}, []
   for n in (2, 3):
     c = dataclasses.replace(cfg, num_hidden_layers=n)

@@ -60,8 +60,7 @@ def child() -> None:
 
   from dflash_jax import __main__ as cli
   from dflash_jax import decode
-  sums = dict.fromkeys(_EVENTS.values(), 0.0) | {"programs": 0, "cache_hits": 0, "traced": [],
-                                                 "by_fun": {}}
+  sums = dict.fromkeys(_EVENTS.values(), 0.0) | {"programs": 0, "cache_hits": 0, "by_fun": {}}
   on = [False]
 
   def duration(event: str, secs: float, **kw) -> None:
@@ -70,8 +69,6 @@ def child() -> None:
       sums[what] += secs
       sums["programs"] += what == "backend_s"
       name = re.sub(r"^jit\((.*)\)$", r"\1", str(kw.get("fun_name", "?")))
-      if what == "trace_s":
-        sums["traced"].append(name)
       if what != "cache_read_s":   # seconds of trace, lower, backend per traced function name
         row = sums["by_fun"].setdefault(name, [0.0, 0.0, 0.0, 0])
         row[["trace_s", "lower_s", "backend_s"].index(what)] += secs
@@ -108,6 +105,7 @@ def _run(cmd: list[str]) -> dict:
   out = dict(load_s=grab(r"loaded in ([\d.]+) s"), compile_s=grab(r"compile: ([\d.]+) s"),
              tokens_per_s=grab(r"speed:\s+([\d.]+) tokens/s"), wall_s=wall)
   out.update(json.loads(re.search(r"compile breakdown: (.*)", r.stderr).group(1)))
+  out["traced"] = sorted(n for n, (_, _, _, traces) in out["by_fun"].items() if traces)
   # What io.programs said (a program it could not keep or load warns, naming the file).
   out["warnings"] = [line for line in r.stderr.splitlines() if "Warning" in line]
   return out

@@ -370,9 +370,7 @@ def _slot_arrays(plan: Plan, values: dict[str, Any]) -> dict[str, Any]:
     return _leaf(plan, v, ("slots",) + (None,) * (v.ndim - 1), name, {}, problems, stored=False)
   layouts = jax.tree_util.tree_map_with_path(layout, values)
   _raise_problems(problems)
-  return jax.tree.map(lambda v, l: jax.device_put(jnp.array(v, copy=True),
-                                                  NamedSharding(plan.mesh, l.spec)),
-                      values, layouts, is_leaf=lambda x: isinstance(x, _Leaf))
+  return _place(plan, values, layouts, copy=True)
 
 
 @dataclasses.dataclass(frozen=True)
