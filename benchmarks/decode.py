@@ -37,7 +37,8 @@ a run cut short keeps what it measured):
    and GEMM tiles sized for each call, not invariant). Per variant: device ms, the byte floor
    (every weight but the embedding + the live K/V rows, at the copy bandwidth) and the
    fraction of it reached, verify16 / decode1, kernels per pass; the cost of invariance
-   (pallas over pallas_fast) and the speedup over xla.
+   (pallas over pallas_fast) and the speedup over xla. Then the read ceiling: the GEMMs'
+   matrices only read, one kernel each, as a fraction of the copy bandwidth.
 4. launches: kernels per decoder layer (a 3-layer minus a 2-layer target at the 8B widths,
    CUPTI) of xla and pallas at 1 and 16 rows.
 5. long: decode1 and verify16 of the pallas target over a `long_capacity`-slot cache (32768)
@@ -329,6 +330,20 @@ def target_section(su: Setup, res: dict, tp, cache, bw: float, variants) -> None
     if ms("pallas", label) and ms("xla", label):
       out[f"speedup_over_xla_{label}"] = ms("xla", label) / ms("pallas", label)
   out["live_slots"] = live0
+  out["read_ceiling"] = _guarded("read ceiling", read_ceiling, tp, bw, su.iters)
+
+
+def read_ceiling(tp, bw: float, iters: int) -> dict:
+  """The premise of the floor fraction: the same matrices the GEMM kernels stream (per layer
+  qkv, o, gate_up, down; then the LM head), only read (one fp32 row sum each, no arithmetic
+  worth the name), CUPTI. Their bytes over this time, as a fraction of the copy bandwidth, is
+  what a pass of separate weight-streaming kernels reaches before any GEMM work."""
+  mats = [w for l in tp.layers for w in (l.wqkv, l.wo, l.wgu, l.wd)] + [tp.head]
+  f = jax.jit(lambda ms: [jnp.sum(m, axis=-1, dtype=jnp.float32) for m in ms])
+  per = C.without_copies(C.cupti_kernels(f, mats, iterations=iters))
+  ms = C.device_ms(per)
+  return dict(ms=ms, launches=C.launches(per), bytes=C.tree_bytes(mats),
+              bw_fraction=C.tree_bytes(mats) / (ms * 1e-3) / bw)
 
 
 def launches_section(su: Setup, res: dict) -> None:
@@ -705,6 +720,11 @@ def markdown(res: dict) -> str:
         if fr:
           lines.append(f"- {name} {label}, GEMM weight bytes / (kernel time x copy bandwidth): "
                        + ", ".join(f"{k} {v:.3f}" for k, v in fr.items()))
+    rc = tg.get("read_ceiling")
+    if rc and "ms" in rc:
+      lines.append(f"- the GEMMs' matrices only read (a row sum each, {rc['launches']} kernels): "
+                   f"{rc['ms']:.3f} ms for {rc['bytes'] / 1e9:.2f} GB = {rc['bw_fraction']:.3f} "
+                   "of the copy bandwidth")
     for label in ("decode1", "verify16"):
       if f"invariance_cost_{label}" in tg:
         lines.append(f"- {label}: cost of invariance (pallas / pallas_fast - 1) "
