@@ -235,8 +235,10 @@ def classify(name: str, pallas_names: dict[str, str]) -> str:
 
 def without_copies(per_iter):
   """Drop the ring copies that a non-donating measurement jit adds before aliased kernels
-  (CUPTI calls the function repeatedly on the same arguments, so it cannot donate)."""
-  return [[k for k in it if "copy" not in k[0].lower()] for it in per_iter]
+  (CUPTI calls the function repeatedly on the same arguments, so it cannot donate): XLA's
+  copy fusions and the driver's memcpy kernels (e.g. `memcpy128`)."""
+  return [[k for k in it if not any(c in k[0].lower() for c in ("copy", "memcpy"))]
+          for it in per_iter]
 
 
 def target_layer_launches(cfg, impl: str, w: int, capacity: int, live: int,

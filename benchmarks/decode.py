@@ -71,6 +71,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import sys
 import time
 
@@ -314,9 +315,13 @@ def target_section(su: Setup, res: dict, tp, cache, bw: float, variants) -> None
       if "error" not in m:
         floor = (weight_bytes(tp) + kv_bytes(tc, live0 + w)) / bw * 1e3
         m.update(floor_ms=floor, floor_fraction=floor / m["ms"])
-        m["gemm_bw_fraction"] = {
-            k: gemm_bytes[k] / (m["by_kernel"][k][1] * 1e-3) / bw
-            for k in gemm_bytes if m["by_kernel"].get(k, [0, 0.0])[1] > 0}
+        # XLA names a kernel's further instances name__1, name__2, ...: summed under name.
+        kernel_ms = {}
+        for k, (_, ms_k) in m["by_kernel"].items():
+          base = re.sub(r"__\d+$", "", k)
+          kernel_ms[base] = kernel_ms.get(base, 0.0) + ms_k
+        m["gemm_bw_fraction"] = {k: gemm_bytes[k] / (kernel_ms[k] * 1e-3) / bw
+                                 for k in gemm_bytes if kernel_ms.get(k, 0.0) > 0}
       r[label] = dict(**m, compile_and_measure_s=time.perf_counter() - t0)
       print(f"  {name} {label}: " + ", ".join(f"{k} {v:.4g}" for k, v in r[label].items()
                                              if isinstance(v, float)), flush=True)
