@@ -446,9 +446,9 @@ def _run_rounds(models: Models, dcfg: DecodeConfig, state: DecodeState, n: int) 
                        max_rounds=np.int32(n))
 
 
-@functools.partial(jax.jit, static_argnames=("impl", "target_impl"),
-                   donate_argnames=("cache", "ring"))
 def _prefill(models: Models, cache, ring, tokens, n_valid, *, impl: str, target_impl: str):
+  """The target's prefill of tokens (n_valid rows per slot) and, with a drafter, the captured
+  features injected into its ring; traced inside `_start` and `_join`."""
   cache, feats = models.target_cfg.prefill(models.target, cache, tokens, n_valid,
                                            capture_layers=_capture(models), impl=target_impl)
   if models.drafter is not None:
