@@ -299,10 +299,7 @@ def target_section(su: Setup, res: dict, tp, cache, bw: float, variants) -> None
   tc, dc = su.target, su.drafter
   live0 = int(cache.length[0])
   out = res.setdefault("target", {})
-  # The weights each Pallas GEMM kernel streams in one pass (its kernels summed by name).
-  gemm_bytes = {"skinny_matmul_gate_up": C.tree_bytes([l.wgu for l in tp.layers]),
-                "skinny_matmul": C.tree_bytes([(l.wqkv, l.wo, l.wd) for l in tp.layers])
-                + C.tree_bytes(tp.head)}
+  gemm_bytes = {k: C.tree_bytes(v) for k, v in gemm_matrices(tp).items()}
   for name in variants:
     impl, policy = VARIANTS[name]
     p = tp.replace(policy=policy)
@@ -338,17 +335,23 @@ def target_section(su: Setup, res: dict, tp, cache, bw: float, variants) -> None
   out["read_ceiling"] = _guarded("read ceiling", read_ceiling, tp, bw, su.iters)
 
 
+def gemm_matrices(tp) -> dict[str, list]:
+  """The matrices each Pallas GEMM kernel streams in one pass, by kernel name."""
+  return {"skinny_matmul_gate_up": [l.wgu for l in tp.layers],
+          "skinny_matmul": [w for l in tp.layers for w in (l.wqkv, l.wo, l.wd)] + [tp.head]}
+
+
 def read_ceiling(tp, bw: float, iters: int) -> dict:
-  """The premise of the floor fraction: the same matrices the GEMM kernels stream (per layer
-  qkv, o, gate_up, down; then the LM head), only read (one fp32 row sum each, no arithmetic
-  worth the name), CUPTI. Their bytes over this time, as a fraction of the copy bandwidth, is
-  what a pass of separate weight-streaming kernels reaches before any GEMM work."""
-  mats = [w for l in tp.layers for w in (l.wqkv, l.wo, l.wgu, l.wd)] + [tp.head]
+  """The premise of the floor fraction: the same matrices the GEMM kernels stream, only read
+  (one fp32 row sum each, no arithmetic worth the name), CUPTI. Their bytes over this time, as
+  a fraction of the copy bandwidth, is what a pass of separate weight-streaming kernels
+  reaches before any GEMM work."""
+  mats = [m for ms in gemm_matrices(tp).values() for m in ms]
   f = jax.jit(lambda ms: [jnp.sum(m, axis=-1, dtype=jnp.float32) for m in ms])
   per = C.without_copies(C.cupti_kernels(f, mats, iterations=iters))
   ms = C.device_ms(per)
-  return dict(ms=ms, launches=C.launches(per), bytes=C.tree_bytes(mats),
-              bw_fraction=C.tree_bytes(mats) / (ms * 1e-3) / bw)
+  nbytes = C.tree_bytes(mats)
+  return dict(ms=ms, launches=C.launches(per), bytes=nbytes, bw_fraction=nbytes / (ms * 1e-3) / bw)
 
 
 def launches_section(su: Setup, res: dict) -> None:
