@@ -16,6 +16,7 @@ it measured):
    bandwidth of this run and the byte floor it gives a step: weights + K/V + the state read
    and written once. Per rollback, the memory one slot's verify of 16 rows adds
    (`pending_nbytes`), checked against the device's free memory before anything else runs.
+   Counting takes no device time: `--only round` counts too, for the round's fractions.
 2. round: CUPTI device time (median of `iters` calls, XLA's copies excluded; several target
    passes per call in a fori_loop whose carry is the cache, so it is updated in place):
    decode1 (a verify of 1 row + its commit), verify16 + commit (16 rows, 8 kept) and the
@@ -333,7 +334,7 @@ def main(argv=None) -> int:
   cache, _ = M.prefill_jit(tp, tc, cache, pre, jnp.int32(su.prompt_len), impl=su.target_impl)
   tokens = jnp.asarray(np.random.default_rng(1).integers(0, tc.vocab_size, (1, dc.block_size)),
                        jnp.int32)
-  if "bytes" in only:
+  if "bytes" in only or "round" in only:
     res["bytes"] = bytes_section(su, tp, cache, res["copy_bw_TBps"] * 1e12, dc.block_size)
     save("bytes")
   if "round" in only:

@@ -8,6 +8,7 @@ import sys
 import textwrap
 
 import jax.numpy as jnp
+import pytest
 
 from dflash_jax import decode as D
 from dflash_jax.io import programs
@@ -67,10 +68,14 @@ SCRIPT_COUNTING = SCRIPT.replace("print(json.dumps(dict(",
                                  "print(json.dumps(dict(compiles=own[0], ")
 
 
-def _run(cache, script=SCRIPT, devices=1, code="-", how="-"):
-  """The script in a fresh process on `devices` host devices -> its JSON line."""
+def _run(cache, script=SCRIPT, devices=1, code="-", how="-", gpu=False):
+  """The script in a fresh process on `devices` host devices (gpu: on the GPU) -> its JSON
+  line."""
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+  if gpu:
+    env.pop("JAX_PLATFORMS")
+    env.pop("XLA_FLAGS")
   script = script.format(root=ROOT, tests=os.path.join(ROOT, "tests"))
   r = subprocess.run([sys.executable, "-c", script, str(cache), code, how], capture_output=True,
                      text=True, env=env, cwd=ROOT)
@@ -136,6 +141,44 @@ def test_a_program_that_cannot_be_serialized_is_compiled_once_for_it(tmp_path):
   assert [n.split("-")[0] for n in notes] == ["rounds", "start"]
   assert all(n.endswith(".unkept") for n in notes), notes
   assert compiles[0] > 0 and compiles[1] == compiles[2] == 0, compiles
+
+
+# The loop with the Pallas drafter at a shape the Mosaic GPU ring attention takes (16 block
+# rows x 4 query heads per kv head = its 64 rows, head_dim 64, a bf16 ring of 64 slots).
+MOSAIC_SCRIPT = PRELUDE + textwrap.dedent("""
+  import dataclasses
+  import dflash_jax as dfj
+  tcfg, tp = TM.target()
+  cfg = dataclasses.replace(dfj.TINY_CONFIG, n_layer=1, n_head=8, n_head_kv=2, head_dim=64,
+                            target_layers=(1, 2), mask_token_id=tcfg.vocab_size - 1,
+                            block_size=16, window=64)
+  wts = dfj.synthetic_drafter(cfg, seed=0, with_target=False)
+  wts["tok_embd"], wts["lm_head"] = jax.device_get(tp.embed), jax.device_get(tp.head)
+  models = TM.models(tcfg, tp, dfj.prepare_weights(cfg, wts))
+  dcfg = D.DecodeConfig(width=16, impl="pallas", target_impl="xla")
+  with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    tokens = D.generate(models, dcfg, [list(range(1, 12))], 40, ring_dtype="bf16",
+                        cache_dtype="bf16").tokens[0]
+  print(json.dumps(dict(tokens=tokens, traced=LOOP(),
+                        warnings=[str(x.message) for x in w if ".unkept" in str(x.message)])))
+""")
+
+
+@pytest.mark.gpu
+def test_gpu_a_later_process_loads_mosaic_gpu_kernels_without_tracing(tmp_path):
+  """A kept program with a Mosaic GPU kernel loads in a process that has traced nothing (its
+  host side is compiled at load time against Mosaic GPU's runtime library, which only an
+  import of jax's Mosaic GPU module names): no note, no tracing, the same tokens."""
+  first = _run(tmp_path, MOSAIC_SCRIPT, gpu=True)
+  assert first["traced"] == ["_rounds", "_start"] and first["warnings"] == [], first
+  kept = _kept(tmp_path)
+  assert [k.split("-")[0] for k in kept] == ["rounds", "start"], kept
+  assert any(b"mosaic_gpu" in (tmp_path / programs.SUBDIR / k).read_bytes() for k in kept), \
+      "no kept program holds a Mosaic GPU kernel: the test does not test what it says"
+  second = _run(tmp_path, MOSAIC_SCRIPT, gpu=True)
+  assert second == dict(first, traced=[]), (first, second)
+  assert _kept(tmp_path) == kept
 
 
 MESH_SCRIPT = PRELUDE + textwrap.dedent("""

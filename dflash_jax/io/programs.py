@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import importlib
 import io
 import os
 import pickle
@@ -185,6 +186,7 @@ def _load_or_compile(fun, static: dict, args: dict, where: str, name: str, k: st
       devices = [by_id[i] for i in device_ids]
       in_tree, out_tree = se._JaxPjrtUnpickler(io.BytesIO(trees), devices[0].client,
                                                devices).load()
+      _mosaic_gpu_runtime()
       return se.deserialize_and_load(blob, in_tree, out_tree, execution_devices=devices)
     except Exception as e:   # a damaged or foreign file, or one this machine cannot load
       _leave_note(where, code, path, note, f"cannot load the kept program: "
@@ -205,6 +207,21 @@ def _load_or_compile(fun, static: dict, args: dict, where: str, name: str, k: st
     return exe
   _write(where, code, path, data)
   return exe
+
+
+def _mosaic_gpu_runtime() -> None:
+  """Name Mosaic GPU's runtime library to its custom call before an executable is loaded.
+  A Mosaic GPU kernel's host side is JIT-compiled when its executable is loaded, linked
+  against the library that MOSAIC_GPU_RUNTIME_LIB_PATH names; jax sets that variable when
+  its Mosaic GPU module is imported, which tracing a kernel does and loading does not, so a
+  process that loads before it traces fails ("Failed to materialize symbols: {
+  kernel_mosaic_gpu ...}"; benchmarks/RESULTS.md, "2026-12-05 run 29")."""
+  if jax.default_backend() != "gpu":
+    return
+  try:
+    importlib.import_module("jax.experimental.mosaic.gpu")   # sets the variable
+  except ImportError:   # no Mosaic GPU bindings: no executable here holds such a kernel
+    pass
 
 
 def _leave_note(where: str, code: str, path: str, note: str, why: str) -> None:
