@@ -579,8 +579,9 @@ def test_q8_0_blocks_taken_as_stored(tmp_path):
 
 # ----------------------------------------------------------------------------- GPU, real dims
 # The seed fixtures (seed_w, seed_feats, seed_ref_bf16) are in conftest.py; the published
-# shapes at these dims are in test_step_shapes_gpu.py, a file of their own so that the GPU
-# suite's workers (pytest-xdist, one file each) run their host references side by side.
+# shapes at these dims (test_step_shapes_gpu.py) and the quantized steps
+# (test_step_quantized_gpu.py) are files of their own so that the GPU suite's workers
+# (pytest-xdist, one file each) run them side by side.
 SEED = dfj.SEED_CONFIG
 
 
@@ -605,24 +606,6 @@ def test_gpu_real_dims_match_reference(dtype, ring_dtype, seed_w, seed_feats, se
   tol = _tol(dtype, ring_dtype)
   chex.assert_trees_all_close(logits, want, **tol)
   _assert_drafts_match(logits, want, tol)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ("fp8", "q8_0"))
-def test_gpu_real_dims_quantized_matches_twin(dtype, seed_w, seed_feats):
-  """The quantized step at the seed's layer dims (2 layers): the compiled Pallas step (inline
-  PTX int8 widening for q8_0) against its jnp twin on the same weights and ring, and the
-  greedy drafts where the top-2 gap is clear."""
-  cfg = dataclasses.replace(SEED, n_layer=2)
-  w = _first_layers(seed_w, cfg)
-  feats = seed_feats[:300]
-  out = {}
-  for impl in ("pallas", "xla"):
-    m = dfj.DFlashDrafter(cfg, w, dtype=dtype, ring_dtype="bf16", impl=impl)
-    m.inject(m.encode(feats), np.arange(300))
-    out[impl] = np.asarray(m.capture_step()(17, 300))
-  chex.assert_trees_all_close(out["pallas"], out["xla"], **BF16_TOL)
-  _assert_drafts_match(out["pallas"], out["xla"], BF16_TOL)
 
 
 @pytest.mark.gpu
