@@ -3,7 +3,8 @@
   python -m benchmarks.sweep [attention] [battn] [mgpu_battn] [mgpu_attn] [gemm] [gate_up]
       [shapes] [rows] [mixed] [mgpu] [bgemm] [norm] [--out FILE.json]
 
-Prints one line per configuration (device us, achieved TB/s) and writes all of them as JSON;
+Prints one line per configuration (device us, achieved TB/s; GEMM weights streamed from memory,
+not L2: `COLD_BYTES`) and writes all of them as JSON;
 the defaults in the kernels and step come from these numbers (see RESULTS.md). `shapes`
 times the kernels at published drafters' shapes the seed's tiles do not fit (block 10 and 7,
 GQA group 3, windows 3000 and 48, full-attention caches, head_dim 96 / 256, odd GEMM N / K)
@@ -59,6 +60,19 @@ def _time(f, *args, iters=30):
   except Exception as e:  # a tile config that does not compile (e.g. shared memory) is data
     return None, f"{type(e).__name__}: {str(e)[:160]}"
   return C.device_ms(per) * 1e3, None
+
+
+def _time_cold(f, x, w, scale):
+  """us of one f(x, w[, scale]) with w read from memory: a call runs f on enough copies of w
+  (and its scale) to stream COLD_BYTES, in turn, and the time is divided by their count."""
+  nbytes = w.nbytes + (0 if scale is None else scale.nbytes)
+  copies = [(w, scale)] + [(jnp.array(w, copy=True),
+                            None if scale is None else jnp.array(scale, copy=True))
+                           for _ in range(-(-COLD_BYTES // nbytes) - 1)]
+  g = ((lambda x, ws: [f(x, wi) for wi, _ in ws]) if scale is None else
+       (lambda x, ws: [f(x, wi, si) for wi, si in ws]))
+  us, err = _time(g, x, copies)
+  return (None if us is None else us / len(copies)), err
 
 
 def sweep_attention(bw: float) -> list[dict]:
@@ -133,6 +147,12 @@ GEMM_SHAPES = {"qkv": (6144, 6656), "o": (6656, 4096), "gate_up": (39936, 6656),
 # default --shapes, named with --shapes t_qkv,t_o,...
 TARGET_GEMM_SHAPES = {"t_qkv": (6144, 4096), "t_o": (4096, 4096), "t_gate_up": (24576, 4096),
                       "t_down": (4096, 12288), "t_lm_head": (151936, 4096)}
+# DFlash2's per-sublayer coefficient projection at the seed dims (DFLASH2_CONFIG: 2 sides x
+# kernel 2 x 6656 / 16 groups outputs): also named with --shapes.
+FAMILY_GEMM_SHAPES = {"d2_coef": (1664, 6656)}
+# A timed call streams at least this many weight bytes (copies of a smaller matrix in turn), so
+# that no matrix is served from L2 (50 MB on the H100, 60 MB on the H200) as none is in a step.
+COLD_BYTES = 160 << 20
 
 
 def sweep_gemm(bw: float, fmts: tuple[str, ...], shapes: tuple[str, ...],
@@ -140,7 +160,7 @@ def sweep_gemm(bw: float, fmts: tuple[str, ...], shapes: tuple[str, ...],
   rng = np.random.default_rng(0)
   out = []
   x = jnp.asarray(rng.standard_normal((16, 19968), np.float32))
-  for name, (n, k) in {**GEMM_SHAPES, **TARGET_GEMM_SHAPES}.items():
+  for name, (n, k) in {**GEMM_SHAPES, **TARGET_GEMM_SHAPES, **FAMILY_GEMM_SHAPES}.items():
     if name not in shapes:
       continue
     w32 = (jax.random.normal(jax.random.key(1), (n, k), jnp.float32) / np.sqrt(k))
@@ -150,7 +170,7 @@ def sweep_gemm(bw: float, fmts: tuple[str, ...], shapes: tuple[str, ...],
     weights["fp8"] = (jnp.asarray(w8), jnp.asarray(s8))
     qs, dq = quantize_q8_0(np.asarray(w32))
     weights["q8_0"] = (jnp.asarray(qs), jnp.asarray(dq))
-    us, err = _time(_xla_dot_bf16, xs, weights["bf16"][0])
+    us, err = _time_cold(_xla_dot_bf16, xs, weights["bf16"][0], None)
     _emit(out, dict(kernel="xla_dot_bf16", shape=name, n=n, k=k, us=us, err=err,
                     TBps=_tbps(n * k * 2, us)))
     for fmt, (wq, sc) in weights.items():
@@ -166,7 +186,7 @@ def sweep_gemm(bw: float, fmts: tuple[str, ...], shapes: tuple[str, ...],
           continue
         f = functools.partial(G.skinny_matmul, fmt=fmt, block_n=bn, block_k=bk, num_stages=ns,
                               num_warps=nw, split_k=sk)
-        us, err = _time(f, xs, wq, sc)
+        us, err = _time_cold(f, xs, wq, sc)
         _emit(out, dict(kernel="skinny", fmt=fmt, shape=name, n=n, k=k, block_n=bn, block_k=bk,
                         num_stages=ns, num_warps=nw, split_k=sk, us=us, err=err,
                         TBps=_tbps(nbytes, us)))
