@@ -35,6 +35,9 @@ from pallas_kernels import ring_attention as R
 from pallas_kernels import skinny_gemm as G
 
 POLICY = KernelPolicy()   # the default knobs' thresholds
+# A timed call streams at least this many weight bytes (copies of a smaller matrix in turn), so
+# that no matrix is served from L2 (50 MB on the H100, 60 MB on the H200) as none is in a step.
+COLD_BYTES = 160 << 20
 
 
 def _emit(out: list, row: dict) -> None:
@@ -62,13 +65,14 @@ def _time(f, *args, iters=30):
   return C.device_ms(per) * 1e3, None
 
 
-def _time_cold(f, x, w, scale):
-  """us of one f(x, w[, scale]) with w read from memory: a call runs f on enough copies of w
-  (and its scale) to stream COLD_BYTES, in turn, and the time is divided by their count."""
+def _time_cold(f, x, w, scale, cold_bytes: int = COLD_BYTES):
+  """(us of one f(x, w[, scale]) with w read from memory, error): a call runs f on enough
+  copies of w (and its scale) to stream cold_bytes, in turn, and the time is divided by their
+  count."""
   nbytes = w.nbytes + (0 if scale is None else scale.nbytes)
   copies = [(w, scale)] + [(jnp.array(w, copy=True),
                             None if scale is None else jnp.array(scale, copy=True))
-                           for _ in range(-(-COLD_BYTES // nbytes) - 1)]
+                           for _ in range(-(-cold_bytes // nbytes) - 1)]
   g = ((lambda x, ws: [f(x, wi) for wi, _ in ws]) if scale is None else
        (lambda x, ws: [f(x, wi, si) for wi, si in ws]))
   us, err = _time(g, x, copies)
@@ -150,9 +154,6 @@ TARGET_GEMM_SHAPES = {"t_qkv": (6144, 4096), "t_o": (4096, 4096), "t_gate_up": (
 # DFlash2's per-sublayer coefficient projection at the seed dims (DFLASH2_CONFIG: 2 sides x
 # kernel 2 x 6656 / 16 groups outputs): also named with --shapes.
 FAMILY_GEMM_SHAPES = {"d2_coef": (1664, 6656)}
-# A timed call streams at least this many weight bytes (copies of a smaller matrix in turn), so
-# that no matrix is served from L2 (50 MB on the H100, 60 MB on the H200) as none is in a step.
-COLD_BYTES = 160 << 20
 
 
 def sweep_gemm(bw: float, fmts: tuple[str, ...], shapes: tuple[str, ...],

@@ -1,6 +1,7 @@
 """The benchmark scripts stay alive: a CPU smoke run at tiny dims (its numbers are not results)."""
 import json
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -269,3 +270,20 @@ def test_train_throughput_benchmark_smoke_on_2_host_devices(case, family, tmp_pa
   assert res["throughput"]["drafter_fraction_of_dense_bf16_peak"] > 0
   assert res["memory"]["params_bytes"] > 0 and np.isfinite(res["loss"])
   assert (tmp_path / "train_throughput.md").read_text().startswith("- device:")
+
+
+def test_sweep_times_a_gemm_over_cold_copies():
+  """benchmarks.sweep's GEMM timing: a matrix smaller than the bytes a call must stream runs
+  on as many copies as reach them (one product each), and a time per product comes back."""
+  from benchmarks import sweep
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 64)), jnp.float32)
+  w = jnp.asarray(np.random.default_rng(1).standard_normal((32, 64)), jnp.bfloat16)
+  seen = []
+
+  def f(x, w):
+    seen.append(w)   # traced once: one entry per copy
+    return sweep._xla_dot_bf16(x, w)
+
+  us, err = sweep._time_cold(f, x, w, None, cold_bytes=3 * w.nbytes - 1)
+  assert err is None and us > 0 and len(seen) == 3
+
