@@ -32,10 +32,8 @@ start can split it: `--only rounds`, then `--only compiles,memory,crossover`.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
-import os
 import sys
 import time
 
@@ -461,18 +459,12 @@ def markdown(res: dict) -> str:
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  mode = p.add_mutually_exclusive_group(required=True)
-  mode.add_argument("--gpu", action="store_true", help="seed dims on the GPU")
-  mode.add_argument("--smoke", action="store_true", help="tiny dims on any backend (not results)")
+  p = C.arg_parser(__doc__, "batch", "seed dims on the GPU")
   p.add_argument("--only", default=",".join(DEFAULT_SECTIONS),
                  help=f"comma list of: {', '.join(SECTIONS)}")
-  p.add_argument("--out", default=None, help="results folder (default results/batch-<UTC stamp>)")
   p.add_argument("--ab-points", default=None,
                  help="A/B points as WEIGHTSxWIDTHxS, comma list (default: the plan's)")
   args = p.parse_args(argv)
-  if args.gpu and not C.ON_GPU:
-    p.error("--gpu needs a GPU backend")
   only = args.only.split(",")
   unknown = sorted(set(only) - set(SECTIONS))
   if unknown:
@@ -481,9 +473,7 @@ def main(argv=None) -> int:
   if args.ab_points:
     pts = [v.split("x") for v in args.ab_points.split(",")]
     plan = dataclasses.replace(plan, ab_points=tuple((d, int(w), int(n)) for d, w, n in pts))
-  res = C.run_header("python -m benchmarks.batch " + " ".join(argv or sys.argv[1:]), args.smoke)
-  out_dir = args.out or os.path.join("results", f"batch-{res['date']}")
-  os.makedirs(out_dir, exist_ok=True)
+  res, out_dir = C.start_results(p, args, argv)
 
   def save() -> str:
     return C.save_results(out_dir, "batch", res, markdown(res))

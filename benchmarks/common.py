@@ -1,6 +1,7 @@
 """Measurement helpers: CUPTI device time, wall time, copy bandwidth, random device weights."""
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import datetime
@@ -10,6 +11,7 @@ import os
 import re
 import statistics
 import subprocess
+import sys
 import time
 
 import jax
@@ -278,6 +280,33 @@ def run_header(command: str, smoke: bool) -> dict:
   return dict(date=datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ"),
               device=jax.devices()[0].device_kind, jax=jax.__version__, commit=commit,
               command=command, smoke=bool(smoke))
+
+
+def arg_parser(doc: str, script: str, gpu_help: str) -> argparse.ArgumentParser:
+  """The command line the benchmarks share: --gpu (gpu_help) or --smoke, exactly one, and
+  --out; `start_results` then checks --gpu and opens the results."""
+  p = argparse.ArgumentParser(prog=f"python -m benchmarks.{script}",
+                              description=doc.splitlines()[0])
+  mode = p.add_mutually_exclusive_group(required=True)
+  mode.add_argument("--gpu", action="store_true", help=gpu_help)
+  mode.add_argument("--smoke", action="store_true", help="tiny dims on any backend (not results)")
+  p.add_argument("--out", default=None,
+                 help=f"results folder (default results/{script}-<UTC stamp>)")
+  return p
+
+
+def start_results(p: argparse.ArgumentParser, args, argv) -> tuple[dict, str]:
+  """For a command line of `arg_parser` (argv: main's, None for sys.argv): --gpu without a GPU
+  backend is the parser's error; -> (the results header, `run_header`, and the results
+  folder: --out or results/<script>-<UTC stamp>, absolute, created)."""
+  if args.gpu and not ON_GPU:
+    p.error("--gpu needs a GPU backend")
+  words = sys.argv[1:] if argv is None else list(argv)
+  res = run_header(" ".join([p.prog, *words]), args.smoke)
+  script = p.prog.rsplit(".", 1)[1]
+  out_dir = os.path.abspath(args.out or os.path.join("results", f"{script}-{res['date']}"))
+  os.makedirs(out_dir, exist_ok=True)
+  return res, out_dir
 
 
 def save_results(out_dir: str, stem: str, results: dict, md: str | None = None) -> str | None:

@@ -67,10 +67,8 @@ a run cut short keeps what it measured):
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
-import os
 import re
 import sys
 import time
@@ -402,10 +400,7 @@ def long_section(su: Setup, res: dict, tp, bw: float, chunks: tuple[int, ...]) -
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  mode = p.add_mutually_exclusive_group(required=True)
-  mode.add_argument("--gpu", action="store_true", help="Qwen3-8B shapes on the GPU")
-  mode.add_argument("--smoke", action="store_true", help="tiny dims on any backend (not results)")
+  p = C.arg_parser(__doc__, "decode", "Qwen3-8B shapes on the GPU")
   p.add_argument("--only", default="round,oracle",
                  help="sections after bytes (comma list): target, launches, long, round, "
                       "oracle, batched")
@@ -426,10 +421,7 @@ def main(argv=None) -> int:
                  "512,4096,16384,32768)")
   p.add_argument("--chunks", default="", help="long: attention chunk sizes to A/B at the "
                  "longest context (e.g. 256,1024)")
-  p.add_argument("--out", default=None, help="results folder (default results/decode-<stamp>)")
   args = p.parse_args(argv)
-  if args.gpu and not C.ON_GPU:
-    p.error("--gpu needs a GPU backend")
   su = setup(args.smoke, args.family)
   ints = lambda v: tuple(int(x) for x in v.split(",") if x)
   for field, v in (("ks", args.ks), ("slots", args.slots), ("live", args.live)):
@@ -455,10 +447,7 @@ def main(argv=None) -> int:
     p.error(f"--live: contexts must be <= {su.long_capacity} (the long section's cache)")
   impl = "pallas" if C.ON_GPU else "xla"   # the drafter's kernels (interpret mode is slow)
   target_impl = args.target_impl or impl
-  res: dict = C.run_header("python -m benchmarks.decode " +
-                           " ".join(argv if argv is not None else sys.argv[1:]), args.smoke)
-  out_dir = args.out or os.path.join("results", f"decode-{res['date']}")
-  os.makedirs(out_dir, exist_ok=True)
+  res, out_dir = C.start_results(p, args, argv)
   res.update(setup=dict(dataclasses.asdict(su), target=dataclasses.asdict(su.target),
                         drafter=dataclasses.asdict(su.drafter)), drafter_impl=impl,
              target_impl=target_impl)

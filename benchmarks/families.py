@@ -25,11 +25,9 @@ is the DFlash drafter of a pair, `ext` the family drafter.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import json
-import os
 import sys
 import time
 
@@ -198,18 +196,12 @@ def markdown(res: dict) -> str:
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  mode = p.add_mutually_exclusive_group(required=True)
-  mode.add_argument("--gpu", action="store_true", help="real dimensions on the GPU")
-  mode.add_argument("--smoke", action="store_true", help="tiny dims on any backend (not results)")
+  p = C.arg_parser(__doc__, "families", "real dimensions on the GPU")
   p.add_argument("--only", default="bytes,steps,scans",
                  help="comma list of: bytes, steps, scans (bytes always run)")
   p.add_argument("--pairs", default="", help="comma list of pair names (default: all)")
   p.add_argument("--iters", type=int, default=None)
-  p.add_argument("--out", default=None, help="results folder (default results/families-<stamp>)")
   args = p.parse_args(argv)
-  if args.gpu and not C.ON_GPU:
-    p.error("--gpu needs a GPU backend")
   iters = args.iters or (50 if args.gpu else 2)
   only = set(args.only.split(","))
   pairs = gpu_pairs() if args.gpu else smoke_pairs()
@@ -219,10 +211,7 @@ def main(argv=None) -> int:
     if unknown:
       p.error(f"--pairs: unknown {sorted(unknown)}; known: {[q.name for q in pairs]}")
     pairs = [q for q in pairs if q.name in wanted]
-  res = C.run_header("python -m benchmarks.families " + " ".join(argv or sys.argv[1:]),
-                     args.smoke)
-  out_dir = args.out or os.path.join("results", f"families-{res['date']}")
-  os.makedirs(out_dir, exist_ok=True)
+  res, out_dir = C.start_results(p, args, argv)
   bw = C.copy_bandwidth(1 << 30 if args.gpu else 1 << 22)
   res["copy_bw_TBps"] = bw / 1e12
   res["pairs"] = []

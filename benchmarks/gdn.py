@@ -36,10 +36,8 @@ separate commands (`--only`) to stay within a command's time limit.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
-import os
 import sys
 import time
 
@@ -280,10 +278,7 @@ def markdown(res: dict) -> str:
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  mode = p.add_mutually_exclusive_group(required=True)
-  mode.add_argument("--gpu", action="store_true", help="Qwen3.6-27B-like shapes on the GPU")
-  mode.add_argument("--smoke", action="store_true", help="tiny dims on any backend (not results)")
+  p = C.arg_parser(__doc__, "gdn", "Qwen3.6-27B-like shapes on the GPU")
   p.add_argument("--only", default=",".join(SECTIONS), help=f"comma list of {SECTIONS}")
   p.add_argument("--ks", default=None, help="drafts per round in section 4 (default 3,7,15)")
   p.add_argument("--rollback", default="replay", choices=M.ROLLBACKS,
@@ -291,10 +286,7 @@ def main(argv=None) -> int:
   p.add_argument("--round-rollbacks", default=",".join(M.ROLLBACKS),
                  help="the rollbacks section 2 measures (comma list)")
   p.add_argument("--value-heads", type=int, default=48, help="Gated DeltaNet value heads")
-  p.add_argument("--out", default=None, help="results folder (default results/gdn-<stamp>)")
   args = p.parse_args(argv)
-  if args.gpu and not C.ON_GPU:
-    p.error("--gpu needs a GPU backend")
   only = args.only.split(",")
   unknown = sorted(set(only) - set(SECTIONS))
   if unknown:
@@ -306,10 +298,7 @@ def main(argv=None) -> int:
   su = dataclasses.replace(su, target=dataclasses.replace(su.target, rollback=args.rollback))
   if args.ks:
     su = dataclasses.replace(su, ks=tuple(int(k) for k in args.ks.split(",")))
-  res: dict = C.run_header("python -m benchmarks.gdn " +
-                           " ".join(argv if argv is not None else sys.argv[1:]), args.smoke)
-  out_dir = args.out or os.path.join("results", f"gdn-{res['date']}")
-  os.makedirs(out_dir, exist_ok=True)
+  res, out_dir = C.start_results(p, args, argv)
   res.update(setup=dict(dataclasses.asdict(su), target=dataclasses.asdict(su.target),
                         drafter=dataclasses.asdict(su.drafter)))
   t_start = time.perf_counter()

@@ -27,7 +27,6 @@ command buffer's name, not their phases.
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import dataclasses
 import glob
@@ -262,13 +261,9 @@ def round_target(smoke: bool, rounds: int, impl: str, options: dict) -> Target:
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  mode = p.add_mutually_exclusive_group(required=True)
-  mode.add_argument("--gpu", action="store_true", help="real dimensions on the GPU")
-  mode.add_argument("--smoke", action="store_true", help="tiny dims on any backend (not results)")
+  p = C.arg_parser(__doc__, "profile", "real dimensions on the GPU")
   p.add_argument("--what", choices=("step", "round"), default="step")
   p.add_argument("--rounds", type=int, default=10, help="calls recorded (steps or rounds)")
-  p.add_argument("--out", default=None, help="trace folder (default results/profile-<stamp>)")
   p.add_argument("--dtype", choices=("bf16", "fp32", "fp8", "q8_0"), default="bf16",
                  help="drafter weights of --what step")
   p.add_argument("--impl", choices=S.IMPLS, default=None,
@@ -276,14 +271,9 @@ def main(argv=None) -> int:
   p.add_argument("--command-buffer", choices=("on", "off"), default="off",
                  help="off: each kernel event names its phase; on: the production program")
   args = p.parse_args(argv)
-  if args.gpu and not C.ON_GPU:
-    p.error("--gpu needs a GPU backend")
   if args.rounds < 1:
     p.error(f"--rounds must be >= 1, got {args.rounds}")
-  header = C.run_header("python -m benchmarks.profile " + " ".join(
-      argv if argv is not None else sys.argv[1:]), args.smoke)
-  out_dir = os.path.abspath(args.out or os.path.join("results", f"profile-{header['date']}"))
-  os.makedirs(out_dir, exist_ok=True)
+  header, out_dir = C.start_results(p, args, argv)
   impl = args.impl or ("pallas" if C.ON_GPU else "xla")
   # Command buffers exist only on the GPU; the option is not passed elsewhere.
   options = ({"xla_gpu_enable_command_buffer": ""}

@@ -11,7 +11,6 @@ with the kernels' jnp twins, the column's history since run 1), `xla_peer`
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import json
@@ -412,24 +411,15 @@ def chart(results: dict, path: str) -> None:
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  mode = p.add_mutually_exclusive_group(required=True)
-  mode.add_argument("--gpu", action="store_true", help="real dimensions on the GPU")
-  mode.add_argument("--smoke", action="store_true", help="tiny dims on any backend (not results)")
+  p = C.arg_parser(__doc__, "run", "real dimensions on the GPU")
   p.add_argument("--only", default="step,kernels,quant",
                  help="comma list of: step, kernels, quant")
   p.add_argument("--cases", default="", help="comma list of substrings; a case runs if any matches")
   p.add_argument("--iters", type=int, default=None)
-  p.add_argument("--out", default=None, help="results folder (default results/<UTC stamp>)")
   args = p.parse_args(argv)
-  if args.gpu and not C.ON_GPU:
-    p.error("--gpu needs a GPU backend")
   iters = args.iters or (50 if args.gpu else 3)
   only = set(args.only.split(","))
-  results = C.run_header("python -m benchmarks.run " + " ".join(argv or sys.argv[1:]),
-                         args.smoke)
-  out_dir = args.out or os.path.join("results", results["date"])
-  os.makedirs(out_dir, exist_ok=True)
+  results, out_dir = C.start_results(p, args, argv)
   bw = C.copy_bandwidth(1 << 30 if args.gpu else 1 << 22)
   results["copy_bw_TBps"] = bw / 1e12
   print(f"copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)

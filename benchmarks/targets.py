@@ -37,7 +37,6 @@ target's width (32/4 heads x 128, ffn 6144, block 16), tapping HF layers [1, 12,
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -322,25 +321,16 @@ def run_model(su: Setup, res: dict, only: set, bw: float, impl: str, target_impl
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  mode = p.add_mutually_exclusive_group(required=True)
-  mode.add_argument("--gpu", action="store_true", help="the 30B targets on the GPU")
-  mode.add_argument("--smoke", action="store_true", help="tiny dims on any backend (not results)")
+  p = C.arg_parser(__doc__, "targets", "the 30B targets on the GPU")
   p.add_argument("--models", default="glimmer,moe", help="glimmer, moe (comma list)")
   p.add_argument("--only", default="target,draft,target_only,oracle,replay",
                  help="sections after bytes: target, draft, target_only, oracle, replay")
   p.add_argument("--target-impl", default=None, choices=("xla", "pallas"),
                  help="the target's GEMMs in the decoding loop (default: pallas on a GPU)")
-  p.add_argument("--out", default=None, help="results folder (default results/targets-<stamp>)")
   args = p.parse_args(argv)
-  if args.gpu and not C.ON_GPU:
-    p.error("--gpu needs a GPU backend")
   impl = "pallas" if C.ON_GPU else "xla"   # the drafter's kernels (interpret mode is slow)
   target_impl = args.target_impl or impl
-  res: dict = C.run_header("python -m benchmarks.targets " +
-                           " ".join(argv if argv is not None else sys.argv[1:]), args.smoke)
-  out_dir = args.out or os.path.join("results", f"targets-{res['date']}")
-  os.makedirs(out_dir, exist_ok=True)
+  res, out_dir = C.start_results(p, args, argv)
   bw = C.copy_bandwidth(1 << 30 if args.gpu else 1 << 22)
   res.update(copy_bw_TBps=bw / 1e12, drafter_impl=impl, target_impl=target_impl,
              replay_a=replay_acceptance(), models={})
