@@ -37,7 +37,7 @@ shift || true
 case "$cmd" in
   demo)  exec .venv/bin/python -m dflash_jax demo "$@" ;;
   # worksteal: an idle worker takes queued tests from the busy one, so the suite's long tests
-  # do not leave one worker running alone at the end (~5% off the CPU suite's wall time).
+  # do not leave one worker running alone at the end.
   test)  exec .venv/bin/python -m pytest -q -n 2 --dist worksteal "$@" ;;
   bench) exec .venv/bin/python -m benchmarks.run "$@" ;;
   *) echo "usage: ./dev.sh demo|test|bench [args]" >&2; exit 2 ;;

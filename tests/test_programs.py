@@ -71,11 +71,9 @@ SCRIPT_COUNTING = SCRIPT.replace("print(json.dumps(dict(",
 def _run(cache, script=SCRIPT, devices=1, code="-", how="-", gpu=False):
   """The script in a fresh process on `devices` host devices (gpu: on the GPU) -> its JSON
   line."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-  if gpu:
-    env.pop("JAX_PLATFORMS")
-    env.pop("XLA_FLAGS")
+  env = dict(os.environ)
+  if not gpu:
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
   script = script.format(root=ROOT, tests=os.path.join(ROOT, "tests"))
   r = subprocess.run([sys.executable, "-c", script, str(cache), code, how], capture_output=True,
                      text=True, env=env, cwd=ROOT)

@@ -215,7 +215,7 @@ def _mosaic_gpu_runtime() -> None:
   against the library that MOSAIC_GPU_RUNTIME_LIB_PATH names; jax sets that variable when
   its Mosaic GPU module is imported, which tracing a kernel does and loading does not, so a
   process that loads before it traces fails ("Failed to materialize symbols: {
-  kernel_mosaic_gpu ...}"; benchmarks/RESULTS.md, "2026-12-05 run 29")."""
+  kernel_mosaic_gpu ...}")."""
   if jax.default_backend() != "gpu":
     return
   try:
