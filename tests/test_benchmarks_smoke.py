@@ -272,6 +272,16 @@ def test_train_throughput_benchmark_smoke_on_2_host_devices(case, family, tmp_pa
   assert (tmp_path / "train_throughput.md").read_text().startswith("- device:")
 
 
+def test_train_throughput_batch_fits_the_device():
+  """The default batch per device: 4 on a 141 GB H200, 2 on an 80 GB H100 (whose 4-sequence
+  step ran out of memory), 2 in smoke runs and where the device reports no limit."""
+  from benchmarks.train_throughput import default_batch
+  assert default_batch(False, int(0.95 * 143.8e9)) == 4
+  assert default_batch(False, int(0.95 * 85.5e9)) == 2
+  assert default_batch(False, None) == 2
+  assert default_batch(True, int(143.8e9)) == 2
+
+
 def test_sweep_times_a_gemm_over_cold_copies():
   """benchmarks.sweep's GEMM timing: a matrix smaller than the bytes a call must stream runs
   on as many copies as reach them (one product each), and a time per product comes back."""
