@@ -3,8 +3,9 @@
 `Oracle()` is a `decode.Proposer`: each round it proposes, for every slot, the tokens that
 its per-slot sequence holds after the current position (`decode.start(...,
 proposer_state=Oracle.state(sequences, length))`). With `run_drafter=True` (the default)
-the drafter still runs its round (inject + block step) and its drafts are discarded, so a
-timed round costs what a real one does while the acceptance is the oracle's: the target's
+the drafter still runs its round (inject, block step, LM head, readout) and its drafts are
+discarded (after a use XLA cannot prove void, so the work is not dead code), so a timed
+round costs what a real one does while the acceptance is the oracle's: the target's
 own greedy continuation gives every draft accepted, a perturbed one any acceptance length.
 """
 from __future__ import annotations
@@ -54,4 +55,9 @@ class Oracle:
     n = dcfg.width - 1
     drafts = jax.vmap(lambda b, p: lax.dynamic_slice(b, (p,), (n,)))(
         st.proposer_state, st.n_past + 1)
+    if self.run_drafter:
+      # Token ids are >= 0, so this keeps the oracle's drafts; without a use of the drafter's
+      # own drafts XLA drops its block step, LM head and readout as dead code, and the timed
+      # round would cost only the drafter's inject.
+      drafts = jnp.where(own.drafts >= 0, drafts, own.drafts)
     return ring, D.Proposal(drafts.astype(jnp.int32), n_verify=n_verify)

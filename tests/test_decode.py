@@ -162,6 +162,32 @@ def test_greedy_pallas_interpret(pair, prompts, reference):
   assert g.tokens == [reference[0][3][:6]]
 
 
+def test_oracle_round_compiles_the_drafters_whole_round(pair):
+  """Benchmarks time oracle rounds as drafted rounds: the compiled oracle round keeps every
+  GEMM of the drafter's round (block step, LM head), not only its inject; a discarded draft
+  would let XLA drop them as dead code."""
+  import re
+  tcfg, tp, dp = pair
+  m = TM.models(tcfg, tp, dp)
+  seq = [[1, 2, 3, 4, 5] + list(range(6, 50))]
+
+  def dots(proposer):
+    dcfg = D.DecodeConfig(width=5, impl="xla", proposer=proposer)
+    st = D.start(m, dcfg, [seq[0][:5]], 16, proposer_state=Oracle.state(seq, 64))
+    txt = jax.jit(lambda s: D.one_round(m, dcfg, s)).lower(st).compile().as_text()
+    return sorted(re.findall(r"= (\S+) dot\(", txt))
+
+  drafted, oracle = dots(D.Drafter()), dots(Oracle())
+  lm_head = [d for d in drafted if f",{tcfg.vocab_size}]" in d]
+  assert lm_head, drafted
+  missing = list(drafted)
+  for d in oracle:
+    if d in missing:
+      missing.remove(d)
+  assert not missing, missing
+  assert len(dots(Oracle(run_drafter=False))) < len(drafted)
+
+
 def test_ring_holds_the_committed_features(pair, prompts, reference):
   """After some rounds, the drafter's ring holds exactly the target's features of the
   committed tokens at positions 0 .. n_past - n_new - 1 (the last round's rows pending)."""
