@@ -16,7 +16,8 @@ Sections, each pair in turn (results are saved after each, so a run cut short ke
    families' steps at the copy bandwidth measured in this run.
 2. steps: CUPTI device ms of the block step (the logits) and of the round the decode loop runs
    (`step.propose_round_batched` for one slot: encode + inject of a block of committed rows,
-   block step, the family's readout to its drafts), the ratios, launches.
+   block step, the family's readout to its drafts), the ratios, launches, and the block
+   step's kernels (name, median us) in launch order.
 3. scans: each family's readout alone on fixed logits and hidden states (DFlash: the row
    argmax; DFlash2: top-k, hidden projection, edge lattice and the walk; DSpark: the Markov
    chain and the confidence head), device us per round.
@@ -135,7 +136,8 @@ def bench_pair(pair: Pair, bw: float, iters: int, only: set[str]) -> dict:
       step = S.block_step_jit.lower(params, ring0, scalar, scalar, impl=IMPL).compile()
       per = C.cupti_kernels(step, params, ring0, jnp.int32(1), jnp.int32(pair.slots),
                             iterations=iters)
-      r.update(step_device_ms=C.device_ms(per), step_launches=C.launches(per))
+      r.update(step_device_ms=C.device_ms(per), step_launches=C.launches(per),
+               step_kernels_us=[(n, t * 1e3) for n, t in C.kernel_medians(per)])
       batched = jax.tree.map(lambda a: a[None], ring0)
       feats = jax.random.normal(jax.random.key(3), (1, cfg.block_size, cfg.n_embd_fc))
       rnd = _round_fn()
