@@ -26,6 +26,8 @@ from pallas_kernels import ring_attention as attn_k
 from pallas_kernels import ring_attention_mgpu as attn_mgpu
 from pallas_kernels import limits
 from pallas_kernels import rms_norm as norm_k
+from pallas_kernels import selector_walk as walk_k
+from pallas_kernels import top_k as top_k_k
 from pallas_kernels._common import hopper_available
 
 
@@ -478,3 +480,51 @@ def attention(*, n_seqs: int, n_head_kv: int, t: int, group: int, head_dim: int,
   return Attention("triton", attn_k.default_knobs(
       slots, window, ring_dtype, head_dim=head_dim, n_seqs=n_seqs, n_head_kv=n_head_kv,
       fold_own_min_seqs=policy.fold_own_min_seqs))
+
+
+def top_k(x: jax.Array, k: int, *, first: int = 0, impl: str) -> tuple[jax.Array, jax.Array]:
+  """lax.top_k(x[..., first:, :], k) of float32 x [..., T, V]: (values [..., T - first, k],
+  indices int32), largest first, equal values by ascending index. impl "pallas": the two-launch
+  Pallas top-k (`pallas_kernels.top_k`), which reads the rows from `first` in place; "xla":
+  lax.top_k on the slice."""
+  if impl == "xla":
+    return top_k_k.top_k_reference(x, k=k, first=first)
+  return top_k_k.top_k(x, k=k, first=first)
+
+
+def selector_walk(unary: jax.Array, edge: jax.Array, *, temperature: float,
+                  keys: jax.Array | None, impl: str) -> tuple[jax.Array, jax.Array]:
+  """The candidate selector's walk over n rows of S blocks (SPEC_dflash2_dspark 7): unary [S,
+  n, k], edge [S, n, k, k] float32 (edge[s, p, i, j]: candidate j of row p after candidate i
+  of row p - 1; row 0's every i is the anchor); keys [S, n], one PRNG key per row (None when
+  temperature is 0). prev = 0; score_p = unary_p + edge_p[prev]; chosen_p = argmax score_p,
+  or at temperature T > 0 jax.random.categorical(row p's key, score_p / T); prev = chosen_p.
+  Returns (chosen [S, n] int32, scores [S, n, k] float32).
+
+  impl "xla": a scan of the rows (unrolled: a rolled loop on the GPU reads its trip condition
+  back to the host every row). "pallas": one launch (`pallas_kernels.selector_walk`); the
+  draws are categorical's own, argmax(gumbel(key) + score / T), with the Gumbel noise of the
+  same keys drawn up front and added here for every predecessor, so both draw the same tokens.
+  """
+  if impl != "xla":
+    noisy = None
+    if temperature != 0:
+      k = unary.shape[-1]
+      g = jax.vmap(jax.vmap(lambda kp: jax.random.gumbel(kp, (k,), jnp.float32)))(keys)
+      noisy = g[:, :, None] + (unary[:, :, None] + edge) / temperature
+    return walk_k.selector_walk(unary, edge, noisy)
+
+  def walk(prev_i, xs):
+    u, e, kp = xs                                                        # [S, k], [S, k, k]
+    score = u + jnp.take_along_axis(e, prev_i[:, None, None], axis=1)[:, 0]
+    if temperature == 0:
+      j = jnp.argmax(score, axis=-1).astype(jnp.int32)
+    else:
+      j = jax.vmap(jax.random.categorical)(kp, score / temperature).astype(jnp.int32)
+    return j, (score, j)
+
+  _, (scores, chosen) = jax.lax.scan(
+      walk, jnp.zeros((unary.shape[0],), jnp.int32),
+      (jnp.swapaxes(unary, 0, 1), jnp.swapaxes(edge, 0, 1),
+       None if keys is None else jnp.swapaxes(keys, 0, 1)), unroll=True)
+  return jnp.swapaxes(chosen, 0, 1), jnp.swapaxes(scores, 0, 1)

@@ -254,3 +254,28 @@ def test_target_kernels_lower_for_sm90(name):
   f, args = _target_cases()[name]
   text = lowered_text(f, args)
   assert "tt.func" in text and "__gpu$xla.gpu.triton" in text
+
+
+def _selector_cases() -> dict:
+  """DFlash2's selector kernels at its real shapes (a block of 16 rows, rows 1..15 ranked, k
+  16; vocabularies of 8192 and 202048; 1 and 4 slots), default knobs, lowered for sm90."""
+  from pallas_kernels import selector_walk as SW
+  from pallas_kernels import top_k as TK
+  cases = {}
+  for s, v in ((1, 8192), (1, 202048), (4, 202048)):
+    cases[f"top_k_s{s}_v{v}"] = (functools.partial(TK.top_k, k=16, first=1, interpret=False),
+                                 (S((s, 16, v), F32),))
+  for s in (1, 4):
+    cases[f"selector_walk_s{s}"] = (functools.partial(SW.selector_walk, interpret=False),
+                                    (S((s, 15, 16), F32), S((s, 15, 16, 16), F32)))
+    cases[f"selector_walk_noisy_s{s}"] = (
+        functools.partial(SW.selector_walk, interpret=False),
+        (S((s, 15, 16), F32), S((s, 15, 16, 16), F32), S((s, 15, 16, 16), F32)))
+  return cases
+
+
+@pytest.mark.parametrize("name", list(_selector_cases()))
+def test_selector_kernels_lower_for_sm90(name):
+  f, args = _selector_cases()[name]
+  text = lowered_text(f, args)
+  assert "tt.func" in text and "__gpu$xla.gpu.triton" in text

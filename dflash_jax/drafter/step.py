@@ -550,15 +550,17 @@ def dflash2_readout(params: DrafterParams, impl: str, logits: jax.Array, h: jax.
   Candidates C_p: each row's top k logits (largest first, ties to the lower id); g_p =
   hidden_projection h_p. The k x k edge scores of every row (from each candidate of the row
   before; from the anchor for the first row) are one gathered-row product computed up front
-  (the lattice form), so the walk itself is a scan of P small argmax steps on device: s_p =
-  unary + edge from the chosen predecessor, argmax (greedy) or a draw from softmax(s_p / T)
-  with one key per row, the choice feeding the next row. q: softmax(s_p / T) over C_p.
+  (the lattice form), so the walk itself (`dispatch.selector_walk`: one launch on the Pallas
+  path, a scan of P small argmax steps in XLA) only chooses: s_p = unary + edge from the
+  chosen predecessor, argmax (greedy) or a draw from softmax(s_p / T) with one key per row,
+  the choice feeding the next row. q: softmax(s_p / T) over C_p.
   """
   fp, k = params.family, params.cfg.dflash2.selector_top_k
   s, w, _ = logits.shape
   n = w - 1
   with jax.named_scope("selector"):
-    unary, cand = lax.top_k(logits[:, 1:].astype(jnp.float32), k)       # [S, n, k]
+    # [S, n, k] each: the draft rows' top k (the Pallas top-k reads them in place)
+    unary, cand = dispatch.top_k(logits.astype(jnp.float32), k, first=1, impl=impl)
     g = linear(h[:, 1:].reshape(s * n, -1), fp.hidden, policy=params.policy, impl=impl)
     g = g.reshape(s, n, -1)                                                # [S, n, R]
     succ = fp.successor[cand].astype(jnp.float32)                          # [S, n, k, R]
@@ -568,21 +570,9 @@ def dflash2_readout(params: DrafterParams, impl: str, logits: jax.Array, h: jax.
     prev = jnp.concatenate([anchor, fp.predecessor[cand[:, :-1]].astype(jnp.float32)], axis=1)
     # edge[s, p, i, j] = sum_r A[pred_i, r] g_p[r] S[C_p[j], r] (row 0: every i the anchor)
     edge = _dot(prev * g[:, :, None], succ, "spir,spjr->spij")
-    keys = None if temperature == 0 else jnp.swapaxes(_row_keys(key, n), 0, 1)
-
-    def walk(prev_i, xs):
-      u, e, kp = xs                                                        # [S, k], [S, k, k]
-      score = u + jnp.take_along_axis(e, prev_i[:, None, None], axis=1)[:, 0]
-      if temperature == 0:
-        j = jnp.argmax(score, axis=-1).astype(jnp.int32)
-      else:
-        j = jax.vmap(jax.random.categorical)(kp, score / temperature).astype(jnp.int32)
-      return j, (score, j)
-
-    _, (scores, chosen) = lax.scan(
-        walk, jnp.zeros((s,), jnp.int32),
-        (jnp.swapaxes(unary, 0, 1), jnp.swapaxes(edge, 0, 1), keys), unroll=True)
-    scores, chosen = jnp.swapaxes(scores, 0, 1), jnp.swapaxes(chosen, 0, 1)
+    chosen, scores = dispatch.selector_walk(
+        unary, edge, temperature=temperature,
+        keys=None if temperature == 0 else _row_keys(key, n), impl=impl)
     drafts = jnp.take_along_axis(cand, chosen[..., None], axis=-1)[..., 0].astype(jnp.int32)
     q = None if temperature == 0 else jax.nn.softmax(scores / temperature, axis=-1)
     return Draft(drafts, _top_prob(scores), logits, q=q, candidates=cand.astype(jnp.int32),
