@@ -35,14 +35,18 @@ projections, the frozen LM head's forward and input gradient 4 E V per row, atte
 (T + B) x n_head x head_dim per row and layer, as the explicit-mask forward computes it); and
 throughput: target tokens/s, block rows/s, and the drafter's share of the dense bf16 peak
 (--peak-tflops per device, default the H100/H200 SXM figure 989): its model FLOPs over the
-forward + backward + optimizer time.
+forward + backward + optimizer time; kernels: where the drafter's forward + backward spends
+its device time (CUPTI, after warm-up, median of 3 calls): GEMM kernels against the rest, the
+model FLOPs over the GEMM kernels' time, and the kernels that take the most time.
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -123,6 +127,30 @@ def _timed(f, *a, iters: int) -> float:
     jax.block_until_ready(f(*a))
     ts.append((time.perf_counter() - t0) * 1e3)
   return float(statistics.median(ts))
+
+
+_GEMM_KERNEL = re.compile(r"gemm|nvjet|xmma|cutlass|matmul|dot", re.IGNORECASE)
+
+
+def kernel_split(per_iter, model_flops_total: float, top: int = 15) -> dict:
+  """CUPTI kernels of one call, iteration medians: GEMM kernels (by name: XLA's Triton and
+  cuBLAS GEMMs) against the rest, the model FLOPs over the GEMM time, the `top` kernels by
+  time in the call of median total time (launches of one name summed)."""
+  def med(f):
+    return float(statistics.median(f(it) for it in per_iter))
+  gemm = med(lambda it: sum(t for n, t in it if _GEMM_KERNEL.search(n)))
+  total = med(lambda it: sum(t for _, t in it))
+  by_name: dict = collections.defaultdict(lambda: [0, 0.0])
+  middle = sorted(per_iter, key=lambda it: sum(t for _, t in it))[len(per_iter) // 2]
+  for n, t in middle:
+    by_name[n][0] += 1
+    by_name[n][1] += t
+  ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+  return dict(device_ms=total, launches=len(per_iter[0]), gemm_ms=gemm,
+              gemm_launches=sum(1 for n, _ in per_iter[0] if _GEMM_KERNEL.search(n)),
+              other_ms=total - gemm,
+              gemm_tflops_per_s=model_flops_total / (gemm * 1e-3) / 1e12 if gemm else None,
+              top=[dict(kernel=n, launches=c, ms=t) for n, (c, t) in ranked])
 
 
 def model_flops(cfg, n_vocab: int, s: int, t: int, a: int) -> dict:
@@ -322,8 +350,13 @@ def run(args) -> int:
       drafter_tflops_per_s=mf["total"] / drafter_s / 1e12,
       drafter_fraction_of_dense_bf16_peak=mf["total"] / drafter_s / peak,
       step_fraction_of_dense_bf16_peak=mf["total"] / (split_ms["whole_step"] * 1e-3) / peak)
-  res["seconds"] = time.perf_counter() - t_start
   save("throughput")
+
+  # 4. Kernels of the drafter's forward + backward.
+  fb = jax.jit(lambda p: grad_fn(p, target, b, features, **kw)[1])
+  res["kernels"] = kernel_split(C.cupti_kernels(fb, state.params, iterations=3), mf["total"])
+  res["seconds"] = time.perf_counter() - t_start
+  save("kernels")
   md = markdown(res)
   C.save_results(out_dir, "train_throughput", res, md)
   print(md)
@@ -336,6 +369,8 @@ def markdown(res: dict) -> str:
   mem = res["memory"]
   gb = lambda v: "-" if v is None else f"{v / 1e9:.1f}"
   ms = lambda v: "-" if v is None else f"{v:.1f}"
+  tf = lambda v: "-" if v is None else f"{v:.0f}"
+  kn = res["kernels"]
   return "\n".join([
       f"- device: {res['device']} x {res['dp']} (dp); case {res['case']}, family "
       f"{res['family']}; {res['batch_per_device']} x {res['seq_len']} tokens and "
@@ -347,7 +382,13 @@ def markdown(res: dict) -> str:
       f"{ms(t['drafter_forward_backward'])} | {ms(t['optimizer'])} | {ms(t['whole_step'])} "
       f"({t['whole_step_features']}) | {th['target_tokens_per_s']:.0f} | "
       f"{th['drafter_tflops_per_s']:.1f} | {th['drafter_fraction_of_dense_bf16_peak']:.1%} | "
-      f"{gb(mem['peak_bytes_in_use'])} | {gb(mem['temp_bytes'])} |"])
+      f"{gb(mem['peak_bytes_in_use'])} | {gb(mem['temp_bytes'])} |",
+      "", f"- drafter forward + backward kernels: {ms(kn['device_ms'])} ms in {kn['launches']} "
+      f"launches; GEMMs {ms(kn['gemm_ms'])} ms ({kn['gemm_launches']} launches, "
+      f"{tf(kn['gemm_tflops_per_s'])} model TFLOP/s over their time), the rest "
+      f"{ms(kn['other_ms'])} ms",
+      "", "| kernel | launches | ms |", "|---|---|---|",
+      *[f"| {r['kernel'][:90]} | {r['launches']} | {r['ms']:.2f} |" for r in kn["top"]]])
 
 
 if __name__ == "__main__":

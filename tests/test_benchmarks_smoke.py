@@ -269,6 +269,7 @@ def test_train_throughput_benchmark_smoke_on_2_host_devices(case, family, tmp_pa
   assert res["flops"]["model"]["total"] > 0 and res["flops"]["xla_drafter_forward_backward"] > 0
   assert res["throughput"]["drafter_fraction_of_dense_bf16_peak"] > 0
   assert res["memory"]["params_bytes"] > 0 and np.isfinite(res["loss"])
+  assert res["kernels"]["device_ms"] > 0 and res["kernels"]["top"]
   assert (tmp_path / "train_throughput.md").read_text().startswith("- device:")
 
 
@@ -280,6 +281,23 @@ def test_train_throughput_batch_fits_the_device():
   assert default_batch(False, int(0.95 * 85.5e9)) == 2
   assert default_batch(False, None) == 2
   assert default_batch(True, int(143.8e9)) == 2
+
+
+def test_train_throughput_kernel_split():
+  """GEMM kernels (XLA's Triton GEMM fusions, cuBLAS) against the rest, iteration medians,
+  the top kernels with their launches summed."""
+  from benchmarks.train_throughput import kernel_split
+  it = lambda s: [("gemm_fusion_dot_1", 4.0 * s), ("loop_add_fusion", 1.0),
+                  ("nvjet_tst_128x64", 2.0 * s), ("loop_add_fusion", 0.5), ("input_reduce", 0.5)]
+  r = kernel_split([it(1.0), it(2.0), it(1.5)], model_flops_total=9e12, top=2)
+  assert r["launches"] == 5 and r["gemm_launches"] == 2
+  assert r["gemm_ms"] == 9.0 and r["device_ms"] == 11.0 and r["other_ms"] == 2.0
+  assert r["gemm_tflops_per_s"] == pytest.approx(1000.0)   # 9 TFLOP in 9 ms
+  assert r["top"] == [dict(kernel="gemm_fusion_dot_1", launches=1, ms=6.0),
+                      dict(kernel="nvjet_tst_128x64", launches=1, ms=3.0)]
+  r = kernel_split([[("loop_add_fusion", 1.0), ("loop_add_fusion", 2.0)]], 1e12, top=5)
+  assert r["gemm_ms"] == 0 and r["gemm_tflops_per_s"] is None
+  assert r["top"] == [dict(kernel="loop_add_fusion", launches=2, ms=3.0)]
 
 
 def test_sweep_times_a_gemm_over_cold_copies():
