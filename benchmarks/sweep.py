@@ -1,7 +1,7 @@
 """Tuning sweeps on the GPU: ring attention knobs and skinny-GEMM tiles, CUPTI timed.
 
   python -m benchmarks.sweep [attention] [battn] [mgpu_battn] [mgpu_attn] [gemm] [gate_up]
-      [shapes] [rows] [mixed] [mgpu] [bgemm] [norm] [--out FILE.json]
+      [shapes] [rows] [mixed] [mgpu] [bgemm] [norm] [topk] [--out FILE.json]
 
 Prints one line per configuration (device us, achieved TB/s; GEMM weights streamed from memory,
 not L2: `COLD_BYTES`) and writes all of them as JSON;
@@ -11,7 +11,8 @@ GQA group 3, windows 3000 and 48, full-attention caches, head_dim 96 / 256, odd 
 with their default knobs, next to the seed shape, plus alternative chunkings for the
 3000-slot window. `bgemm` times pallas_kernels.batched_gemm's tiles at --rows, `norm` the RMS
 norm at --rows, `battn` / `mgpu_battn` the Triton / Mosaic GPU ring attention of --slots
-sequences.
+sequences, `topk` the DFlash2 selector's top-k (pallas_kernels.top_k: 15 draft rows of a
+16-row block, k 16) over its block and warp knobs at --vocabs, beside XLA's lax.top_k.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from pallas_kernels import inject as I
 from pallas_kernels import norm_rope as N
 from pallas_kernels import ring_attention as R
 from pallas_kernels import skinny_gemm as G
+from pallas_kernels._common import next_pow2
 
 POLICY = KernelPolicy()   # the default knobs' thresholds
 # A timed call streams at least this many weight bytes (copies of a smaller matrix in turn), so
@@ -513,6 +515,38 @@ def sweep_norm(rows: tuple[int, ...]) -> list[dict]:
   return out
 
 
+def sweep_top_k(vocabs: tuple[int, ...], blocks=(512, 1024, 2048, 4096), warps=(4, 8, 16),
+                merge_warps=(4, 16), k: int = 16, rows: int = 16) -> list[dict]:
+  """The selector's top-k of rows 1..rows-1 of one block's float32 logits: lax.top_k, the
+  Pallas kernel's default knobs, then every (block_v, num_warps, merge_warps); err: whether
+  the values and indices differ from lax.top_k's (0 or 1; a knob that changes the answer is a
+  bug, not a result)."""
+  from pallas_kernels import top_k as TK
+  out, key = [], jax.random.key(11)
+  for v in vocabs:
+    x = 3 * jax.random.normal(jax.random.fold_in(key, v), (1, rows, v), jnp.float32)
+    want = jax.lax.top_k(x[:, 1:], k)
+    ref = lambda x: jax.lax.top_k(x[:, 1:], k)
+    us, err = _time(ref, x)
+    nbytes = (rows - 1) * v * 4
+    _emit(out, dict(kernel="xla_top_k", v=v, k=k, us=us, err=err, TBps=_tbps(nbytes, us)))
+    d = TK.default_knobs(v, k)
+    grid = [(None, None, None)] + [c for c in itertools.product(blocks, warps, merge_warps)
+                                   if c[0] >= k and c[0] <= next_pow2(v)]
+    for block_v, nw, mw in grid:
+      f = lambda x, b=block_v, nw=nw, mw=mw: TK.top_k(x, k=k, first=1, block_v=b, num_warps=nw,
+                                                      merge_warps=mw)
+      us, err = _time(f, x)
+      if err is None:
+        got = jax.jit(f)(x)
+        err = int(not (bool(jnp.all(got[0] == want[0])) and bool(jnp.all(got[1] == want[1]))))
+      _emit(out, dict(kernel="pallas_top_k", v=v, k=k, default=block_v is None,
+                      block_v=block_v or d.block_v, num_warps=nw or d.num_warps,
+                      merge_warps=mw or d.merge_warps, us=us, err=err,
+                      TBps=_tbps(nbytes, us)))
+  return out
+
+
 def sweep_mgpu_attention(bw: float) -> list[dict]:
   """Premise probe for the batched ring attention: jax's Mosaic GPU attention (TMA + wgmma,
   warp-specialized) on the work of S = 8 slots at the seed's dims: per (slot, kv head) 64
@@ -591,6 +625,7 @@ def main(argv=None) -> int:
   p.add_argument("--block-ks", default="64,128", help="bgemm: these block_k values")
   p.add_argument("--stages", default="2,3,4,5,6", help="bgemm: these pipeline depths")
   p.add_argument("--wg-splits", default="rows", help="bgemm: these wg_split values (fp8: rows,k)")
+  p.add_argument("--vocabs", default="8192,202048", help="topk: these vocabulary sizes")
   args = p.parse_args(argv)
   bw = C.copy_bandwidth(1 << 30)
   print(f"copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
@@ -616,6 +651,8 @@ def main(argv=None) -> int:
     res["rows"] += sweep_mgpu_batch_attention(bw, tuple(int(v) for v in args.slots.split(",")))
   if "norm" in args.what:
     res["rows"] += sweep_norm(rows)
+  if "topk" in args.what:
+    res["rows"] += sweep_top_k(tuple(int(v) for v in args.vocabs.split(",")))
   if "mgpu" in args.what:
     res["rows"] += sweep_mgpu(rows)
   if "mixed" in args.what:

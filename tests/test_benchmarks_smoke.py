@@ -300,6 +300,19 @@ def test_train_throughput_kernel_split():
   assert r["top"] == [dict(kernel="loop_add_fusion", launches=2, ms=3.0)]
 
 
+def test_sweep_top_k_rows_check_the_answer():
+  """benchmarks.sweep topk: one row for lax.top_k, one for the kernel's defaults and one per
+  knob point (blocks wider than the vocabulary's power of 2 left out), each checked against
+  lax.top_k (err 0)."""
+  from benchmarks import sweep
+  rows = sweep.sweep_top_k((300,), blocks=(128, 512, 1024), warps=(1,), merge_warps=(1,),
+                           k=4, rows=3)
+  assert [r["kernel"] for r in rows] == ["xla_top_k"] + ["pallas_top_k"] * 3
+  assert [r.get("block_v") for r in rows[2:]] == [128, 512]
+  assert rows[1]["default"] and not rows[2]["default"]
+  assert all(r["err"] in (0, None) for r in rows[:1]) and all(r["err"] == 0 for r in rows[1:])
+
+
 def test_sweep_times_a_gemm_over_cold_copies():
   """benchmarks.sweep's GEMM timing: a matrix smaller than the bytes a call must stream runs
   on as many copies as reach them (one product each), and a time per product comes back."""
