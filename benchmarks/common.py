@@ -84,6 +84,17 @@ def kernel_medians(per_iter) -> list[tuple[str, float]]:
           for i in range(len(per_iter[0]))]
 
 
+def kernels_by_name(medians: list[tuple[str, float]], per: int = 1) -> dict[str, list]:
+  """kernel_medians summed by kernel name: name -> [launches, ms], each divided by `per` (the
+  passes one measured call makes)."""
+  out: dict[str, list] = {}
+  for name, ms in medians:
+    row = out.setdefault(name, [0, 0.0])
+    row[0] += 1 / per
+    row[1] += ms / per
+  return out
+
+
 def wall_ms(f, *args, iterations: int = 200, trials: int = 3) -> float:
   """Wall time per call, dispatch included: calls back to back, one sync at the end."""
   jax.block_until_ready(f(*args))

@@ -211,11 +211,7 @@ def measure_pass(su: Setup, tp, cache, tokens, capture, impl: str) -> dict:
   f = target_loop(su.target, su.inner, capture, impl)
   per = C.without_copies(C.cupti_kernels(f, tp, cache, tokens, iterations=su.iters))
   medians = C.kernel_medians(per)
-  by_kernel: dict[str, list] = {}   # name -> [calls, ms] per pass
-  for name, ms in medians:
-    row = by_kernel.setdefault(name, [0, 0.0])
-    row[0] += 1 / su.inner
-    row[1] += ms / su.inner
+  by_kernel = C.kernels_by_name(medians, per=su.inner)   # name -> [calls, ms] per pass
   attn = sum(ms for name, (_, ms) in by_kernel.items()
              if any(k in name for k in ATTENTION_KERNELS))
   return dict(ms=C.device_ms(per) / su.inner, attention_ms=attn,

@@ -42,7 +42,6 @@ model FLOPs over the GEMM kernels' time, and the kernels that take the most time
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import json
 import os
@@ -133,24 +132,18 @@ _GEMM_KERNEL = re.compile(r"gemm|nvjet|xmma|cutlass|matmul|dot", re.IGNORECASE)
 
 
 def kernel_split(per_iter, model_flops_total: float, top: int = 15) -> dict:
-  """CUPTI kernels of one call, iteration medians: GEMM kernels (by name: XLA's Triton and
-  cuBLAS GEMMs) against the rest, the model FLOPs over the GEMM time, the `top` kernels by
-  time in the call of median total time (launches of one name summed)."""
-  def med(f):
-    return float(statistics.median(f(it) for it in per_iter))
-  gemm = med(lambda it: sum(t for n, t in it if _GEMM_KERNEL.search(n)))
-  total = med(lambda it: sum(t for _, t in it))
-  by_name: dict = collections.defaultdict(lambda: [0, 0.0])
-  middle = sorted(per_iter, key=lambda it: sum(t for _, t in it))[len(per_iter) // 2]
-  for n, t in middle:
-    by_name[n][0] += 1
-    by_name[n][1] += t
+  """CUPTI kernels of one call (medians over iterations): GEMM kernels (by name: XLA's Triton
+  and cuBLAS GEMMs) against the rest, the model FLOPs over the GEMM time, the `top` kernel
+  names by time (their launches summed)."""
+  from benchmarks import common as C
+  by_name = C.kernels_by_name(C.kernel_medians(per_iter))
+  gemm = [row for n, row in by_name.items() if _GEMM_KERNEL.search(n)]
+  gemm_ms, total = sum(ms for _, ms in gemm), C.device_ms(per_iter)
   ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
-  return dict(device_ms=total, launches=len(per_iter[0]), gemm_ms=gemm,
-              gemm_launches=sum(1 for n, _ in per_iter[0] if _GEMM_KERNEL.search(n)),
-              other_ms=total - gemm,
-              gemm_tflops_per_s=model_flops_total / (gemm * 1e-3) / 1e12 if gemm else None,
-              top=[dict(kernel=n, launches=c, ms=t) for n, (c, t) in ranked])
+  return dict(device_ms=total, launches=C.launches(per_iter), gemm_ms=gemm_ms,
+              gemm_launches=int(sum(c for c, _ in gemm)), other_ms=total - gemm_ms,
+              gemm_tflops_per_s=model_flops_total / (gemm_ms * 1e-3) / 1e12 if gemm_ms else None,
+              top=[dict(kernel=n, launches=int(c), ms=t) for n, (c, t) in ranked])
 
 
 def model_flops(cfg, n_vocab: int, s: int, t: int, a: int) -> dict:

@@ -194,10 +194,8 @@ def _lowering_cases() -> dict:
 
 @pytest.mark.parametrize("name", list(_lowering_cases()))
 def test_kernels_lower_for_sm90(name):
-  from test_kernels_lowering import lowered_text
-  f, args = _lowering_cases()[name]
-  text = lowered_text(f, args)
-  assert "tt.func" in text and "__gpu$xla.gpu.triton" in text
+  from test_kernels_lowering import assert_lowers_for_sm90
+  assert_lowers_for_sm90(*_lowering_cases()[name])
 
 
 # --- on the GPU: compiled kernels at the Qwen3.6-27B-like shapes ------------------------------

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import moe_gemm as G
-from test_kernels_lowering import lowered_text
+from test_kernels_lowering import assert_lowers_for_sm90
 
 
 def _numpy(x, w, ids, gate_up):
@@ -99,10 +99,8 @@ def test_lowers_for_sm90_at_qwen3_30b_a3b_shapes(rows, slots):
   Triton IR: gate+up over the shared rows, down over each slot's rows."""
   gu = functools.partial(G.moe_matmul, gate_up=True, out_dtype=jnp.bfloat16, interpret=False,
                          **G.default_knobs(768, 2048, True))
-  text = lowered_text(gu, (S((rows, 2048), jnp.float32), S((128, 1536, 2048), jnp.bfloat16),
-                           S((slots,), jnp.int32)))
-  assert "tt.func" in text and "__gpu$xla.gpu.triton" in text
+  assert_lowers_for_sm90(gu, (S((rows, 2048), jnp.float32),
+                              S((128, 1536, 2048), jnp.bfloat16), S((slots,), jnp.int32)))
   down = functools.partial(G.moe_matmul, interpret=False, **G.default_knobs(2048, 768))
-  text = lowered_text(down, (S((slots, rows, 768), jnp.bfloat16),
-                             S((128, 2048, 768), jnp.bfloat16), S((slots,), jnp.int32)))
-  assert "tt.func" in text and "__gpu$xla.gpu.triton" in text
+  assert_lowers_for_sm90(down, (S((slots, rows, 768), jnp.bfloat16),
+                                S((128, 2048, 768), jnp.bfloat16), S((slots,), jnp.int32)))
