@@ -117,7 +117,8 @@ def _timed_chain(f, state, *a, iters: int):
 
 
 def _timed(f, *a, iters: int) -> float:
-  """Median wall ms of f(*a) (one untimed call first: compiles)."""
+  """Median wall ms of f(*a) (one untimed call first: compiles). Each result is dropped before
+  the next call (not chained as in `_timed_chain`): one gradient in memory at a time."""
   import jax
   jax.block_until_ready(f(*a))
   ts = []
