@@ -217,10 +217,10 @@ def target_section(su: Setup, models: D.Models, st: D.DecodeState, res: dict, bw
     f16 = target_loop(cfg, su.inner, su.drafter.target_layers, impl)
     f1 = target_loop(cfg, su.inner, (), impl)
     t0 = time.perf_counter()
-    out[f"verify16_{impl}_ms"] = device_ms(f16, tp, st.cache, vt, iters=su.iters,
-                                           per_call=su.inner)
-    out[f"decode1_{impl}_ms"] = device_ms(f1, tp, st.cache, vt[:, :1], iters=su.iters,
-                                          per_call=su.inner)
+    for name, f, toks in (("verify16", f16, vt), ("decode1", f1, vt[:, :1])):
+      out[f"{name}_{impl}_ms"], out[f"{name}_{impl}_kernels"] = kernel_split(
+          f, tp, st.cache, toks, iters=su.iters, per_call=su.inner,
+          layers=cfg.num_hidden_layers)
     out[f"compile_and_measure_{impl}_s"] = time.perf_counter() - t0
     out[f"decode1_{impl}_floor_fraction"] = b["decode1_floor_ms"] / out[f"decode1_{impl}_ms"]
     out[f"verify16_{impl}_floor_fraction"] = (out["verify16_floor_ms"]
@@ -231,6 +231,18 @@ def target_section(su: Setup, models: D.Models, st: D.DecodeState, res: dict, bw
   out["commit_ms"] = device_ms(jax.jit(cfg.commit), cache, jnp.full((1,), 3, jnp.int32),
                                iters=su.iters)
   return out
+
+
+def kernel_split(f, *args, iters: int, per_call: int, layers: int, top: int = 12
+                 ) -> tuple[float, dict]:
+  """(median device ms of one pass, where it goes): launches per pass and per layer, and the
+  `top` kernels by time summed by name, [name, launches per pass, us per pass]."""
+  per = C.without_copies(C.cupti_kernels(f, *args, iterations=iters))
+  med = C.kernel_medians(per)
+  by = sorted(C.kernels_by_name(med, per=per_call).items(), key=lambda kv: -kv[1][1])
+  return C.device_ms(per) / per_call, dict(
+      launches=len(med) / per_call, launches_per_layer=len(med) / per_call / layers,
+      top=[[name, n, ms * 1e3] for name, (n, ms) in by[:top]])
 
 
 def draft_section(su: Setup, models: D.Models, st: D.DecodeState, impl: str) -> dict:
@@ -382,6 +394,12 @@ def markdown(res: dict) -> str:
                      f"{b['decode1_floor_ms']:.3f} | {t[f'decode1_{impl}_floor_fraction']:.3f} |")
         lines.append(f"| verify16 | {impl} | {t[f'verify16_{impl}_ms']:.3f} | "
                      f"{t['verify16_floor_ms']:.3f} | {t[f'verify16_{impl}_floor_fraction']:.3f} |")
+      for name in ("decode1", "verify16"):
+        ks = t.get(f"{name}_pallas_kernels")
+        if ks:
+          lines.append(f"- {name} pallas: {ks['launches']:.0f} launches "
+                       f"({ks['launches_per_layer']:.1f} per layer); by kernel (launches, us): "
+                       + ", ".join(f"{n} {c:g} {us:.0f}" for n, c, us in ks["top"]))
       note = f"\n- commit alone {t['commit_ms']:.4f} ms (in every pass above)"
       if "verify16_experts_touched" in t:
         e = t["verify16_experts_touched"]

@@ -20,8 +20,11 @@ accumulation is float32 (the rounding `dflash_jax.dispatch.linear` applies to bf
 `moe_matmul_reference` is the jnp twin (impl="xla"): it gathers the listed experts.
 
 Tiles: N and K must be multiples of block_n and block_k (every published MoE's expert dims
-are multiples of 128); M is padded to a power of two >= 16 (one M tile: the weights stream
-once).
+are multiples of 128). M is padded to a multiple of 16 and each weight tile, read once,
+multiplies the rows 16 at a time, one dot per 16-row chunk: a row's result is then the same
+instruction sequence whatever M is (a wider dot could move to another MMA instruction, wgmma
+from 64 rows), so the product is batch invariant, as the dense target's GEMMs are
+(`dflash_jax.dispatch.INVARIANT_BLOCK_M`).
 """
 from __future__ import annotations
 
@@ -36,7 +39,8 @@ from jax.experimental.pallas import triton as plt
 from pallas_kernels._common import check, is_pow2, resolve_interpret
 
 _DOT_NT = (((1,), (1,)), ((), ()))   # x [m, k] . w [n, k] -> [m, n]
-MAX_ROWS = 64   # one M tile: the accumulators of more rows would cost too many registers
+MAX_ROWS = 64   # the accumulators of more rows would cost too many registers
+ROW_CHUNK = 16  # the rows of one dot (module docstring)
 
 
 def default_knobs(n: int, k: int, gate_up: bool = False) -> dict:
@@ -57,28 +61,31 @@ def _kernel(ids_ref, x_ref, w_ref, o_ref, *, gate_up: bool, n_out: int, k: int, 
   """Slot j = program_id(0), N tile program_id(1): o [M, block_n] of expert ids[j]."""
   e = ids_ref[pl.program_id(0)]
   n0 = pl.multiple_of(pl.program_id(1) * block_n, block_n)
-  m = x_ref.shape[0]
+  chunks = x_ref.shape[0] // ROW_CHUNK
   n_w = 2 if gate_up else 1
 
   @pl.when(e >= 0)
   def _():
     def step(kb, accs):
       k0 = pl.multiple_of(kb * block_k, block_k)
-      x = x_ref[:, pl.ds(k0, block_k)].astype(jnp.bfloat16)
+      ws = [w_ref[e, pl.ds(n0 + i * n_out, block_n), pl.ds(k0, block_k)].astype(jnp.bfloat16)
+            for i in range(n_w)]
       new = []
-      for i, acc in enumerate(accs):
-        w = w_ref[e, pl.ds(n0 + i * n_out, block_n), pl.ds(k0, block_k)]
-        new.append(acc + lax.dot_general(x, w.astype(jnp.bfloat16), _DOT_NT,
-                                         preferred_element_type=jnp.float32))
+      for c in range(chunks):
+        x = x_ref[pl.ds(c * ROW_CHUNK, ROW_CHUNK), pl.ds(k0, block_k)].astype(jnp.bfloat16)
+        new += [accs[c * n_w + i] + lax.dot_general(x, w, _DOT_NT,
+                                                    preferred_element_type=jnp.float32)
+                for i, w in enumerate(ws)]
       return tuple(new)
-    zeros = tuple(jnp.zeros((m, block_n), jnp.float32) for _ in range(n_w))
+    zeros = tuple(jnp.zeros((ROW_CHUNK, block_n), jnp.float32) for _ in range(chunks * n_w))
     accs = lax.fori_loop(0, k // block_k, step, zeros)
-    if gate_up:
-      g, u = accs
-      out = g * jax.nn.sigmoid(g) * u
-    else:
-      out = accs[0]
-    o_ref[...] = out.astype(o_ref.dtype)
+    for c in range(chunks):
+      if gate_up:
+        g, u = accs[2 * c], accs[2 * c + 1]
+        out = g * jax.nn.sigmoid(g) * u
+      else:
+        out = accs[c]
+      o_ref[pl.ds(c * ROW_CHUNK, ROW_CHUNK), :] = out.astype(o_ref.dtype)
 
   @pl.when(e < 0)
   def _():
@@ -110,7 +117,7 @@ def moe_matmul(x: jax.Array, w: jax.Array, expert_ids: jax.Array, *, gate_up: bo
   for name, b, dim in (("block_n", block_n, n_out), ("block_k", block_k, k)):
     check(is_pow2(b) and b >= 16 and dim % b == 0, kernel,
           f"{name} a power of 2 >= 16 dividing {dim}", b)
-  mp = max(16, pl.next_power_of_2(m))
+  mp = -(-m // ROW_CHUNK) * ROW_CHUNK
   pad = [(0, 0)] * (x.ndim - 2) + [(0, mp - m), (0, 0)]
   xp = jnp.pad(x, pad) if mp != m else x
   if per_slot:

@@ -74,6 +74,8 @@ def test_targets_benchmark_smoke_run(tmp_path):
     t = r["target"]
     for impl in ("xla", "pallas"):
       assert t[f"decode1_{impl}_ms"] > 0 and t[f"verify16_{impl}_floor_fraction"] > 0
+      ks = t[f"decode1_{impl}_kernels"]
+      assert ks["launches"] > 0 and ks["top"] and ks["top"][0][2] > 0
     assert r["draft"]["draft_ms"] > 0 and r["draft"]["round_ms"] > r["draft"]["draft_ms"]
     assert r["target_only"]["tokens_per_s"] > 0
     (o,) = r["oracle"]
@@ -82,7 +84,8 @@ def test_targets_benchmark_smoke_run(tmp_path):
     assert p["k"] == 4 and sum(p["hist"]) > 0 and p["speedup"] > 0
   e = res["models"]["moe"]["target"]["verify16_experts_touched"]
   assert len(e["per_layer"]) == 2 and 2 <= e["min"] <= e["max"] <= 8
-  assert (tmp_path / "targets.md").read_text().startswith("- device:")
+  md = (tmp_path / "targets.md").read_text()
+  assert md.startswith("- device:") and "- decode1 pallas: " in md
 
 
 def test_load_target_benchmark_smoke_run(tmp_path):

@@ -55,6 +55,21 @@ def test_kernel_matches_twin_and_numpy(m, gate_up, per_slot):
   np.testing.assert_allclose(np.asarray(got16, np.float32), got, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("m", [5, 16, 37, 64])
+def test_rows_do_not_depend_on_the_row_count(m):
+  """Each row of an M-row call is bitwise the row computed alone (16 rows per dot, whatever
+  M): the grouped GEMM's part of the MoE target's batch invariance."""
+  rng = np.random.default_rng(m)
+  w = jnp.asarray(rng.standard_normal((5, 64, 96)), jnp.bfloat16)
+  ids = jnp.asarray([3, -1, 0], jnp.int32)
+  x = jnp.asarray(rng.standard_normal((m, 96)), jnp.float32)
+  kn = G.default_knobs(32, 96, True)
+  got = np.asarray(G.moe_matmul(x, w, ids, gate_up=True, **kn)).view(np.uint32)
+  for i in (0, m // 2, m - 1):
+    one = G.moe_matmul(x[i:i + 1], w, ids, gate_up=True, **kn)
+    np.testing.assert_array_equal(np.asarray(one)[:, 0].view(np.uint32), got[:, i])
+
+
 def test_twin_float32_is_full_precision():
   rng = np.random.default_rng(1)
   w = jnp.asarray(rng.standard_normal((4, 8, 24)), jnp.float32)
@@ -93,7 +108,8 @@ def test_errors_name_the_limit(kw, message):
 S = jax.ShapeDtypeStruct
 
 
-@pytest.mark.parametrize("rows, slots", [(1, 8), (16, 128)], ids=["decode1", "verify16"])
+@pytest.mark.parametrize("rows, slots", [(1, 8), (16, 128), (64, 128)],
+                         ids=["decode1", "verify16", "4x16rows"])
 def test_lowers_for_sm90_at_qwen3_30b_a3b_shapes(rows, slots):
   """The two launches of a Qwen3-30B-A3B MoE layer (128 experts of 768 x 2048) lower to
   Triton IR: gate+up over the shared rows, down over each slot's rows."""
@@ -104,3 +120,21 @@ def test_lowers_for_sm90_at_qwen3_30b_a3b_shapes(rows, slots):
   down = functools.partial(G.moe_matmul, interpret=False, **G.default_knobs(2048, 768))
   assert_lowers_for_sm90(down, (S((slots, rows, 768), jnp.bfloat16),
                                 S((128, 2048, 768), jnp.bfloat16), S((slots,), jnp.int32)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gate_up", [True, False])
+def test_gpu_rows_do_not_depend_on_the_row_count_at_30b_a3b_shapes(gate_up):
+  """The compiled kernel at Qwen3-30B-A3B's expert shapes: rows of 5, 16, 37 and 64-row calls
+  bitwise equal to the same rows alone."""
+  rng = np.random.default_rng(4)
+  n, k = (768, 2048) if gate_up else (2048, 768)
+  w = jnp.asarray(rng.standard_normal((128, 2 * n if gate_up else n, k)) * 0.02, jnp.bfloat16)
+  ids = jnp.asarray([3, 17, 64, 127, -1], jnp.int32)
+  kn = G.default_knobs(n, k, gate_up)
+  x = jnp.asarray(rng.standard_normal((64, k)), jnp.float32)
+  alone = np.stack([np.asarray(G.moe_matmul(x[i:i + 1], w, ids, gate_up=gate_up, **kn))[:, 0]
+                    for i in range(64)], 1).view(np.uint32)
+  for m in (5, 16, 37, 64):
+    got = np.asarray(G.moe_matmul(x[:m], w, ids, gate_up=gate_up, **kn)).view(np.uint32)
+    np.testing.assert_array_equal(got, alone[:, :m], err_msg=f"{m} rows")

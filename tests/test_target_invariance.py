@@ -44,12 +44,12 @@ def _bits(a) -> np.ndarray:
   return a.view({2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
 
 
-def _prefilled(cfg, params, dtype, tokens, lengths, capacity, impl="pallas"):
+def _prefilled(cfg, params, dtype, tokens, lengths, capacity, impl="pallas", model=Q):
   """A cache holding each sequence's first lengths[b] tokens (one prefill, bucketed)."""
-  cache = Q.init_cache(cfg, len(lengths), capacity, dtype)
+  cache = cfg.init_cache(len(lengths), capacity, dtype)
   bucket = prefill_bucket(max(lengths))
-  cache, _ = Q.prefill_jit(params, cfg, cache, tokens[:, :bucket],
-                           jnp.asarray(lengths, jnp.int32), impl=impl)
+  cache, _ = model.prefill_jit(params, cfg, cache, tokens[:, :bucket],
+                               jnp.asarray(lengths, jnp.int32), impl=impl)
   return cache
 
 
@@ -58,26 +58,27 @@ def _copy(tree):
 
 
 def check_rows_invariant(cfg, params, dtype, lengths, capacity, widths=(5,), decode_slots=(0,),
-                         capture=(1, 2), reference=None):
+                         capture=(1, 2), reference=None, model=Q):
   """A W-row verify of every sequence (capturing features) against: w-row verifies for w in
   widths; each sequence in decode_slots alone, as W 1-row decodes committed one by one (no
   capture, as target-only decoding runs); its first rows again in a cache of another
   capacity. Logits and the cache rows written are compared bit for bit. reference(tokens
-  [T]) -> logits [T, V]: the W-row verify's logits are also checked against it."""
+  [T]) -> logits [T, V]: the W-row verify's logits are also checked against it. model: the
+  target family's module (its prefill_jit / verify_jit; cfg gives the cache and commit)."""
   b = len(lengths)
   rng = np.random.default_rng(7)
   tokens = rng.integers(0, cfg.vocab_size, (b, prefill_bucket(max(lengths)) + W)).astype(np.int32)
-  cache = _prefilled(cfg, params, dtype, tokens, lengths, capacity)
+  cache = _prefilled(cfg, params, dtype, tokens, lengths, capacity, model=model)
   vt = np.stack([tokens[i, n:n + W] for i, n in enumerate(lengths)])
-  big_cache, big, _ = Q.verify_jit(params, cfg, _copy(cache), vt, capture_layers=capture,
-                                   impl="pallas")
+  big_cache, big, _ = model.verify_jit(params, cfg, _copy(cache), vt, capture_layers=capture,
+                                       impl="pallas")
   if reference is not None:
     for i, n in enumerate(lengths):
       np.testing.assert_allclose(big[i], reference(tokens[i, :n + W])[n:], rtol=1e-4,
                                  atol=1e-4)
   big = _bits(big)
   for w in widths:
-    _, got, _ = Q.verify_jit(params, cfg, _copy(cache), vt[:, :w], impl="pallas")
+    _, got, _ = model.verify_jit(params, cfg, _copy(cache), vt[:, :w], impl="pallas")
     np.testing.assert_array_equal(_bits(got), big[:, :w], err_msg=f"{w}-row verify")
   for cap, steps in ((capacity, W), (capacity + 24, 3)):
     for s in decode_slots:
@@ -86,8 +87,8 @@ def check_rows_invariant(cfg, params, dtype, lengths, capacity, widths=(5,), dec
         pad = lambda a: jnp.pad(a, ((0, 0), (0, 0), (0, cap - capacity), (0, 0)))
         one = one.replace(k=tuple(map(pad, one.k)), v=tuple(map(pad, one.v)))
       for i in range(steps):
-        one, got, _ = Q.verify_jit(params, cfg, one, vt[s:s + 1, i:i + 1], impl="pallas")
-        one = Q.commit(one, jnp.ones((1,), jnp.int32))
+        one, got, _ = model.verify_jit(params, cfg, one, vt[s:s + 1, i:i + 1], impl="pallas")
+        one = cfg.commit(one, jnp.ones((1,), jnp.int32))
         np.testing.assert_array_equal(_bits(got)[0, 0], big[s, i],
                                       err_msg=f"slot {s} row {i}, capacity {cap}")
       upto = lengths[s] + steps   # the committed slots: the prompt's and the decoded rows'

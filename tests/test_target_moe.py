@@ -366,3 +366,95 @@ def test_bf16_cached_pallas_vs_reference_30b_a3b_dims():
                          head_dim=128, num_experts=128, num_experts_per_tok=8,
                          moe_intermediate_size=768, norm_topk_prob=True, rope_theta=1e6)
   _bf16_check(cfg, "pallas", 160, 32)
+
+
+# --- batch invariance (the loop's bitwise-lossless bf16) --------------------------------------
+
+INV = dataclasses.replace(TINY, hidden_size=64, head_dim=16, moe_intermediate_size=32,
+                          num_experts=16, num_experts_per_tok=4, vocab_size=97)
+
+
+def _pairwise_f32(row: np.ndarray) -> np.float32:
+  """float32 sum of one row in the pairwise order the contract of `_row_sum` names (halves
+  added elementwise, zero padded to a power of two), written here in numpy."""
+  n = 1 << max(0, (len(row) - 1).bit_length())
+  x = np.zeros(n, np.float32)
+  x[:len(row)] = row
+  while len(x) > 1:
+    x = (x[:len(x) // 2] + x[len(x) // 2:]).astype(np.float32)
+  return x[0]
+
+
+@pytest.mark.parametrize("e", [128, 60])
+def test_route_rows_do_not_depend_on_the_call(e):
+  """Each row's routing (ids and weights) is bitwise the same routed alone or among 37 rows,
+  its softmax denominator is the fixed pairwise sum, and the weights match a float64
+  softmax top-k."""
+  cfg = dataclasses.replace(INV, num_experts=e, num_experts_per_tok=8)
+  logits = np.random.default_rng(e).standard_normal((37, e)).astype(np.float32) * 3
+  ids, w = Q.route(cfg, jnp.asarray(logits))
+  for i in (0, 17, 36):
+    one_ids, one_w = Q.route(cfg, jnp.asarray(logits[i:i + 1]))
+    np.testing.assert_array_equal(one_ids[0], ids[i])
+    np.testing.assert_array_equal(np.asarray(one_w[0]).view(np.uint32),
+                                  np.asarray(w[i]).view(np.uint32))
+  ex = np.exp(logits - logits.max(-1, keepdims=True)).astype(np.float32)
+  for i in (0, 36):
+    assert np.float32(np.asarray(Q._row_sum(jnp.asarray(ex)))[i, 0]) == _pairwise_f32(ex[i])
+  p = np.exp(logits.astype(np.float64))
+  p /= p.sum(-1, keepdims=True)
+  want_ids = np.argsort(-p, axis=-1, kind="stable")[:, :8]
+  np.testing.assert_array_equal(ids, want_ids)
+  want_w = np.take_along_axis(p, want_ids, -1)
+  np.testing.assert_allclose(w, want_w / want_w.sum(-1, keepdims=True), rtol=1e-6)
+
+
+def test_verify_rows_equal_one_row_decodes():
+  """bf16: 3 sequences x 16 rows (48 rows: three 16-row chunks of the grouped GEMM) against
+  5-row verifies, one sequence's sixteen 1-row decodes and a wider cache, bit for bit (Pallas
+  path, interpret mode here; the GPU test below runs the compiled kernels). float32 experts
+  run XLA's gathered product, whose order XLA picks by shape (the module docstring)."""
+  from test_target_invariance import check_rows_invariant
+  params = Q.init_params(INV, jax.random.key(3), "bf16")
+  check_rows_invariant(INV, params, "bf16", (5, 9, 13), 48, widths=(5,), decode_slots=(1,),
+                       model=Q)
+
+
+A3B_WIDTHS = Q.Qwen3MoeConfig(vocab_size=32768, hidden_size=2048, intermediate_size=6144,
+                              num_hidden_layers=2, num_attention_heads=32,
+                              num_key_value_heads=4, head_dim=128, num_experts=128,
+                              num_experts_per_tok=8, moe_intermediate_size=768,
+                              norm_topk_prob=True, rope_theta=1e6)
+
+
+@pytest.mark.gpu
+def test_gpu_30b_a3b_widths_rows_are_invariant():
+  """Qwen3-30B-A3B's layer widths (2 sparse layers): 3 sequences x 16 rows (48 rows) against
+  5-row verifies and sixteen 1-row decodes of one sequence, bit for bit on the GPU's
+  kernels."""
+  from test_target_invariance import check_rows_invariant
+  params = Q.init_params(A3B_WIDTHS, jax.random.key(0), "bf16")
+  check_rows_invariant(A3B_WIDTHS, params, "bf16", (100, 700, 1500), 2048, widths=(5,),
+                       decode_slots=(2,), model=Q)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [3, 7, 15])
+def test_gpu_30b_a3b_widths_greedy_lossless(k):
+  """4 sparse layers at Qwen3-30B-A3B's widths, bf16, 256 tokens with k drafts per round
+  forced accepted (the oracle is target-only decoding's own output): every draft of every
+  round accepted on the first run, the tokens equal target-only decoding's."""
+  from benchmarks.oracle import Oracle
+  from dflash_jax import decode as D
+  cfg = dataclasses.replace(A3B_WIDTHS, num_hidden_layers=4)
+  params = Q.init_params(cfg, jax.random.key(1), "bf16")
+  prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, 64).tolist()
+  kw = dict(capacity=512, cache_dtype="bf16", rounds_per_call=32)
+  base = D.generate_target_only(params, cfg, [prompt], 272, target_impl="pallas", **kw).tokens[0]
+  models = D.Models(target=params, drafter=None, d2t=None, target_cfg=cfg)
+  dcfg = D.DecodeConfig(width=k + 1, target_impl="pallas", proposer=Oracle(run_drafter=False))
+  g = D.generate(models, dcfg, [prompt], 256, proposer_state=Oracle.state([prompt + base], 512),
+                 **kw)
+  assert g.tokens[0] == base[:256]
+  rounds = -(-256 // (k + 1))
+  assert int(g.rounds.sum()) == rounds and g.hist[0, k] == rounds, g.hist

@@ -17,7 +17,15 @@ as two stacked arrays, w_gu [E, 2 Im, H] (each expert's gate rows then up rows) 
   its jnp twin, which gathers them, for impl="xla" or float32 weights);
 - more rows (prefill, training): the (row, expert) pairs sorted by expert and two grouped
   GEMMs over the runs (`lax.ragged_dot_general`).
-Every other GEMM goes through `linear` (the router included).
+Every other GEMM goes through `qwen3.project` (the router included).
+
+Batch invariance, as qwen3's: on the Pallas path with bf16 experts a decode or verify row is
+bitwise the same whatever rows share the call, up to `SLOT_MAX_ROWS` rows (float32 experts
+run the jnp twin, whose contraction order XLA picks by shape): the router GEMM is invariant,
+the routing's sums run in a fixed order, the grouped GEMM multiplies 16 rows per dot, and a
+row's k expert outputs are added in its routing order. So greedy speculative decoding equals
+target-only decoding token for token in bf16 (a random router sits on near ties often: any
+row-count dependence flips an expert within a few tokens, RESULTS.md "2026-12-05 run 33").
 """
 from __future__ import annotations
 
@@ -35,7 +43,7 @@ from jax import lax
 from dflash_jax.config import RopeScaling, checked_rope_scaling, rope_from_hf
 from dflash_jax.models import base, qwen3
 from dflash_jax.models.qwen3 import TargetCache, TargetLayer, TargetParams
-from dflash_jax.dispatch import KernelPolicy, linear, resolve_dtype
+from dflash_jax.dispatch import KernelPolicy, resolve_dtype, sum_in_order
 from pallas_kernels import moe_gemm
 
 MODEL_TYPES = ("qwen3_moe",)
@@ -254,14 +262,29 @@ def init_params(cfg: Qwen3MoeConfig, key: jax.Array, dtype: Any = jnp.float32) -
 
 # --- the expert mixture ----------------------------------------------------------------------
 
+def _row_sum(x: jax.Array) -> jax.Array:
+  """Sum over the last axis in one fixed pairwise order (halves added elementwise, zero padded
+  to a power of two): the same bits for a row whatever else shares the array, where a
+  reduction's order is XLA's choice by shape."""
+  n = x.shape[-1]
+  x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, (1 << max(0, (n - 1).bit_length())) - n)])
+  while x.shape[-1] > 1:
+    h = x.shape[-1] // 2
+    x = x[..., :h] + x[..., h:]
+  return x
+
+
 def route(cfg: Qwen3MoeConfig, logits: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Router logits [M, E] -> (expert ids [M, k] int32, weights [M, k] f32): softmax in
   float32 over all experts, the k most probable (ties to the lower id), renormalised iff
-  norm_topk_prob."""
-  p = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+  norm_topk_prob. Each row's sums run in a fixed order (`_row_sum`, `sum_in_order`), so the
+  routing of a row is bitwise the same whatever rows share the call (batch invariance)."""
+  lf = logits.astype(jnp.float32)
+  e = jnp.exp(lf - jnp.max(lf, axis=-1, keepdims=True))
+  p = e / _row_sum(e)
   w, ids = lax.top_k(p, cfg.num_experts_per_tok)
   if cfg.norm_topk_prob:
-    w = w / jnp.sum(w, axis=-1, keepdims=True)
+    w = w / sum_in_order(jnp.moveaxis(w, -1, 0))[..., None]
   return ids.astype(jnp.int32), w
 
 
@@ -279,11 +302,11 @@ def expert_slots(ids: jax.Array, n_experts: int) -> tuple[jax.Array, jax.Array]:
 
 def _experts_by_slot(lp: MoeLayer, h: jax.Array, ids: jax.Array, w: jax.Array, impl: str):
   """sum_k w[m, k] expert_{ids[m, k]}(h[m]) for a few rows: a grouped GEMM over the touched
-  experts only (every row through every touched expert; the routing weights pick)."""
+  experts only (every row through every touched expert), then each row's own k outputs
+  picked out and added in its routing order (elementwise adds: a row's sum does not depend
+  on the other rows' experts, as a contraction over all touched slots would)."""
   m = h.shape[0]
   slots, slot_of = expert_slots(ids, lp.router.shape[0])
-  coef = jnp.zeros((slots.shape[0], m), jnp.float32).at[
-      slot_of, jnp.broadcast_to(jnp.arange(m)[:, None], slot_of.shape)].add(w)
   im = lp.w_d.shape[-1]
   if impl != "xla" and lp.w_gu.dtype == jnp.bfloat16:
     hidden = moe_gemm.moe_matmul(h, lp.w_gu, slots, gate_up=True, out_dtype=jnp.bfloat16,
@@ -293,7 +316,8 @@ def _experts_by_slot(lp: MoeLayer, h: jax.Array, ids: jax.Array, w: jax.Array, i
   else:
     hidden = moe_gemm.moe_matmul_reference(h, lp.w_gu, slots, gate_up=True)
     out = moe_gemm.moe_matmul_reference(hidden, lp.w_d, slots)
-  return jnp.einsum("sm,smn->mn", coef, out, precision=lax.Precision.HIGHEST)
+  own = out[slot_of, jnp.arange(m)[:, None]]            # [M, k, H]: row m's k experts
+  return sum_in_order(jnp.moveaxis(own * w[..., None], 1, 0))
 
 
 def _ragged(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
@@ -327,7 +351,7 @@ def moe_mlp(cfg: Qwen3MoeConfig, lp: MoeLayer, x, impl: str,
   """x + the expert mixture of the post-attention-normed x [M, H] (x an array or qwen3's
   `Residual`: the attention's output partials are added by the norm)."""
   x, h = qwen3.pre_norm(x, lp.ffn_norm, cfg.rms_norm_eps, lp.router, impl, policy)
-  ids, w = route(cfg, linear(h, lp.router, policy=policy, impl=impl))
+  ids, w = route(cfg, qwen3.project(h, lp.router, impl, policy))
   if h.shape[0] <= SLOT_MAX_ROWS:
     return x + _experts_by_slot(lp, h, ids, w, impl)
   return x + _experts_sorted(lp, h, ids, w)
