@@ -14,6 +14,7 @@ policy's thresholds as arguments. The weight formats these functions take (`Quan
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import flax.struct
@@ -346,8 +347,7 @@ def linear(x: jax.Array, w, *, policy: KernelPolicy | None = None, impl: str = "
   else:
     dims = (((x.ndim - 1,), (1,)), ((), ()))
     if w.dtype == jnp.bfloat16:
-      y = jax.lax.dot_general(x.astype(jnp.bfloat16), w, dims,
-                              preferred_element_type=jnp.float32)
+      y = bf16_dot_general(x.astype(jnp.bfloat16), w, dims)
     else:
       y = jax.lax.dot_general(x.astype(jnp.float32), w, dims,
                               precision=jax.lax.Precision.HIGHEST,
@@ -375,6 +375,60 @@ def gemm_input_norm(x: jax.Array, w_norm: jax.Array, eps: float, w, *,
   return rms_norm(x, w_norm, eps)
 
 
+# --- bf16 x bf16 -> float32 products and their gradients ----------------------------------------
+# JAX's transpose of a bf16 dot with a float32 result widens the bf16 operand to float32 for the
+# float32 cotangent, so every backward GEMM of bf16 training would run as a float32 GEMM (at
+# most half the bf16 rate, twice the bytes). These products round the cotangent to bf16
+# instead and run both transposed products bf16 x bf16 (float32 accumulation inside the GEMM),
+# as mixed-precision training does; their forward is the plain product, so inference is
+# unchanged.
+
+def _bf16_cotangents(product, res, g):
+  """(da, db) of product(a, b, out_dtype) at res = (a, b), both bf16, for the float32
+  cotangent g of its float32 result: g rounded to bf16, both transposes in bf16."""
+  _, vjp = jax.vjp(lambda a, b: product(a, b, jnp.bfloat16), *res)
+  return vjp(g.astype(jnp.bfloat16))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def bf16_dot_general(a: jax.Array, b: jax.Array, dims) -> jax.Array:
+  """lax.dot_general(a, b, dims) of bf16 operands accumulated in float32, with bf16
+  backward products (section comment)."""
+  return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
+
+def _bf16_dot_general_fwd(a, b, dims):
+  return bf16_dot_general(a, b, dims), (a, b)
+
+
+def _bf16_dot_general_bwd(dims, res, g):
+  return _bf16_cotangents(
+      lambda a, b, t: jax.lax.dot_general(a, b, dims, preferred_element_type=t), res, g)
+
+
+bf16_dot_general.defvjp(_bf16_dot_general_fwd, _bf16_dot_general_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
+def bf16_einsum(spec: str, a: jax.Array, b: jax.Array, precision=None) -> jax.Array:
+  """jnp.einsum(spec, a, b) of bf16 operands accumulated in float32, with bf16 backward
+  products (section comment)."""
+  return jnp.einsum(spec, a, b, precision=precision, preferred_element_type=jnp.float32)
+
+
+def _bf16_einsum_fwd(spec, a, b, precision):
+  return bf16_einsum(spec, a, b, precision), (a, b)
+
+
+def _bf16_einsum_bwd(spec, precision, res, g):
+  return _bf16_cotangents(
+      lambda a, b, t: jnp.einsum(spec, a, b, precision=precision, preferred_element_type=t),
+      res, g)
+
+
+bf16_einsum.defvjp(_bf16_einsum_fwd, _bf16_einsum_bwd)
+
+
 def einsum_f32(spec: str, a: jax.Array, b: jax.Array, precision=None) -> jax.Array:
   """jnp.einsum(spec, a, b) accumulated in float32 (preferred_element_type float32), the
   operands in their own dtypes (the attention dots of the target families and of training).
@@ -386,9 +440,11 @@ def einsum_f32(spec: str, a: jax.Array, b: jax.Array, precision=None) -> jax.Arr
   (every bf16 value is a float32, and the product of two is exact in float32), so the result
   differs from the bf16 dot's only in the order of the float32 sums. `lax.platform_dependent`
   picks the branch at lowering: other platforms compile the bf16 dot as written, and their
-  programs do not change.
+  programs do not change; there two bf16 operands take `bf16_einsum` (bf16 backward products).
   """
   def dot(x, y):
+    if x.dtype == y.dtype == jnp.bfloat16:
+      return bf16_einsum(spec, x, y, precision)
     return jnp.einsum(spec, x, y, precision=precision, preferred_element_type=jnp.float32)
 
   if jnp.bfloat16 not in (a.dtype, b.dtype):

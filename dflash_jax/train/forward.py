@@ -381,11 +381,9 @@ def selector_scores(w: Weights, logits: jax.Array, hidden: jax.Array, prev: jax.
   cand = cand.astype(jnp.int32)
   unary = jnp.take_along_axis(logits, cand, -1)
   succ = cw["selector_successor"][cand]                                      # [..., k, R]
-  edge = jnp.einsum("...r,...kr->...k", left.astype(dt), succ, precision=prec,
-                    preferred_element_type=jnp.float32)
+  edge = einsum_f32("...r,...kr->...k", left.astype(dt), succ, prec)
   lab = labels.astype(jnp.int32)
-  lab_edge = jnp.einsum("...r,...r->...", left.astype(dt), cw["selector_successor"][lab],
-                        precision=prec, preferred_element_type=jnp.float32)
+  lab_edge = einsum_f32("...r,...r->...", left.astype(dt), cw["selector_successor"][lab], prec)
   lab_unary = jnp.take_along_axis(logits, lab[..., None], -1)[..., 0]
   hit = cand == lab[..., None]
   index = jnp.where(hit.any(-1), jnp.argmax(hit, -1), top_k).astype(jnp.int32)
