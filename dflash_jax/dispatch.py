@@ -91,6 +91,10 @@ class KernelPolicy:
       v = getattr(self, name)
       if isinstance(v, bool) or not isinstance(v, int) or v < 0:
         raise ValueError(f"KernelPolicy.{name} must be an int >= 0, got {v!r}")
+    bound = 16 * skinny_gemm.MAX_ROW_CHUNKS   # INVARIANT_BLOCK_M-row chunks of one program
+    if self.invariant_max_rows > bound:
+      raise ValueError(f"KernelPolicy.invariant_max_rows must be <= {bound} (16-row chunks x "
+                       f"skinny_gemm.MAX_ROW_CHUNKS), got {self.invariant_max_rows}")
     for name in ("batched_bf16_rows", "batched_fp8_rows", "mgpu_attention_seqs"):
       _row_range(getattr(self, name), name)
     v = self.fold_own_min_seqs
@@ -226,6 +230,9 @@ def gemm_knobs(fmt: str, n: int, k: int, gate_up: bool = False, m: int = 16, *,
 
 # The M tile of a batch-invariant GEMM: the rows of one drafted block, the tile a 1-row decode
 # already runs; a larger tile could move the MMA to another instruction (wgmma from 64 rows).
+# More rows run as 16-row chunks of one program (skinny_gemm's row_chunks): each weight tile
+# is read once for all of them, where one program per 16 rows read it once per chunk (the
+# 32- and 64-row rounds of RESULTS.md "2026-12-05 run 33", batched).
 INVARIANT_BLOCK_M = 16
 
 
@@ -242,7 +249,8 @@ def _invariant_knobs(x: jax.Array, w, gate_up: bool, policy: KernelPolicy
   # A gate+up product with split K would sum its partials in an XLA reduction (whose order
   # XLA may choose by shape); its tiles never split.
   assert not (gate_up and knobs.split_k > 1), knobs
-  return dataclasses.replace(knobs, block_m=INVARIANT_BLOCK_M)
+  return dataclasses.replace(knobs, block_m=INVARIANT_BLOCK_M,
+                             row_chunks=-(-x.shape[0] // INVARIANT_BLOCK_M))
 
 
 def sum_in_order(parts: jax.Array) -> jax.Array:

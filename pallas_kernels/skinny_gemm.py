@@ -60,6 +60,7 @@ _WEIGHT_DTYPE = {"bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn, "q8_0": jnp.int
                  "fp32": jnp.float32}
 _DOT_NT = (((1,), (1,)), ((), ()))  # x [m, k] . w [n, k] -> [m, n]
 MAX_DEFAULT_BLOCK_M = 64
+MAX_ROW_CHUNKS = 4   # a program's accumulators: row_chunks x (1 or 2 streams) [block_m, block_n]
 N_SMS = 132       # the H200's streaming multiprocessors: the GPU the default tiles are tuned on
 BLOCK_ROWS = 16   # the rows of one drafted block (the seed's block size): the tuned case
 
@@ -80,6 +81,7 @@ class Knobs(KnobsBase):
   block_m: int | None = None
   swap_ab: bool = False
   num_warps: int = 4
+  row_chunks: int = 1
 
 
 def default_knobs(fmt: str, n: int, k: int, gate_up: bool = False, m: int = BLOCK_ROWS, *,
@@ -163,8 +165,10 @@ def _int8_to_f32(w: jax.Array, interpret: bool) -> jax.Array:
 
 def _skinny_kernel(x_ref, *refs, fmt: str, gate_up: bool, m: int, n_out: int, k: int,
                    block_m: int, block_n: int, block_k: int, split_k: int, swap_ab: bool,
-                   interpret: bool):
-  """One [block_m, block_n] output tile (two weight streams when gate_up).
+                   row_chunks: int, interpret: bool):
+  """One [row_chunks block_m, block_n] output tile (two weight streams when gate_up): each
+  weight tile is loaded once and multiplies the rows block_m at a time, one dot and one
+  accumulator per chunk, so a row's arithmetic is that of a one-chunk program.
 
   swap_ab: the MMA computes the transposed tile w . x^T ([block_n, block_m], weights as the
   left operand, which the tensor core can take from the registers they were widened in), and
@@ -184,10 +188,12 @@ def _skinny_kernel(x_ref, *refs, fmt: str, gate_up: bool, m: int, n_out: int, k:
   kb_full = k // block_k
   kb_total = kb_full + (1 if tail else 0)
 
-  row_mask = None
-  if m % block_m:
-    rows = pl.program_id(0) * block_m + lax.broadcasted_iota(jnp.int32, (block_m, 1), 0)
-    row_mask = rows < m
+  rows_pp = block_m * row_chunks
+  row_masks = [None] * row_chunks   # per chunk: its rows below M
+  if m % rows_pp:
+    row_masks = [pl.program_id(0) * rows_pp + c * block_m
+                 + lax.broadcasted_iota(jnp.int32, (block_m, 1), 0) < m
+                 for c in range(row_chunks)]
   n_mask = None     # [block_n, 1]: weight rows (output columns) of this tile below n_out
   row0s = [None] * n_w
   if n_ragged:
@@ -196,9 +202,11 @@ def _skinny_kernel(x_ref, *refs, fmt: str, gate_up: bool, m: int, n_out: int, k:
     # First row of each stream's tile in the whole weight array.
     row0s = [n_first + i * n_out for i in range(n_w)]
 
-  def load_x(start, size: int, k_mask=None) -> jax.Array:
+  def load_x(c: int, start, size: int, k_mask=None) -> jax.Array:
     # No automatic OOB masking in the 0.11 Triton lowering: rows past M must not be read.
-    window = x_ref.at[:, pl.ds(start, size)]
+    rows = slice(None) if row_chunks == 1 else pl.ds(c * block_m, block_m)
+    window = x_ref.at[rows, pl.ds(start, size)]
+    row_mask = row_masks[c]
     mask = row_mask if k_mask is None else k_mask if row_mask is None else row_mask & k_mask
     if mask is None:
       return window[...]
@@ -229,8 +237,9 @@ def _skinny_kernel(x_ref, *refs, fmt: str, gate_up: bool, m: int, n_out: int, k:
     return lax.dot_general(x, w, _DOT_NT, preferred_element_type=jnp.float32)
 
   def step(kb, accs, owner=None):
-    """accs + this K block's products. owner: this is the masked tail block (columns past K
-    read nothing), read only where owner holds (True: unconditionally)."""
+    """accs (chunk-major: chunk c's stream i at c n_w + i) + this K block's products. owner:
+    this is the masked tail block (columns past K read nothing), read only where owner holds
+    (True: unconditionally)."""
     # The tail's block index is a Python int (multiple_of takes traced values only).
     k0 = kb * block_k if isinstance(kb, int) else pl.multiple_of(kb * block_k, block_k)
     k_mask = kb_mask = None
@@ -238,34 +247,42 @@ def _skinny_kernel(x_ref, *refs, fmt: str, gate_up: bool, m: int, n_out: int, k:
       k_mask = lax.broadcasted_iota(jnp.int32, (1, block_k), 1) < tail
       if owner is not True:
         k_mask &= owner
-    if fmt == "fp32":
-      x_parts = split_parts(load_x(k0, block_k, k_mask), FP32_TERMS)
-      return tuple(acc + split_dot(x_parts, load_w(w_ref, row0, k0, k_mask), 1)
-                   for w_ref, row0, acc in zip(w_refs, row0s, accs))
-    if fmt != "q8_0":
-      x = load_x(k0, block_k, k_mask)
+    ws = [None] * n_w   # each weight tile loaded once, at the first chunk's product
+
+    def chunked(x_of, w_of, product):
       new = []
-      for w_ref, row0, acc in zip(w_refs, row0s, accs):
-        w = load_w(w_ref, row0, k0, k_mask)
+      for c in range(row_chunks):
+        x = x_of(load_x(c, k0, block_k, k_mask))
+        for i in range(n_w):
+          if ws[i] is None:
+            ws[i] = w_of(i)
+          new.append(accs[c * n_w + i] + product(x, ws[i]))
+      return tuple(new)
+
+    if fmt == "fp32":
+      return chunked(lambda x: split_parts(x, FP32_TERMS),
+                     lambda i: load_w(w_refs[i], row0s[i], k0, k_mask),
+                     lambda x, w: split_dot(x, w, 1))
+    if fmt != "q8_0":
+      def w_bf16(i):
+        w = load_w(w_refs[i], row0s[i], k0, k_mask)
         if fmt == "fp8":
           w = w.astype(jnp.float32)
-        new.append(acc + dot(x, w.astype(jnp.bfloat16)))
-      return tuple(new)
+        return w.astype(jnp.bfloat16)
+      return chunked(lambda x: x, w_bf16, dot)
     n_sub = block_k // Q8_0_BLOCK
     if owner is not None:   # the tail's 32-blocks past K / 32
       kb_mask = (kb * n_sub + lax.broadcasted_iota(jnp.int32, (1, n_sub), 1)
                  < k // Q8_0_BLOCK)
       if owner is not True:
         kb_mask &= owner
-    x = load_x(k0, block_k, k_mask)
-    new = []
-    for w_ref, s_ref, row0, acc in zip(w_refs, s_refs, row0s, accs):
-      w = _int8_to_f32(load_w(w_ref, row0, k0, k_mask), interpret)
+
+    def w_q8(i):
+      w = _int8_to_f32(load_w(w_refs[i], row0s[i], k0, k_mask), interpret)
       w = w.reshape(block_n, n_sub, Q8_0_BLOCK)
-      d = load_q8_scale(s_ref, row0, kb, n_sub, kb_mask)
-      w = (w * d[:, :, None]).reshape(block_n, block_k).astype(jnp.bfloat16)
-      new.append(acc + dot(x, w))
-    return tuple(new)
+      d = load_q8_scale(s_refs[i], row0s[i], kb, n_sub, kb_mask)
+      return (w * d[:, :, None]).reshape(block_n, block_k).astype(jnp.bfloat16)
+    return chunked(lambda x: x, w_q8, dot)
 
   kb_per_split = pl.cdiv(kb_total, split_k)
   kb_first = pl.program_id(2) * kb_per_split
@@ -277,7 +294,7 @@ def _skinny_kernel(x_ref, *refs, fmt: str, gate_up: bool, m: int, n_out: int, k:
     n_iter = jnp.minimum(jnp.maximum(kb_full - kb_first, 0), kb_per_split)
 
   acc_shape = (block_n, block_m) if swap_ab else (block_m, block_n)
-  zeros = tuple(jnp.zeros(acc_shape, jnp.float32) for _ in w_refs)
+  zeros = tuple(jnp.zeros(acc_shape, jnp.float32) for _ in range(row_chunks * n_w))
   accs = lax.fori_loop(0, n_iter, lambda kb, accs: step(kb_first + kb, accs), zeros)
   if tail:
     # With split K only the split holding the last block reads it.
@@ -287,29 +304,42 @@ def _skinny_kernel(x_ref, *refs, fmt: str, gate_up: bool, m: int, n_out: int, k:
     accs = step(kb_full, accs, owner)
   if swap_ab:
     accs = tuple(acc.T for acc in accs)
+  # The epilogue emits its operations in the one-chunk order for every chunk (values loaded
+  # once, at their first use), so a one-chunk program lowers as it always has.
   if fmt == "fp8":
     if n_ragged:
       live = (pl.program_id(1) * block_n + jnp.arange(block_n, dtype=jnp.int32)) < n_out
       scales = [plt.load(s_ref.at[pl.ds(row0, block_n)], mask=live, other=0.0)
                 for s_ref, row0 in zip(s_refs, row0s)]
-      accs = tuple(acc * sc[None, :] for acc, sc in zip(accs, scales))
     else:
-      accs = tuple(acc * s_ref[...][None, :] for acc, s_ref in zip(accs, s_refs))
-  out = _silu_mul(*accs) if gate_up else accs[0]
-  out = out.astype(o_ref.dtype)
-  out_mask = row_mask
-  if n_ragged:
-    col_ok = (pl.program_id(1) * block_n + lax.broadcasted_iota(jnp.int32, (1, block_n), 1)
-              < n_out)
-    out_mask = col_ok if out_mask is None else out_mask & col_ok
-  if out_mask is None:
-    o_ref[...] = out
-  else:
-    plt.store(o_ref, out, mask=out_mask)
+      scales = [None] * n_w
+    scaled = []
+    for j, acc in enumerate(accs):
+      if scales[j % n_w] is None:
+        scales[j % n_w] = s_refs[j % n_w][...]
+      scaled.append(acc * scales[j % n_w][None, :])
+    accs = tuple(scaled)
+  col_ok = None
+  for c in range(row_chunks):
+    chunk = accs[c * n_w:(c + 1) * n_w]
+    out = _silu_mul(*chunk) if gate_up else chunk[0]
+    out = out.astype(o_ref.dtype)
+    out_mask = row_masks[c]
+    if n_ragged:
+      if col_ok is None:
+        col_ok = (pl.program_id(1) * block_n
+                  + lax.broadcasted_iota(jnp.int32, (1, block_n), 1) < n_out)
+      out_mask = col_ok if out_mask is None else out_mask & col_ok
+    dst = o_ref if row_chunks == 1 else o_ref.at[pl.ds(c * block_m, block_m), :]
+    if out_mask is None:
+      dst[...] = out
+    else:
+      plt.store(dst, out, mask=out_mask)
 
 
 def _check_args(kernel: str, x, w, scale, fmt: str, block_m: int, block_n: int,
-                block_k: int, split_k: int, num_warps: int, n_out: int) -> None:
+                block_k: int, split_k: int, num_warps: int, n_out: int, row_chunks: int = 1,
+                swap_ab: bool = False) -> None:
   """Limits shared by both entry points; n_out is the row count each weight stream covers."""
   check(fmt in FORMATS, kernel, f"fmt in {FORMATS}", fmt)
   check(x.ndim == 2, kernel, "x must be 2-D [M, K]", x.shape)
@@ -339,20 +369,25 @@ def _check_args(kernel: str, x, w, scale, fmt: str, block_m: int, block_n: int,
   check(n_out >= 1 and k >= 1, kernel, "N >= 1 and K >= 1", (n_out, k))
   kb = -(-k // block_k)
   check(1 <= split_k <= kb, kernel, f"1 <= split_k <= ceil(K / block_k) = {kb}", split_k)
+  check(isinstance(row_chunks, int) and 1 <= row_chunks <= MAX_ROW_CHUNKS
+        and (row_chunks == 1 or not swap_ab), kernel,
+        f"row_chunks an int in [1, {MAX_ROW_CHUNKS}], 1 with swap_ab", (row_chunks, swap_ab))
 
 
 def _launch(x, w, scale, *, fmt: str, gate_up: bool, block_m: int, block_n: int,
             block_k: int, split_k: int, num_warps: int, num_stages: int, swap_ab: bool,
-            out_dtype, interpret: bool, name: str) -> jax.Array:
-  """pallas_call over (M tiles, N tiles, K splits); returns [M, N] or [split_k, M, N]."""
+            row_chunks: int, out_dtype, interpret: bool, name: str) -> jax.Array:
+  """pallas_call over (M tiles of row_chunks block_m rows, N tiles, K splits); returns
+  [M, N] or [split_k, M, N]."""
   m, k = x.shape
   n_out = w.shape[0] // 2 if gate_up else w.shape[0]
   n_tiles = pl.cdiv(n_out, block_n)
-  grid = (pl.cdiv(m, block_m), n_tiles, split_k)
+  rows_pp = block_m * row_chunks
+  grid = (pl.cdiv(m, rows_pp), n_tiles, split_k)
   # K rounded up to whole tiles: a tail tile's block hangs over the arrays' end (masked).
   kp = pl.cdiv(k, block_k) * block_k
 
-  x_spec = pl.BlockSpec((block_m, kp), lambda i, j, s: (i, 0))
+  x_spec = pl.BlockSpec((rows_pp, kp), lambda i, j, s: (i, 0))
   s_cols = () if fmt == "fp8" else (kp // Q8_0_BLOCK,)
   if n_out % block_n:
     # Ragged N: whole-array weight (and scale) refs; the kernel indexes each stream's rows
@@ -378,14 +413,15 @@ def _launch(x, w, scale, *, fmt: str, gate_up: bool, block_m: int, block_n: int,
 
   if split_k == 1:
     out_shape = jax.ShapeDtypeStruct((m, n_out), out_dtype)
-    out_spec = pl.BlockSpec((block_m, block_n), lambda i, j, s: (i, j))
+    out_spec = pl.BlockSpec((rows_pp, block_n), lambda i, j, s: (i, j))
   else:
     out_shape = jax.ShapeDtypeStruct((split_k, m, n_out), jnp.float32)
-    out_spec = pl.BlockSpec((None, block_m, block_n), lambda i, j, s: (s, i, j))
+    out_spec = pl.BlockSpec((None, rows_pp, block_n), lambda i, j, s: (s, i, j))
 
   kernel = functools.partial(_skinny_kernel, fmt=fmt, gate_up=gate_up, m=m, n_out=n_out, k=k,
                              block_m=block_m, block_n=block_n, block_k=block_k,
-                             split_k=split_k, swap_ab=swap_ab, interpret=interpret)
+                             split_k=split_k, swap_ab=swap_ab, row_chunks=row_chunks,
+                             interpret=interpret)
   return pl.pallas_call(
       kernel,
       grid=grid,
@@ -399,7 +435,7 @@ def _launch(x, w, scale, *, fmt: str, gate_up: bool, block_m: int, block_n: int,
 
 
 _STATIC = ("fmt", "block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages",
-           "swap_ab", "out_dtype", "interpret")
+           "swap_ab", "row_chunks", "out_dtype", "interpret")
 _STATIC_MATMUL = _STATIC + ("keep_splits",)
 
 
@@ -407,8 +443,8 @@ _STATIC_MATMUL = _STATIC + ("keep_splits",)
 def skinny_matmul(x: jax.Array, w: jax.Array, scale: jax.Array | None = None, *, fmt: str,
                   block_m: int | None = None, block_n: int = 64, block_k: int = 128,
                   split_k: int = 1, num_warps: int = 4, num_stages: int = 3,
-                  swap_ab: bool = False, out_dtype=jnp.float32, keep_splits: bool = False,
-                  interpret: bool | None = None) -> jax.Array:
+                  swap_ab: bool = False, row_chunks: int = 1, out_dtype=jnp.float32,
+                  keep_splits: bool = False, interpret: bool | None = None) -> jax.Array:
   """x [M, K] @ dequant(w [N, K])^T -> [M, N] out_dtype, float32 accumulation.
 
   x (bfloat16 or float32) is rounded to bfloat16 for the dot, as a bf16-weight GEMM does
@@ -418,14 +454,17 @@ def skinny_matmul(x: jax.Array, w: jax.Array, scale: jax.Array | None = None, *,
   keep_splits: then the float32 partials [split_k, M, N] are returned for the consumer to sum
   (out_dtype is ignored; split_k = 1 gives [1, M, N]). swap_ab: the MMA runs on the transposed
   tile (weights as its left operand; the same products and float32 sums), the faster form for
-  1-byte weights past one block of rows (`default_knobs`).
+  1-byte weights past one block of rows (`default_knobs`). row_chunks > 1: each program
+  covers row_chunks x block_m rows, its weight tiles read once and multiplied block_m rows at
+  a time, so each row gets a one-chunk program's arithmetic (the batch-invariant GEMM of up to
+  row_chunks x block_m rows streams its weights once).
   """
   block_m = _default_block_m(x.shape[0]) if block_m is None else block_m
   _check_args("skinny_matmul", x, w, scale, fmt, block_m, block_n, block_k, split_k,
-              num_warps, w.shape[0] if w.ndim == 2 else 0)
+              num_warps, w.shape[0] if w.ndim == 2 else 0, row_chunks, swap_ab)
   out = _launch(_dot_input(x, fmt), w, scale, fmt=fmt, gate_up=False, block_m=block_m,
                 block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps,
-                num_stages=num_stages, swap_ab=swap_ab,
+                num_stages=num_stages, swap_ab=swap_ab, row_chunks=row_chunks,
                 out_dtype=jnp.float32 if keep_splits else out_dtype,
                 interpret=resolve_interpret(interpret), name="skinny_matmul")
   if keep_splits:
@@ -439,8 +478,8 @@ def skinny_matmul(x: jax.Array, w: jax.Array, scale: jax.Array | None = None, *,
 def skinny_matmul_gate_up(x: jax.Array, w_gu: jax.Array, scale: jax.Array | None = None, *,
                           fmt: str, block_m: int | None = None, block_n: int = 64,
                           block_k: int = 128, split_k: int = 1, num_warps: int = 4,
-                          num_stages: int = 3, swap_ab: bool = False, out_dtype=jnp.float32,
-                          interpret: bool | None = None) -> jax.Array:
+                          num_stages: int = 3, swap_ab: bool = False, row_chunks: int = 1,
+                          out_dtype=jnp.float32, interpret: bool | None = None) -> jax.Array:
   """silu(x W_g^T) * (x W_u^T) -> [M, n_ff] for a fused w_gu [2 n_ff, K] (gate rows first).
 
   With split_k == 1 each program streams matching gate and up tiles and applies silu * up
@@ -451,17 +490,19 @@ def skinny_matmul_gate_up(x: jax.Array, w_gu: jax.Array, scale: jax.Array | None
   kernel = "skinny_matmul_gate_up"
   check(w_gu.ndim == 2 and w_gu.shape[0] % 2 == 0, kernel, "w_gu 2-D [2 n_ff, K]", w_gu.shape)
   n_ff = w_gu.shape[0] // 2
-  _check_args(kernel, x, w_gu, scale, fmt, block_m, block_n, block_k, split_k, num_warps, n_ff)
+  _check_args(kernel, x, w_gu, scale, fmt, block_m, block_n, block_k, split_k, num_warps, n_ff,
+              row_chunks, swap_ab)
   xb = _dot_input(x, fmt)
   interpret = resolve_interpret(interpret)
   if split_k == 1:
     return _launch(xb, w_gu, scale, fmt=fmt, gate_up=True, block_m=block_m, block_n=block_n,
                    block_k=block_k, split_k=1, num_warps=num_warps, num_stages=num_stages,
-                   swap_ab=swap_ab, out_dtype=out_dtype, interpret=interpret, name=kernel)
+                   swap_ab=swap_ab, row_chunks=row_chunks, out_dtype=out_dtype,
+                   interpret=interpret, name=kernel)
   partials = _launch(xb, w_gu, scale, fmt=fmt, gate_up=False, block_m=block_m,
                      block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps,
-                     num_stages=num_stages, swap_ab=swap_ab, out_dtype=jnp.float32,
-                     interpret=interpret, name=kernel)
+                     num_stages=num_stages, swap_ab=swap_ab, row_chunks=row_chunks,
+                     out_dtype=jnp.float32, interpret=interpret, name=kernel)
   gu = partials.sum(axis=0)
   return _silu_mul(gu[:, :n_ff], gu[:, n_ff:]).astype(out_dtype)
 

@@ -6,6 +6,8 @@ kernel fails to write shows up as NaN and fails every comparison below (poisoned
 """
 from __future__ import annotations
 
+import functools
+
 import gguf
 import jax
 import jax.numpy as jnp
@@ -247,6 +249,36 @@ def test_m_tiling_with_partial_last_tile(fmt):
   assert_within(out, *oracle(x, wd), f"{fmt} M-tiled")
 
 
+@pytest.mark.parametrize("fmt, m, n, k, split_k, gate_up", [
+    ("bf16", 64, 128, 256, 1, False), ("bf16", 40, 96, 200, 2, False),
+    ("bf16", 48, 128, 256, 1, True), ("fp8", 37, 128, 256, 2, False),
+    ("fp8", 64, 96, 256, 1, True), ("q8_0", 33, 128, 256, 2, False),
+    ("q8_0", 64, 128, 256, 1, True), ("fp32", 48, 64, 128, 2, False)])
+def test_row_chunks_equal_one_chunk_programs(fmt, m, n, k, split_k, gate_up):
+  """row_chunks 2-4 (one program over up to 64 rows, the weight tile read once) equals 16-row
+  programs (row_chunks 1) bit for bit, ragged N, a K tail and a partial last chunk included,
+  and the product is within the float64 oracle's bound."""
+  rng = np.random.default_rng(m + n + k)
+  x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+  rows = 2 * n if gate_up else n
+  if fmt == "fp32":
+    w, s = jnp.asarray(random_weights(rng, rows, k)), None
+    wd = np.asarray(w, np.float64)
+  else:
+    w, s, wd = make_weights(fmt, random_weights(rng, rows, k))
+  kn = dict(fmt=fmt, block_m=16, block_n=32, block_k=64, split_k=split_k, interpret=True)
+  f = (functools.partial(skinny_matmul_gate_up, x, w, s) if gate_up
+       else functools.partial(skinny_matmul, x, w, s, keep_splits=True))
+  one = np.asarray(f(**kn))
+  for chunks in range(2, -(-m // 16) + 1):
+    got = np.asarray(f(row_chunks=chunks, **kn))
+    np.testing.assert_array_equal(got.view(np.uint32), one.view(np.uint32), err_msg=chunks)
+  if not gate_up:
+    xr = np.asarray(x, np.float64) if fmt == "fp32" else bf16_round(np.asarray(x))
+    want = xr @ wd.T
+    assert_within(one.sum(0), want, 4 * ACC_RTOL * (np.abs(xr) @ np.abs(wd).T), fmt)
+
+
 def test_x_is_rounded_to_bf16_and_out_dtype():
   rng = np.random.default_rng(8)
   x = jnp.asarray(rng.standard_normal((16, K)), jnp.float32)
@@ -423,9 +455,11 @@ def test_default_knobs():
   # the other formats keep the tuned tiles.
   assert default_knobs("fp8", 6656, 19968, m=16) == default_knobs("fp8", 6656, 19968)
   assert default_knobs("fp8", 6656, 19968, m=128) == dict(
-      block_n=64, block_k=256, split_k=5, num_stages=3, block_m=128, swap_ab=True, num_warps=8)
+      block_n=64, block_k=256, split_k=5, num_stages=3, block_m=128, swap_ab=True, num_warps=8,
+      row_chunks=1)
   assert default_knobs("fp8", 19968, 6656, True, m=48) == dict(
-      block_n=64, block_k=128, split_k=1, num_stages=3, block_m=64, swap_ab=True, num_warps=4)
+      block_n=64, block_k=128, split_k=1, num_stages=3, block_m=64, swap_ab=True, num_warps=4,
+      row_chunks=1)
   assert default_knobs("fp8", 6144, 6656, m=512)["block_m"] == 128
   for fmt in ("bf16", "q8_0"):
     assert default_knobs(fmt, 6144, 6656, m=128) == default_knobs(fmt, 6144, 6656)
@@ -467,6 +501,10 @@ def _args(fmt="bf16", m=16, n=N, k=K, w_dtype=None, scale="auto"):
      r"\(got \(16, 32, 8\)\)"),
     (_args(), dict(fmt="bf16", split_k=3), r"1 <= split_k <= ceil\(K / block_k\) = 2 \(got 3\)"),
     (_args(), dict(fmt="bf16", split_k=0), r"1 <= split_k <= ceil\(K / block_k\) = 2 \(got 0\)"),
+    (_args(), dict(fmt="bf16", row_chunks=5),
+     r"row_chunks an int in \[1, 4\], 1 with swap_ab \(got \(5, False\)\)"),
+    (_args("fp8"), dict(fmt="fp8", row_chunks=2, swap_ab=True),
+     r"row_chunks an int in \[1, 4\], 1 with swap_ab \(got \(2, True\)\)"),
     # K = 200: one full 128-wide block and a tail block.
     (_args(k=200), dict(fmt="bf16", split_k=3),
      r"1 <= split_k <= ceil\(K / block_k\) = 2 \(got 3\)"),

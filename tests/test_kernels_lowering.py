@@ -252,6 +252,13 @@ def _target_cases() -> dict:
     cases[f"gemm_fp32_{name}"] = (
         functools.partial(fn, fmt="fp32", interpret=False, **{**kn.kwargs(), "block_m": 16}),
         (S((16, k), F32), S((2 * n if gate_up else n, k), F32)))
+    # The batch-invariant route past 16 rows: 16-row chunks of one program (48, 64 rows).
+    for fmt, dt, rows in (("bf16", BF16, 64), ("bf16", BF16, 48), ("fp32", F32, 48)):
+      kn = G.default_knobs(fmt, n, k, gate_up, 16, swap_ab_min_m=POLICY.skinny_fp8_swap_min_m)
+      cases[f"gemm_{fmt}_{name}_{rows}_rows"] = (
+          functools.partial(fn, fmt=fmt, interpret=False,
+                            **{**kn.kwargs(), "block_m": 16, "row_chunks": -(-rows // 16)}),
+          (S((rows, k), F32), S((2 * n if gate_up else n, k), dt)))
   return cases
 
 
