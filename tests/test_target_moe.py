@@ -152,6 +152,24 @@ def test_expert_slots():
   np.testing.assert_array_equal(slots, [0, 1, 2])   # S = min(E, M k)
 
 
+@pytest.mark.parametrize("m, k, e", [(1, 8, 128), (5, 8, 128), (16, 8, 128), (64, 8, 128),
+                                     (7, 3, 60), (40, 2, 5)])
+def test_expert_slots_random(m, k, e):
+  """Random routings: the slots are the sorted distinct experts then -1 (numpy's unique), each
+  (row, choice) points at its expert; the program has no scatter and no scan (each would be
+  a launch of its own in every sparse layer's decode)."""
+  rng = np.random.default_rng(m * 1000 + e)
+  ids = np.stack([rng.choice(e, k, replace=False) for _ in range(m)]).astype(np.int32)
+  slots, where = Q.expert_slots(jnp.asarray(ids), e)
+  u = np.unique(ids)
+  s = min(e, m * k)
+  np.testing.assert_array_equal(slots, np.concatenate([u, -np.ones(s - len(u), np.int32)]))
+  np.testing.assert_array_equal(np.asarray(slots)[np.asarray(where)], ids)
+  text = jax.jit(Q.expert_slots, static_argnums=1).trace(
+      jax.ShapeDtypeStruct((m, k), jnp.int32), e).lower(lowering_platforms=("cuda",)).as_text()
+  assert "scatter" not in text and "scan" not in text and "while" not in text
+
+
 def test_greedy_continuation_matches_reference():
   t, p = _model(TINY, 5)
   seq = list(_tokens(6, 4))

@@ -293,11 +293,16 @@ def expert_slots(ids: jax.Array, n_experts: int) -> tuple[jax.Array, jax.Array]:
   experts in increasing order, then -1; S = min(E, M k)), slot_of [M, k]: where each
   (row, choice) sits in slots)."""
   m, k = ids.shape
-  touched = jnp.zeros((n_experts,), bool).at[ids.reshape(-1)].set(True)
   s = min(n_experts, m * k)
-  slots = jnp.nonzero(touched, size=s, fill_value=-1)[0].astype(jnp.int32)
-  where = (jnp.cumsum(touched.astype(jnp.int32)) - 1).astype(jnp.int32)
-  return slots, where[ids]
+  e = jnp.arange(n_experts, dtype=jnp.int32)
+  # Comparisons and reductions only (E x E and S x E elements: a few thousand): no scatter and
+  # no scan, each of which is its own launch (a per-layer cost of the decode, RESULTS.md
+  # "2026-12-05 session 30, CPU: how far the Qwen3-30B-A3B decode can go").
+  touched = jnp.any(ids.reshape(-1, 1) == e[None, :], axis=0)                     # [E]
+  rank = jnp.sum((e[None, :] < e[:, None]) & touched[None, :], axis=1, dtype=jnp.int32)
+  hit = touched[None, :] & (rank[None, :] == jnp.arange(s, dtype=jnp.int32)[:, None])  # [S, E]
+  slots = jnp.where(jnp.any(hit, axis=1), jnp.sum(jnp.where(hit, e[None, :], 0), axis=1), -1)
+  return slots.astype(jnp.int32), rank[ids]
 
 
 def _experts_by_slot(lp: MoeLayer, h: jax.Array, ids: jax.Array, w: jax.Array, impl: str):
