@@ -21,7 +21,10 @@ ride in the returned cache (`pending_k/v`, one [B, w, Hkv, D] per sliding layer)
 committed one and the ring needs no slots beyond the window (the alternative, writing the
 verify rows into a ring of W + w_max slots, would fix w_max at `init_cache`).
 
-Layout as in qwen3.py: matrices (out, in), every product is `linear`; q/k/v/gate are one
+Layout as in qwen3.py: matrices (out, in), every product is `qwen3.project` (`linear`'s
+batch-invariant route, whose split-K partials are added elementwise in order: XLA fuses the
+adds into the consumer, where a reduction over the splits was a launch of its own, RESULTS.md
+"2026-12-05 session 30, CPU: Muse-Glimmer's split-K sums"); q/k/v/gate are one
 `[(2 Hq + 2 Hkv) D, E]` matrix, gate/up one `[2 F, E]`; norm weights are stored as in the
 checkpoint (the w of 1 + w) in float32; caches are [B, S, Hkv, D].
 """
@@ -40,8 +43,8 @@ import numpy as np
 from dflash_jax.config import (FULL, LAYER_TYPES, SLIDING, RopeScaling, checked_rope_scaling,
                                rope_from_hf, rope_inv_freq)
 from dflash_jax.models import base
-from dflash_jax.models.qwen3 import normals, rope
-from dflash_jax.dispatch import KernelPolicy, einsum_f32, linear, resolve_dtype, rms_norm
+from dflash_jax.models.qwen3 import normals, project, rope
+from dflash_jax.dispatch import KernelPolicy, einsum_f32, resolve_dtype, rms_norm
 
 MODEL_TYPES = ("muse_glimmer", "muse_glimmer_text")
 PREFIX = "model.language_model."   # the text model's tensors in the (VLM) checkpoint
@@ -333,7 +336,7 @@ def _layer(cfg: MuseGlimmerConfig, l: int, lp: MuseLayer, x: jax.Array, position
   eps, post, d = cfg.rms_norm_eps, cfg.post_norm_eps, cfg.head_dim
   qd, kvd = cfg.q_dim, cfg.kv_dim
   h = rms_norm(x, 1.0 + lp.attn_norm, eps)
-  y = linear(h, lp.wqkvg, policy=policy, impl=impl)
+  y = project(h, lp.wqkvg, impl, policy)
   q = rms_norm(y[:, :qd].reshape(b, t, cfg.num_attention_heads, d), cfg.qk_scale_factor, eps)
   k = rms_norm(y[:, qd:qd + kvd].reshape(b, t, cfg.num_key_value_heads, d), 1.0, eps)
   v = y[:, qd + kvd:qd + 2 * kvd].reshape(b, t, cfg.num_key_value_heads, d)
@@ -342,10 +345,9 @@ def _layer(cfg: MuseGlimmerConfig, l: int, lp: MuseLayer, x: jax.Array, position
     q, k = rope(q, positions, freqs, scale), rope(k, positions, freqs, scale)
   o, kept = attend(q, k, v)
   o = o.reshape(b * t, qd) * jax.nn.sigmoid(y[:, qd + 2 * kvd:])   # the gate of the normed h
-  x = x + rms_norm(linear(o, lp.wo, policy=policy, impl=impl), 1.0 + lp.post_attn_norm, post)
-  hidden = linear(rms_norm(x, 1.0 + lp.ffn_norm, eps), lp.wgu, policy=policy, impl=impl,
-                  gate_up=True)
-  return x + rms_norm(linear(hidden, lp.wd, policy=policy, impl=impl), 1.0 + lp.post_ffn_norm,
+  x = x + rms_norm(project(o, lp.wo, impl, policy), 1.0 + lp.post_attn_norm, post)
+  hidden = project(rms_norm(x, 1.0 + lp.ffn_norm, eps), lp.wgu, impl, policy, gate_up=True)
+  return x + rms_norm(project(hidden, lp.wd, impl, policy), 1.0 + lp.post_ffn_norm,
                       post), kept
 
 
@@ -371,7 +373,7 @@ def _trunk(params: MuseParams, cfg: MuseGlimmerConfig, tokens: jax.Array, positi
 
 
 def _logits(params: MuseParams, cfg: MuseGlimmerConfig, h: jax.Array, shape, impl: str):
-  z = linear(h, params.head, policy=params.policy, impl=impl) * cfg.output_multiplier
+  z = project(h, params.head, impl, params.policy) * cfg.output_multiplier
   cap = cfg.final_logit_softcapping
   if cap is not None:
     z = cap * jnp.tanh(z / cap)
