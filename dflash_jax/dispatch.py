@@ -91,10 +91,11 @@ class KernelPolicy:
       v = getattr(self, name)
       if isinstance(v, bool) or not isinstance(v, int) or v < 0:
         raise ValueError(f"KernelPolicy.{name} must be an int >= 0, got {v!r}")
-    bound = 16 * skinny_gemm.MAX_ROW_CHUNKS   # INVARIANT_BLOCK_M-row chunks of one program
+    bound = INVARIANT_BLOCK_M * skinny_gemm.MAX_ROW_CHUNKS   # the chunks of one program
     if self.invariant_max_rows > bound:
-      raise ValueError(f"KernelPolicy.invariant_max_rows must be <= {bound} (16-row chunks x "
-                       f"skinny_gemm.MAX_ROW_CHUNKS), got {self.invariant_max_rows}")
+      raise ValueError(f"KernelPolicy.invariant_max_rows must be <= {bound} "
+                       f"({INVARIANT_BLOCK_M}-row chunks x skinny_gemm.MAX_ROW_CHUNKS), got "
+                       f"{self.invariant_max_rows}")
     for name in ("batched_bf16_rows", "batched_fp8_rows", "mgpu_attention_seqs"):
       _row_range(getattr(self, name), name)
     v = self.fold_own_min_seqs
@@ -231,8 +232,7 @@ def gemm_knobs(fmt: str, n: int, k: int, gate_up: bool = False, m: int = 16, *,
 # The M tile of a batch-invariant GEMM: the rows of one drafted block, the tile a 1-row decode
 # already runs; a larger tile could move the MMA to another instruction (wgmma from 64 rows).
 # More rows run as 16-row chunks of one program (skinny_gemm's row_chunks): each weight tile
-# is read once for all of them, where one program per 16 rows read it once per chunk (the
-# 32- and 64-row rounds of RESULTS.md "2026-12-05 run 33", batched).
+# is read once for all of them, not once per 16 rows.
 INVARIANT_BLOCK_M = 16
 
 

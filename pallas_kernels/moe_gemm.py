@@ -23,8 +23,8 @@ Tiles: N and K must be multiples of block_n and block_k (every published MoE's e
 are multiples of 128). M is padded to a multiple of 16 and each weight tile, read once,
 multiplies the rows 16 at a time, one dot per 16-row chunk: a row's result is then the same
 instruction sequence whatever M is (a wider dot could move to another MMA instruction, wgmma
-from 64 rows), so the product is batch invariant, as the dense target's GEMMs are
-(`dflash_jax.dispatch.INVARIANT_BLOCK_M`).
+from 64 rows), so the product is batch invariant, as `skinny_gemm`'s row chunks make the
+dense GEMMs.
 """
 from __future__ import annotations
 

@@ -45,6 +45,7 @@ def _params(policy=KernelPolicy(), dtype="bf16", cfg=CFG):
     ("mosaic_gpu", "yes", "mosaic_gpu must be None, True or False"),
     ("target_pallas_max_width", -1, "target_pallas_max_width must be an int >= 0"),
     ("invariant_max_rows", 1.5, "invariant_max_rows must be an int >= 0"),
+    ("invariant_max_rows", 65, r"invariant_max_rows must be <= 64 \(16-row chunks x "),
     ("target_invariant_attention", None, "target_invariant_attention must be True or False"),
     ("target_attention_chunk", 100, "target_attention_chunk must be a power of 2 >= 16"),
     ("target_attention_chunk", 8, "target_attention_chunk must be a power of 2 >= 16"),

@@ -23,8 +23,8 @@ verify rows into a ring of W + w_max slots, would fix w_max at `init_cache`).
 
 Layout as in qwen3.py: matrices (out, in), every product is `qwen3.project` (`linear`'s
 batch-invariant route, whose split-K partials are added elementwise in order: XLA fuses the
-adds into the consumer, where a reduction over the splits was a launch of its own, RESULTS.md
-"2026-12-05 session 30, CPU: Muse-Glimmer's split-K sums"); q/k/v/gate are one
+adds into the consumer, where a reduction over the splits would be a launch of its own);
+q/k/v/gate are one
 `[(2 Hq + 2 Hkv) D, E]` matrix, gate/up one `[2 F, E]`; norm weights are stored as in the
 checkpoint (the w of 1 + w) in float32; caches are [B, S, Hkv, D].
 """

@@ -25,7 +25,7 @@ run the jnp twin, whose contraction order XLA picks by shape): the router GEMM i
 the routing's sums run in a fixed order, the grouped GEMM multiplies 16 rows per dot, and a
 row's k expert outputs are added in its routing order. So greedy speculative decoding equals
 target-only decoding token for token in bf16 (a random router sits on near ties often: any
-row-count dependence flips an expert within a few tokens, RESULTS.md "2026-12-05 run 33").
+row-count dependence flips an expert within a few tokens).
 """
 from __future__ import annotations
 
@@ -296,8 +296,7 @@ def expert_slots(ids: jax.Array, n_experts: int) -> tuple[jax.Array, jax.Array]:
   s = min(n_experts, m * k)
   e = jnp.arange(n_experts, dtype=jnp.int32)
   # Comparisons and reductions only (E x E and S x E elements: a few thousand): no scatter and
-  # no scan, each of which is its own launch (a per-layer cost of the decode, RESULTS.md
-  # "2026-12-05 session 30, CPU: how far the Qwen3-30B-A3B decode can go").
+  # no scan, each of which would be a launch of its own in every sparse layer of a decode.
   touched = jnp.any(ids.reshape(-1, 1) == e[None, :], axis=0)                     # [E]
   rank = jnp.sum((e[None, :] < e[:, None]) & touched[None, :], axis=1, dtype=jnp.int32)
   hit = touched[None, :] & (rank[None, :] == jnp.arange(s, dtype=jnp.int32)[:, None])  # [S, E]
