@@ -391,50 +391,44 @@ def gemm_input_norm(x: jax.Array, w_norm: jax.Array, eps: float, w, *,
 # as mixed-precision training does; their forward is the plain product, so inference is
 # unchanged.
 
-def _bf16_cotangents(product, res, g):
-  """(da, db) of product(a, b, out_dtype) at res = (a, b), both bf16, for the float32
-  cotangent g of its float32 result: g rounded to bf16, both transposes in bf16."""
-  _, vjp = jax.vjp(lambda a, b: product(a, b, jnp.bfloat16), *res)
+def _product(op, a: jax.Array, b: jax.Array, out_dtype) -> jax.Array:
+  """op = ("dot_general", dims) or ("einsum", (spec, precision)), accumulated to out_dtype."""
+  kind, arg = op
+  if kind == "dot_general":
+    return jax.lax.dot_general(a, b, arg, preferred_element_type=out_dtype)
+  spec, precision = arg
+  return jnp.einsum(spec, a, b, precision=precision, preferred_element_type=out_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _bf16_product(op, a: jax.Array, b: jax.Array) -> jax.Array:
+  return _product(op, a, b, jnp.float32)
+
+
+def _bf16_product_fwd(op, a, b):
+  return _product(op, a, b, jnp.float32), (a, b)
+
+
+def _bf16_product_bwd(op, res, g):
+  """(da, db) for the float32 cotangent g: g rounded to bf16, both transposes bf16 x bf16 with
+  bf16 results (the dtype of the primal inputs)."""
+  _, vjp = jax.vjp(lambda a, b: _product(op, a, b, jnp.bfloat16), *res)
   return vjp(g.astype(jnp.bfloat16))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+_bf16_product.defvjp(_bf16_product_fwd, _bf16_product_bwd)
+
+
 def bf16_dot_general(a: jax.Array, b: jax.Array, dims) -> jax.Array:
   """lax.dot_general(a, b, dims) of bf16 operands accumulated in float32, with bf16
   backward products (section comment)."""
-  return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+  return _bf16_product(("dot_general", dims), a, b)
 
 
-def _bf16_dot_general_fwd(a, b, dims):
-  return bf16_dot_general(a, b, dims), (a, b)
-
-
-def _bf16_dot_general_bwd(dims, res, g):
-  return _bf16_cotangents(
-      lambda a, b, t: jax.lax.dot_general(a, b, dims, preferred_element_type=t), res, g)
-
-
-bf16_dot_general.defvjp(_bf16_dot_general_fwd, _bf16_dot_general_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
 def bf16_einsum(spec: str, a: jax.Array, b: jax.Array, precision=None) -> jax.Array:
   """jnp.einsum(spec, a, b) of bf16 operands accumulated in float32, with bf16 backward
   products (section comment)."""
-  return jnp.einsum(spec, a, b, precision=precision, preferred_element_type=jnp.float32)
-
-
-def _bf16_einsum_fwd(spec, a, b, precision):
-  return bf16_einsum(spec, a, b, precision), (a, b)
-
-
-def _bf16_einsum_bwd(spec, precision, res, g):
-  return _bf16_cotangents(
-      lambda a, b, t: jnp.einsum(spec, a, b, precision=precision, preferred_element_type=t),
-      res, g)
-
-
-bf16_einsum.defvjp(_bf16_einsum_fwd, _bf16_einsum_bwd)
+  return _bf16_product(("einsum", (spec, precision)), a, b)
 
 
 def einsum_f32(spec: str, a: jax.Array, b: jax.Array, precision=None) -> jax.Array:
