@@ -95,6 +95,21 @@ def kernels_by_name(medians: list[tuple[str, float]], per: int = 1) -> dict[str,
   return out
 
 
+def slowest_kernels(by_name: dict[str, list], top: int) -> list[tuple[str, list]]:
+  """The `top` entries of kernels_by_name, most time first."""
+  return sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+
+
+def pass_profile(f, *args, iterations: int, per_call: int = 1) -> dict:
+  """CUPTI kernels of a call of f that runs `per_call` passes (copies excluded), per pass:
+  ms (median summed kernel time), launches, by_kernel (kernels_by_name) and medians (the
+  whole call's kernel_medians, launch order)."""
+  per = without_copies(cupti_kernels(f, *args, iterations=iterations))
+  medians = kernel_medians(per)
+  return dict(ms=device_ms(per) / per_call, launches=launches(per) / per_call,
+              by_kernel=kernels_by_name(medians, per=per_call), medians=medians)
+
+
 def wall_ms(f, *args, iterations: int = 200, trials: int = 3) -> float:
   """Wall time per call, dispatch included: calls back to back, one sync at the end."""
   jax.block_until_ready(f(*args))

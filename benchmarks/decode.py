@@ -209,13 +209,11 @@ def measure_pass(su: Setup, tp, cache, tokens, capture, impl: str) -> dict:
   kernels' ms (0 where the pass has none of them), ms and calls per kernel name, and the
   first pass's kernels in launch order (median ms each: where a pass's time goes)."""
   f = target_loop(su.target, su.inner, capture, impl)
-  per = C.without_copies(C.cupti_kernels(f, tp, cache, tokens, iterations=su.iters))
-  medians = C.kernel_medians(per)
-  by_kernel = C.kernels_by_name(medians, per=su.inner)   # name -> [calls, ms] per pass
-  attn = sum(ms for name, (_, ms) in by_kernel.items()
+  p = C.pass_profile(f, tp, cache, tokens, iterations=su.iters, per_call=su.inner)
+  attn = sum(ms for name, (_, ms) in p["by_kernel"].items()
              if any(k in name for k in ATTENTION_KERNELS))
-  return dict(ms=C.device_ms(per) / su.inner, attention_ms=attn,
-              launches=C.launches(per) / su.inner, by_kernel=by_kernel,
+  medians = p["medians"]
+  return dict(ms=p["ms"], attention_ms=attn, launches=p["launches"], by_kernel=p["by_kernel"],
               kernels=medians[:len(medians) // su.inner])
 
 

@@ -237,12 +237,10 @@ def kernel_split(f, *args, iters: int, per_call: int, layers: int, top: int = 12
                  ) -> tuple[float, dict]:
   """(median device ms of one pass, where it goes): launches per pass and per layer, and the
   `top` kernels by time summed by name, [name, launches per pass, us per pass]."""
-  per = C.without_copies(C.cupti_kernels(f, *args, iterations=iters))
-  med = C.kernel_medians(per)
-  by = sorted(C.kernels_by_name(med, per=per_call).items(), key=lambda kv: -kv[1][1])
-  return C.device_ms(per) / per_call, dict(
-      launches=len(med) / per_call, launches_per_layer=len(med) / per_call / layers,
-      top=[[name, n, ms * 1e3] for name, (n, ms) in by[:top]])
+  p = C.pass_profile(f, *args, iterations=iters, per_call=per_call)
+  return p["ms"], dict(
+      launches=p["launches"], launches_per_layer=p["launches"] / layers,
+      top=[[name, n, ms * 1e3] for name, (n, ms) in C.slowest_kernels(p["by_kernel"], top)])
 
 
 def draft_section(su: Setup, models: D.Models, st: D.DecodeState, impl: str) -> dict:

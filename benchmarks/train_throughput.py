@@ -140,7 +140,7 @@ def kernel_split(per_iter, model_flops_total: float, top: int = 15) -> dict:
   by_name = C.kernels_by_name(C.kernel_medians(per_iter))
   gemm = [row for n, row in by_name.items() if _GEMM_KERNEL.search(n)]
   gemm_ms, total = sum(ms for _, ms in gemm), C.device_ms(per_iter)
-  ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+  ranked = C.slowest_kernels(by_name, top)
   return dict(device_ms=total, launches=C.launches(per_iter), gemm_ms=gemm_ms,
               gemm_launches=int(sum(c for c, _ in gemm)), other_ms=total - gemm_ms,
               gemm_tflops_per_s=model_flops_total / (gemm_ms * 1e-3) / 1e12 if gemm_ms else None,
