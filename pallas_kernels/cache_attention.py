@@ -78,9 +78,33 @@ def default_knobs(*, rows: int, head_dim: int, cache_dtype, chunk: int) -> Knobs
                num_warps=8 if block_q >= 128 or not bf16 else 4)
 
 
+def _live(start: jax.Array, t: int, n_slots: int, capacity: int) -> jax.Array:
+  """The live slots' bound: slots below it hold a position the pass may see."""
+  if capacity:
+    return jnp.minimum(jnp.minimum(start + t, capacity), n_slots)
+  return jnp.minimum(start + t, n_slots)
+
+
+def visible(slot: jax.Array, pos: jax.Array, start: jax.Array, *, t: int, n_slots: int,
+            window: int, capacity: int) -> jax.Array:
+  """Which slots [K] rows at positions pos [R] see ([R, K] bool), the pass's rows written.
+  window 0: slot = position, a row sees slots <= its position. window > 0: a ring of n_slots
+  slots over positions below capacity (position p at slot p % n_slots); a slot holds the
+  latest position <= the pass's last written one (`last`) that it can, and a row sees the
+  positions in (pos - window, pos]. Shared by the kernel and its twin."""
+  live = _live(start, t, n_slots, capacity)
+  if not window:
+    return (slot[None, :] <= pos[:, None]) & (slot < live)[None, :]
+  last = jnp.minimum(start + t, capacity) - 1
+  top = last % n_slots   # the slot of `last`; slots above it hold the lap before
+  held = last - top + slot - jnp.where(slot <= top, 0, n_slots)
+  diff = pos[:, None] - held[None, :]
+  return (diff >= 0) & (diff < window) & (held >= 0)[None, :] & (slot < live)[None, :]
+
+
 def _partial_kernel(start_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, t: int, group: int,
                     rows: int, d: int, n_slots: int, chunk: int, block_k: int,
-                    n_row_tiles: int, terms: int):
+                    n_row_tiles: int, terms: int, window: int, capacity: int):
   block_q, dp = q_ref.shape
   col_lim = None if dp == d else d
   r0 = 0
@@ -88,7 +112,7 @@ def _partial_kernel(start_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, t: i
     r0 = (pl.program_id(0) % n_row_tiles) * block_q
   row_lim = None if rows % block_q == 0 else rows - r0
   start = start_ref[0]
-  live = jnp.minimum(start + t, n_slots)
+  live = _live(start, t, n_slots, capacity)
   c0 = pl.program_id(1) * chunk
   n_tiles = (jnp.clip(live - c0, 0, chunk) + block_k - 1) // block_k
   q = load_tile(q_ref, (0, 0), (block_q, dp), (row_lim, col_lim))
@@ -101,7 +125,7 @@ def _partial_kernel(start_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, t: i
     j0 = i * block_k
     lim = live - c0 - j0   # slots of this tile below the live bound
     slot = c0 + j0 + jnp.arange(block_k, dtype=jnp.int32)
-    vis = (slot[None, :] <= pos[:, None]) & (slot < live)[None, :]
+    vis = visible(slot, pos, start, t=t, n_slots=n_slots, window=window, capacity=capacity)
     s = split_dot(q_parts, load_tile(k_ref, (j0, 0), (block_k, dp), (lim, col_lim)), 1)
     s = jnp.where(vis, s * scale, MASK)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
@@ -123,7 +147,7 @@ def _partial_kernel(start_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, t: i
 
 
 def _combine_kernel(start_ref, o_ref, m_ref, l_ref, out_ref, *, t: int, group: int, rows: int,
-                    d: int, n_slots: int, chunk: int, n_head_kv: int):
+                    d: int, n_slots: int, chunk: int, n_head_kv: int, capacity: int):
   # Blocks: o [C, R, D], m and l [C, R] (every chunk's partials of one kv head of one
   # sequence), out [T, Hq D] (that sequence's output). RB rows of the kv head per program.
   rb = COMBINE_ROWS
@@ -131,7 +155,7 @@ def _combine_kernel(start_ref, o_ref, m_ref, l_ref, out_ref, *, t: int, group: i
   col_lim = None if dp == d else d
   r0 = pl.program_id(1) * rb
   row_lim = None if rows % rb == 0 else rows - r0
-  live = jnp.minimum(start_ref[0] + t, n_slots)
+  live = _live(start_ref[0], t, n_slots, capacity)
   n_chunks = (live + chunk - 1) // chunk
 
   def stat(ref, c, other):
@@ -181,17 +205,31 @@ def _check_shapes(name: str, q, cache_k, cache_v, start, t: int) -> tuple[int, i
   return b, hkv, rows // t, d
 
 
-@functools.partial(jax.jit, static_argnames=["t", "chunk", "block_k", "block_q", "num_warps",
-                                             "num_stages", "out_dtype", "interpret"])
+def _check_window(name: str, window: int, capacity: int, n_slots: int) -> None:
+  check(isinstance(window, int) and window >= 0, name, "window must be an int >= 0", window)
+  check(isinstance(capacity, int) and capacity >= 0, name, "capacity must be an int >= 0",
+        capacity)
+  check(not window or capacity >= n_slots, name,
+        "a windowed (ring) cache needs capacity >= its S slots", (window, capacity, n_slots))
+
+
+@functools.partial(jax.jit, static_argnames=["t", "window", "capacity", "chunk", "block_k",
+                                             "block_q", "num_warps", "num_stages", "out_dtype",
+                                             "interpret"])
 def cache_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, start: jax.Array, *,
-                    t: int, chunk: int = 512, block_k: int = 64, block_q: int = 64,
-                    num_warps: int = 4, num_stages: int = 2, out_dtype=jnp.float32,
+                    t: int, window: int = 0, capacity: int = 0, chunk: int = 512,
+                    block_k: int = 64, block_q: int = 64, num_warps: int = 4,
+                    num_stages: int = 2, out_dtype=jnp.float32,
                     interpret: bool | None = None) -> jax.Array:
   """Causal attention of T rows per sequence over the cache's slots below start + T.
 
   q: [B, Hkv, T G, D] in the cache dtype (row t G + g: token t, query head h G + g; the
   layout `qk_norm_rope_cache` writes); cache_k, cache_v: [B, Hkv, S, D] float32 or bfloat16
-  holding the pass's own rows at start[b] .. start[b] + T - 1; start: [B] int32. Returns
+  holding the pass's own rows at start[b] .. start[b] + T - 1; start: [B] int32.
+  window > 0 (with capacity >= S): a sliding-window layer's ring, as `qk_norm_rope_cache`
+  writes it with that capacity (position p at slot p % S); row t sees the positions in
+  (start + t - window, start + t]. The pass's writes must not have overwritten a position a
+  row sees: S >= window + T - 1, or S = capacity (no slot is ever reused). Returns
   [B, T, Hq D] token-major, computed in float32 and stored as out_dtype. Knobs
   (`default_knobs`): `chunk` slots per partial (a multiple of block_k; powers of 2),
   `block_k` slots per tile, `block_q` query rows per program (power of 2 >= 16), the partial
@@ -203,9 +241,10 @@ def cache_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, start:
   for nm, v in (("chunk", chunk), ("block_k", block_k), ("block_q", block_q)):
     check(is_pow2(v) and v >= 16, name, f"{nm} must be a power of 2 >= 16", v)
   check(chunk % block_k == 0, name, "chunk must be a multiple of block_k", (chunk, block_k))
+  s = cache_k.shape[2]
+  _check_window(name, window, capacity, s)
   interpret = resolve_interpret(interpret)
   rows = t * g
-  s = cache_k.shape[2]
   n_chunks = pl.cdiv(s, chunk)
   n_rt = pl.cdiv(rows, block_q)
   dp = next_pow2(d)
@@ -220,7 +259,8 @@ def cache_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, start:
   kv_spec = pl.BlockSpec((None, None, chunk, dp), lambda p, c: (*bh(p)[:2], c, 0))
   o, m, l = pl.pallas_call(
       functools.partial(_partial_kernel, t=t, group=g, rows=rows, d=d, n_slots=s, chunk=chunk,
-                        block_k=block_k, n_row_tiles=n_rt, terms=terms),
+                        block_k=block_k, n_row_tiles=n_rt, terms=terms, window=window,
+                        capacity=capacity),
       grid=(b * per_seq, n_chunks),
       in_specs=[pl.BlockSpec((1,), lambda p, c: (bh(p)[0],)),
                 pl.BlockSpec((None, None, block_q, dp), lambda p, c: (*bh(p), 0)),
@@ -242,7 +282,7 @@ def cache_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, start:
   stat_spec = pl.BlockSpec((None, None, n_chunks, rows), lambda p, i: (p // hkv, p % hkv, 0, 0))
   return pl.pallas_call(
       functools.partial(_combine_kernel, t=t, group=g, rows=rows, d=d, n_slots=s, chunk=chunk,
-                        n_head_kv=hkv),
+                        n_head_kv=hkv, capacity=capacity),
       grid=(b * hkv, pl.cdiv(rows, COMBINE_ROWS)),
       in_specs=[pl.BlockSpec((1,), lambda p, i: (p // hkv,)),
                 pl.BlockSpec((None, None, n_chunks, rows, d),
@@ -255,24 +295,28 @@ def cache_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, start:
   )(start, o, m, l)
 
 
-@functools.partial(jax.jit, static_argnames=["t", "chunk", "block_k", "block_q", "num_warps",
-                                             "num_stages", "out_dtype", "interpret"])
+@functools.partial(jax.jit, static_argnames=["t", "window", "capacity", "chunk", "block_k",
+                                             "block_q", "num_warps", "num_stages", "out_dtype",
+                                             "interpret"])
 def cache_attention_reference(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array,
-                              start: jax.Array, *, t: int, chunk: int = 512, block_k: int = 64,
-                              block_q: int = 64, num_warps: int = 4, num_stages: int = 2,
-                              out_dtype=jnp.float32, interpret: bool | None = None) -> jax.Array:
+                              start: jax.Array, *, t: int, window: int = 0, capacity: int = 0,
+                              chunk: int = 512, block_k: int = 64, block_q: int = 64,
+                              num_warps: int = 4, num_stages: int = 2, out_dtype=jnp.float32,
+                              interpret: bool | None = None) -> jax.Array:
   """Pure-jnp twin of `cache_attention`: the full score matrix over all S slots with the
   visibility mask, float32, precision HIGHEST. Takes the kernel's knobs (ignored)."""
   del chunk, block_k, block_q, num_warps, num_stages, interpret
-  b, hkv, g, d = _check_shapes("cache_attention_reference", q, cache_k, cache_v, start, t)
+  name = "cache_attention_reference"
+  b, hkv, g, d = _check_shapes(name, q, cache_k, cache_v, start, t)
   s = cache_k.shape[2]
+  _check_window(name, window, capacity, s)
   qf = q.astype(jnp.float32)
   sc = jnp.einsum("bhrd,bhsd->bhrs", qf, cache_k.astype(jnp.float32),
                   precision=lax.Precision.HIGHEST) / math.sqrt(d)
   pos = start[:, None] + jnp.arange(t * g, dtype=jnp.int32)[None, :] // g      # [B, R]
   slot = jnp.arange(s, dtype=jnp.int32)
-  vis = (slot[None, None, :] <= pos[:, :, None]) & (
-      slot[None, None, :] < jnp.minimum(start + t, s)[:, None, None])
+  vis = jax.vmap(lambda p_, s_: visible(slot, p_, s_, t=t, n_slots=s, window=window,
+                                        capacity=capacity))(pos, start)
   p = jax.nn.softmax(jnp.where(vis[:, None], sc, -jnp.inf), axis=-1)
   o = jnp.einsum("bhrs,bhsd->bhrd", p, cache_v.astype(jnp.float32),
                  precision=lax.Precision.HIGHEST)

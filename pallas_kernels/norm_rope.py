@@ -39,10 +39,16 @@ def rms_rope_halves(x1: jax.Array, x2: jax.Array, w1: jax.Array, w2: jax.Array,
   otherwise) multiplies cos and sin. Shared by the kernels and their twins so that both round
   identically.
   """
+  return rope_halves(*rms_halves(x1, x2, w1, w2, eps, head_dim), pos, inv_freq,
+                     attention_scaling)
+
+
+def rms_halves(x1: jax.Array, x2: jax.Array, w1: jax.Array, w2: jax.Array, eps: float,
+               head_dim: int) -> tuple[jax.Array, jax.Array]:
+  """`rms_rope_halves` without the rope (a NoPE layer's q/k norm)."""
   ms = (jnp.sum(x1 * x1, axis=-1) + jnp.sum(x2 * x2, axis=-1)) / head_dim
   r = lax.rsqrt(ms + eps)[:, None]
-  return rope_halves(x1 * r * w1[None, :], x2 * r * w2[None, :], pos, inv_freq,
-                     attention_scaling)
+  return x1 * r * w1[None, :], x2 * r * w2[None, :]
 
 
 def rope_halves(a: jax.Array, b: jax.Array, pos: jax.Array, inv_freq: jax.Array,
@@ -251,7 +257,7 @@ def qk_norm_rope_reference(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array,
 
 def _cache_kernel(start_ref, inv_ref, qn_ref, kn_ref, x_ref, _ck_in, _cv_in, q_out, ck_out,
                   cv_out, *, group: int, t: int, d: int, eps: float, qk_norm: bool,
-                  attention_scaling: float, n_row_tiles: int):
+                  attention_scaling: float, n_row_tiles: int, rope: bool, capacity: int):
   # Program (b * n_row_tiles + rt, h, j): query head h*G + j for j < G, kv head h's k for
   # j == G, its v for j == G + 1, on rows rt*TP .. rt*TP + TP - 1 of sequence b.
   h = d // 2
@@ -264,8 +270,13 @@ def _cache_kernel(start_ref, inv_ref, qn_ref, kn_ref, x_ref, _ck_in, _cv_in, q_o
   x1, x2 = _part_sum(x_ref, 0, (tp, hp), lims), _part_sum(x_ref, h, (tp, hp), lims)
   n_slots = ck_out.shape[0]
   rows = rt * tp + jnp.arange(tp, dtype=jnp.int32)
-  slot = start_ref[0] + rows
-  keep = (rows < t) & (slot < n_slots)
+  pos = start_ref[0] + rows
+  if capacity:   # a ring: position p at slot p % S, positions past the capacity dropped
+    keep = (rows < t) & (pos < capacity)
+    slot = pos % n_slots
+  else:
+    keep = (rows < t) & (pos < n_slots)
+    slot = pos
   # Dropped rows get distinct out-of-range slots: the mask stops them on the GPU, and interpret
   # mode's masked scatter drops them instead of racing a live row on a shared slot.
   dst = jnp.where(keep, slot, n_slots + jnp.arange(tp, dtype=jnp.int32))[:, None]
@@ -290,10 +301,15 @@ def _cache_kernel(start_ref, inv_ref, qn_ref, kn_ref, x_ref, _ck_in, _cv_in, q_o
         return jnp.where(is_k, load_tile(kn_ref, (c0,), (hp,), lims[1:]),
                          load_tile(qn_ref, (c0,), (hp,), lims[1:]))
 
-      y1, y2 = rms_rope_halves(x1, x2, norm_half(0), norm_half(h), slot, inv, eps, d,
-                               attention_scaling)
+      if rope:
+        y1, y2 = rms_rope_halves(x1, x2, norm_half(0), norm_half(h), pos, inv, eps, d,
+                                 attention_scaling)
+      else:
+        y1, y2 = rms_halves(x1, x2, norm_half(0), norm_half(h), eps, d)
+    elif rope:
+      y1, y2 = rope_halves(x1, x2, pos, inv, attention_scaling)
     else:
-      y1, y2 = rope_halves(x1, x2, slot, inv, attention_scaling)
+      y1, y2 = x1, x2
 
     @pl.when(j == group)
     def _():
@@ -314,8 +330,8 @@ def _check_cache_shapes(name: str, parts, q_norm, k_norm, cache_k, cache_v, star
   check(parts.dtype == jnp.float32, name, "parts dtype must be float32", parts.dtype)
   n_parts, b, t, nh, d = parts.shape
   check(n_parts >= 1 and b >= 1 and t >= 1, name, "P, B and T must be >= 1", parts.shape)
-  check(nh == n_head + 2 * n_head_kv, name, "parts must hold n_head + 2 n_head_kv heads",
-        (nh, n_head, n_head_kv))
+  check(nh >= n_head + 2 * n_head_kv, name,
+        "parts must hold at least n_head + 2 n_head_kv heads", (nh, n_head, n_head_kv))
   check(d >= 2 and d % 2 == 0, name, "head_dim must be even and >= 2", d)
   check(cache_k.ndim == 4 and cache_k.shape[0] == b and cache_k.shape[1] == n_head_kv
         and cache_k.shape[3] == d, name, "cache_k must be [B, n_head_kv, S, D]",
@@ -334,24 +350,28 @@ def _check_cache_shapes(name: str, parts, q_norm, k_norm, cache_k, cache_v, star
 
 
 @functools.partial(jax.jit, static_argnames=["n_head", "n_head_kv", "eps", "qk_norm",
-                                             "attention_scaling", "block_rows",
-                                             "num_warps", "interpret"])
+                                             "attention_scaling", "rope", "capacity",
+                                             "block_rows", "num_warps", "interpret"])
 def qk_norm_rope_cache(parts: jax.Array, q_norm: jax.Array, k_norm: jax.Array,
                        cache_k: jax.Array, cache_v: jax.Array, start: jax.Array,
                        inv_freq: jax.Array, *, n_head: int, n_head_kv: int, eps: float,
                        qk_norm: bool = True, attention_scaling: float = 1.0,
+                       rope: bool = True, capacity: int = 0,
                        block_rows: int = 16, num_warps: int = 4,
                        interpret: bool | None = None
                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """A target pass's q/k/v from its fused projection: q and k normalised (q_norm / k_norm,
-  when qk_norm) and roped (NEOX) at positions start[b] + t, cos and sin times attention_scaling
-  (`rms_rope_halves`), v as is.
+  when qk_norm) and roped (NEOX; not when rope is False: a NoPE layer) at positions
+  start[b] + t, cos and sin times attention_scaling (`rms_rope_halves`), v as is.
 
-  parts: the projection's split-K partials [P, B, T, n_head + 2 n_head_kv, D] float32 (summed
-  parts[0] + parts[1] + ... here; P = 1 for an unsplit product; the [P, B T, W] partials
-  reshape to this for free). cache_k, cache_v: [B, n_head_kv, S, D] float32 or bfloat16;
-  rows t < T go to slots start[b] + t (rows at slots >= S write nothing; the caller keeps
-  start + T <= S). Returns (q [B, n_head_kv, T G, D] in the cache dtype, row t G + g = token
+  parts: the projection's split-K partials [P, B, T, heads, D] float32 with heads >=
+  n_head + 2 n_head_kv (q, k, v first; heads past them, e.g. Muse-Glimmer's output gate, are
+  not read), summed parts[0] + parts[1] + ... here; P = 1 for an unsplit product; the
+  [P, B T, W] partials reshape to this for free. cache_k, cache_v: [B, n_head_kv, S, D]
+  float32 or bfloat16. capacity 0: slot = position, rows t < T go to slots start[b] + t
+  (rows at slots >= S write nothing; the caller keeps start + T <= S). capacity > 0: the
+  cache is a ring (a sliding-window layer's) over positions below capacity: position p goes
+  to slot p % S, rows at positions >= capacity write nothing. Returns (q [B, n_head_kv, T G, D] in the cache dtype, row t G + g = token
   t, query head h G + g; the updated cache_k and cache_v, aliased to the inputs: in place
   under a donating jit). `block_rows` rows per program (a power of 2), the same tile for
   every T. D a multiple of 16 up to 256.
@@ -372,7 +392,8 @@ def qk_norm_rope_cache(parts: jax.Array, q_norm: jax.Array, k_norm: jax.Array,
   cache_spec = pl.BlockSpec((None, None, s, d), lambda p, h, j: (p // n_rt, h, 0, 0))
   q, ck, cv = pl.pallas_call(
       functools.partial(_cache_kernel, group=g, t=t, d=d, eps=eps, qk_norm=qk_norm,
-                        attention_scaling=attention_scaling, n_row_tiles=n_rt),
+                        attention_scaling=attention_scaling, n_row_tiles=n_rt, rope=rope,
+                        capacity=capacity),
       grid=(b * n_rt, hkv, g + 2),
       in_specs=[
           pl.BlockSpec((1,), lambda p, h, j: (p // n_rt,)),
@@ -401,11 +422,12 @@ def qk_norm_rope_cache(parts: jax.Array, q_norm: jax.Array, k_norm: jax.Array,
 
 
 @functools.partial(jax.jit, static_argnames=["n_head", "n_head_kv", "eps", "qk_norm",
-                                             "attention_scaling"])
+                                             "attention_scaling", "rope", "capacity"])
 def qk_norm_rope_cache_reference(parts: jax.Array, q_norm: jax.Array, k_norm: jax.Array,
                                  cache_k: jax.Array, cache_v: jax.Array, start: jax.Array,
                                  inv_freq: jax.Array, *, n_head: int, n_head_kv: int,
-                                 eps: float, qk_norm: bool = True, attention_scaling: float = 1.0
+                                 eps: float, qk_norm: bool = True, attention_scaling: float = 1.0,
+                                 rope: bool = True, capacity: int = 0
                                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Pure-jnp twin of `qk_norm_rope_cache` (same arguments, minus the tuning knobs)."""
   b, t, g, d = _check_cache_shapes("qk_norm_rope_cache_reference", parts, q_norm, k_norm,
@@ -420,18 +442,21 @@ def qk_norm_rope_cache_reference(parts: jax.Array, q_norm: jax.Array, k_norm: ja
     n = heads.shape[2]
     rows = heads.transpose(0, 2, 1, 3).reshape(b * n * t, d)
     p = jnp.broadcast_to(pos[:, None], (b, n, t)).reshape(-1)
+    y1, y2 = rows[:, :h], rows[:, h:]
     if qk_norm:
-      y1, y2 = rms_rope_halves(rows[:, :h], rows[:, h:], w[:h], w[h:], p, inv_freq, eps, d,
-                               attention_scaling)
-    else:
-      y1, y2 = rope_halves(rows[:, :h], rows[:, h:], p, inv_freq, attention_scaling)
+      y1, y2 = rms_halves(y1, y2, w[:h], w[h:], eps, d)
+    if rope:
+      y1, y2 = rope_halves(y1, y2, p, inv_freq, attention_scaling)
     return jnp.concatenate([y1, y2], axis=-1).reshape(b, n, t, d)
 
   q = norm_rope(x[:, :, :n_head], q_norm).reshape(b, hkv, g, t, d)
   q = q.transpose(0, 1, 3, 2, 4).reshape(b, hkv, t * g, d).astype(cache_k.dtype)
   k = norm_rope(x[:, :, n_head:n_head + hkv], k_norm)
-  v = x[:, :, n_head + hkv:].transpose(0, 2, 1, 3)
-  slot = jnp.where(pos < s, pos, s)                         # s: dropped
+  v = x[:, :, n_head + hkv:n_head + 2 * hkv].transpose(0, 2, 1, 3)
+  if capacity:
+    slot = jnp.where(pos < capacity, pos % s, s)           # s: dropped
+  else:
+    slot = jnp.where(pos < s, pos, s)
   bi = jnp.arange(b)[:, None]
 
   def write(cache, rows):   # rows [B, Hkv, T, D] -> cache[b, :, slot[b, t]]

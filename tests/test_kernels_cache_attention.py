@@ -216,7 +216,7 @@ def test_qk_norm_rope_cache_rows_are_batch_invariant():
 def test_qk_norm_rope_cache_limits():
   parts, qn, kn, ck, cv, inv = _norm_rope_inputs(0, 1, 1, 2, 4, 2, 16, 8, jnp.float32)
   start = jnp.zeros((1,), jnp.int32)
-  with pytest.raises(ValueError, match="parts must hold n_head \\+ 2 n_head_kv heads"):
+  with pytest.raises(ValueError, match="parts must hold at least n_head \\+ 2 n_head_kv heads"):
     N.qk_norm_rope_cache(parts, qn, kn, ck, cv, start, inv, n_head=6, n_head_kv=2, eps=EPS)
   with pytest.raises(ValueError, match="cache_v must match cache_k"):
     N.qk_norm_rope_cache(parts, qn, kn, ck, cv.astype(jnp.bfloat16), start, inv, n_head=4,
