@@ -488,6 +488,26 @@ def residual_norm(x: jax.Array, parts: jax.Array | None, w_norm: jax.Array, eps:
                              out_dtype=input_dtype(w) if out_dtype is None else out_dtype)
 
 
+def sandwich_norm(x: jax.Array, parts: jax.Array | None, w_post: jax.Array | None,
+                  post_eps: float, w_norm: jax.Array, eps: float, w, *, offset: float,
+                  post_offset: float, policy: KernelPolicy | None = None, impl: str = "pallas",
+                  out_dtype=None) -> tuple[jax.Array, jax.Array]:
+  """A sandwich-normed target's joint between sublayers: (x + the RMS norm of sum(parts)
+  (weight post_offset + w_post, post_eps), the RMS norm of that (weight offset + w_norm, eps)
+  as the input of linear(., w)); parts None: (x, the norm of x). impl "pallas": one launch
+  (`rms_norm.sandwich_rms_norm`, one row per program: batch invariant), the norm written in
+  `input_dtype(w)` (or out_dtype); "xla": XLA's float32 norms."""
+  policy = _routing_policy(policy, impl, "sandwich_norm")
+  if impl == "xla":
+    if parts is not None:
+      x = x + rms_norm(sum_in_order(parts), post_offset + w_post, post_eps)
+    y = rms_norm(x, offset + w_norm, eps)
+    return x, (y if out_dtype is None else y.astype(out_dtype))
+  return norm_k.sandwich_rms_norm(
+      x, parts, w_post, w_norm, eps=eps, post_eps=post_eps, offset=offset,
+      post_offset=post_offset, out_dtype=input_dtype(w) if out_dtype is None else out_dtype)
+
+
 def target_attention(*, t: int, group: int, head_dim: int, cache_dtype, impl: str,
                      policy: KernelPolicy | None) -> cache_attn_k.Knobs | None:
   """How a target pass of t rows per sequence attends its cache: the Pallas pieces

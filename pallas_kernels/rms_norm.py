@@ -10,6 +10,9 @@ sections).
 (added in their order, then to x), written back as the new residual, and its norm, in one
 launch. One row per program, so a row's sums run in the same order (the same tile and
 reduction tree) whatever the row count of the call: the norm is batch invariant.
+`sandwich_rms_norm` is the same joint for sandwich-normed layers (Muse-Glimmer): the finished
+sublayer's output is normed before it joins the residual, then the residual is normed for
+the next sublayer, still one launch and one row per program.
 """
 from __future__ import annotations
 
@@ -133,3 +136,83 @@ def add_rms_norm_reference(x: jax.Array, parts: jax.Array | None, w: jax.Array, 
       s = s + parts[i]
     x = x + s
   return x, rms_norm_reference(x, w, eps=eps, out_dtype=out_dtype)
+
+
+def _sandwich_kernel(x_ref, *refs, k: int, eps: float, post_eps: float, offset: float,
+                     post_offset: float, n_parts: int):
+  if n_parts:
+    p_ref, wp_ref, w_ref, x_out, o_ref = refs
+  else:
+    w_ref, o_ref = refs
+  kp = x_ref.shape[1]
+  lims = (None, None if kp == k else k)
+  x = load_tile(x_ref, (0, 0), (1, kp), lims)
+  if n_parts:
+    y = load_tile(p_ref, (0, 0, 0), (None, 1, kp), (None,) + lims)
+    for i in range(1, n_parts):
+      y = y + load_tile(p_ref, (i, 0, 0), (None, 1, kp), (None,) + lims)
+    wp = load_tile(wp_ref, (0,), (kp,), lims[1:]) + post_offset
+    r = jax.lax.rsqrt(jnp.sum(y * y, axis=1) / k + post_eps)
+    x = x + y * r[:, None] * wp[None, :]
+    store_tile(x_out, (0, 0), x, lims)
+  w = load_tile(w_ref, (0,), (kp,), lims[1:]) + offset
+  r = jax.lax.rsqrt(jnp.sum(x * x, axis=1) / k + eps)
+  store_tile(o_ref, (0, 0), (x * r[:, None] * w[None, :]).astype(o_ref.dtype), lims)
+
+
+@functools.partial(jax.jit, static_argnames=["eps", "post_eps", "offset", "post_offset",
+                                             "out_dtype", "num_warps", "interpret"])
+def sandwich_rms_norm(x: jax.Array, parts: jax.Array | None, w_post: jax.Array | None,
+                      w: jax.Array, *, eps: float, post_eps: float = 0.0, offset: float = 0.0,
+                      post_offset: float = 0.0, out_dtype=jnp.bfloat16, num_warps: int = 8,
+                      interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
+  """A sandwich-normed layer's joint between two sublayers, in one launch: the finished
+  sublayer's output y = sum(parts) (its split-K partials [P, M, K] float32, added in order)
+  is RMS-normed (post_eps, weight post_offset + w_post) and added to the residual x [M, K]
+  float32; the new residual is RMS-normed (eps, weight offset + w) as the next sublayer's
+  input. parts None: no finished sublayer (w_post not read), only the norm of x. The offsets
+  serve (1 + w)-stored norm weights. Returns (the new residual [M, K] float32, the norm
+  [M, K] out_dtype). One row per program: batch invariant, as `add_rms_norm`."""
+  name = "sandwich_rms_norm"
+  _check_args(name, x, w)
+  m, k = x.shape
+  if parts is not None:
+    check(parts.ndim == 3 and parts.shape[1:] == x.shape, name, f"parts must be [P, {m}, {k}]",
+          parts.shape)
+    check(parts.dtype == jnp.float32, name, "parts must be float32", parts.dtype)
+    check(w_post is not None and w_post.shape == (k,) and w_post.dtype == jnp.float32, name,
+          f"w_post must be float32 [{k}]", None if w_post is None else (w_post.shape,
+                                                                         w_post.dtype))
+  n_parts = 0 if parts is None else parts.shape[0]
+  kp = next_pow2(k)
+  row = pl.BlockSpec((1, kp), lambda i: (i, 0))
+  vec = pl.BlockSpec((kp,), lambda i: (0,))
+  in_specs = [row] + ([pl.BlockSpec((n_parts, 1, kp), lambda i: (0, i, 0)), vec]
+                      if n_parts else []) + [vec]
+  out = pl.pallas_call(
+      functools.partial(_sandwich_kernel, k=k, eps=eps, post_eps=post_eps, offset=offset,
+                        post_offset=post_offset, n_parts=n_parts),
+      grid=(m,),
+      in_specs=in_specs,
+      out_specs=[row] * (2 if n_parts else 1),
+      out_shape=([jax.ShapeDtypeStruct((m, k), jnp.float32)] if n_parts else [])
+      + [jax.ShapeDtypeStruct((m, k), out_dtype)],
+      compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
+      interpret=resolve_interpret(interpret),
+      name=name,
+  )(*([x] + ([parts, w_post] if n_parts else []) + [w]))
+  return (out[0], out[1]) if n_parts else (x, out[0])
+
+
+def sandwich_rms_norm_reference(x: jax.Array, parts: jax.Array | None, w_post: jax.Array | None,
+                                w: jax.Array, *, eps: float, post_eps: float = 0.0,
+                                offset: float = 0.0, post_offset: float = 0.0,
+                                out_dtype=jnp.bfloat16) -> tuple[jax.Array, jax.Array]:
+  """The jnp twin of `sandwich_rms_norm` (the partials added in the same order)."""
+  _check_args("sandwich_rms_norm_reference", x, w)
+  if parts is not None:
+    y = parts[0]
+    for i in range(1, parts.shape[0]):
+      y = y + parts[i]
+    x = x + rms_norm_reference(y, w_post + post_offset, eps=post_eps, out_dtype=jnp.float32)
+  return x, rms_norm_reference(x, w + offset, eps=eps, out_dtype=out_dtype)

@@ -6,6 +6,12 @@ call's width, slot count or the cache's capacity), and the same at Qwen3-8B shap
 Slots a row must not see (past its position, or past the pass's rows) carry values far off
 the others' scale, so a leak through the mask moves the output by far more than the
 tolerance; q is scaled up so the softmax is peaked and the output is not V's mean.
+
+The sliding-window ring (window > 0) is built by replaying its write history (position p into
+slot p % S, later laps overwriting earlier ones) and checked against attention over each row's
+window read from a position-indexed table, not from the kernel's held-slot arithmetic (which
+its twin shares). There, positions outside every row's window and never-written slots carry a
+zero key (a score on the others' scale, so the leaked weight is not negligible) and LEAK values.
 """
 from __future__ import annotations
 
@@ -116,6 +122,138 @@ def test_cache_attention_rows_are_batch_invariant(dtype, g, d):
   np.testing.assert_array_equal(_bits(part), full[:, 3:8])
 
 
+# --- the sliding-window ring (window > 0) ------------------------------------------------------
+
+def _simulate_ring(kt, vt, last: int, s: int):
+  """The ring after writing positions 0 .. last in order: position p's K/V row (kt, vt
+  [Hkv, P, D], position-indexed) into slot p % s, a later lap overwriting the earlier one.
+  Returns ring_k, ring_v [Hkv, s, D] and the position each slot holds [s] (-1: never written;
+  such a slot holds a zero key and LEAK values)."""
+  hkv, _, d = kt.shape
+  ring_k, ring_v = np.zeros((hkv, s, d)), np.full((hkv, s, d), LEAK)
+  held = np.full(s, -1)
+  for p in range(last + 1):
+    ring_k[:, p % s], ring_v[:, p % s], held[p % s] = kt[:, p], vt[:, p], p
+  return ring_k, ring_v, held
+
+
+def _ring_tables(seed, b, t, hkv, g, d, start, window: int, dtype):
+  """Seeded q [B, Hkv, T G, D] and position-indexed K/V tables [B, Hkv, max(start) + T, D],
+  rounded to dtype (held as float64). Positions <= start[b] - window are outside every row's
+  window: a zero key (a score of 0, the others' scale, so its weight is not negligible) and a
+  LEAK value, so a leak of one moves the output by far more than the tolerance."""
+  rng = np.random.default_rng(seed)
+  n_pos = int(max(start)) + t
+  q = rng.standard_normal((b, hkv, t * g, d)) * Q_SCALE
+  kt = rng.standard_normal((b, hkv, n_pos, d))
+  vt = rng.standard_normal((b, hkv, n_pos, d))
+  for i in range(b):
+    gone = max(0, int(start[i]) - window + 1)
+    kt[i, :, :gone], vt[i, :, :gone] = 0.0, LEAK
+  rnd = lambda a: np.asarray(jnp.asarray(a, dtype).astype(jnp.float32), np.float64)
+  return rnd(q), rnd(kt), rnd(vt)
+
+
+def _ring_cache(kt, vt, start, t: int, s: int, capacity: int, dtype, upto=None):
+  """The caches [B, Hkv, s, D] (dtype) a pass at `start` sees: every position below
+  min(start + T, capacity) written in order (upto[b]: only positions <= upto[b]); also
+  returns the positions the slots hold [B, s]."""
+  ks, vs, helds = [], [], []
+  for i in range(kt.shape[0]):
+    last = min(int(start[i]) + t, capacity) - 1 if upto is None else int(upto[i])
+    rk, rv, held = _simulate_ring(kt[i], vt[i], last, s)
+    ks.append(rk), vs.append(rv), helds.append(held)
+  return jnp.asarray(np.stack(ks), dtype), jnp.asarray(np.stack(vs), dtype), np.stack(helds)
+
+
+def numpy_ring_attention(q, kt, vt, start, t: int, window: int, capacity: int,
+                         held=None) -> np.ndarray:
+  """Float64 transcription from the position-indexed tables: row r of kv head h (token
+  r // G at position pos = start[b] + r // G) attends the positions in (pos - window, pos]
+  (those >= 0). Rows at positions >= capacity (padding: nothing was written for them) are
+  NaN. held [B, S] (the slots' positions), when given, is checked to hold every position a
+  checked row attends (the test's own inputs meet the contract)."""
+  b, hkv, rows, d = q.shape
+  g = rows // t
+  out = np.full((b, t, hkv * g * d), np.nan)
+  for i in range(b):
+    for r in range(rows):
+      pos = int(start[i]) + r // g
+      if pos >= capacity:
+        continue
+      lo = max(0, pos - window + 1)
+      if held is not None:
+        assert set(range(lo, pos + 1)) <= set(held[i].tolist()), (i, pos)
+      for h in range(hkv):
+        sc = kt[i, h, lo:pos + 1] @ q[i, h, r] / math.sqrt(d)
+        p = np.exp(sc - sc.max())
+        col = (h * g + r % g) * d
+        out[i, r // g, col:col + d] = (p / p.sum()) @ vt[i, h, lo:pos + 1]
+  return out
+
+
+RING_CASES = [  # (b, t, hkv, g, d, s, window, capacity, start, chunk, block_k, block_q, dtype)
+    (1, 1, 2, 2, 16, 40, 32, 4096, [123], 16, 16, 16, F32),      # decode, ring wrapped 3 laps
+    (1, 1, 2, 1, 16, 40, 32, 4096, [123], 16, 16, 16, BF16),     # group 1
+    (2, 5, 2, 2, 16, 36, 32, 4096, [17, 200], 16, 16, 16, BF16),  # S = W + T - 1; unwrapped
+    (3, 16, 1, 4, 48, 48, 33, 1000, [0, 37, 150], 16, 16, 32, F32),  # d 48, two row tiles
+    (2, 16, 2, 3, 16, 48, 20, 48, [40, 10], 16, 16, 64, BF16),   # S = capacity: padding rows
+    (2, 7, 2, 4, 48, 64, 40, 100, [95, 60], 32, 16, 32, F32),    # ring up to the capacity
+    (1, 16, 2, 1, 16, 31, 16, 2000, [500], 16, 16, 16, BF16),    # S = 31: a ragged chunk
+]
+
+
+@pytest.mark.parametrize("case", RING_CASES, ids=lambda c: "b{}-t{}-g{}-d{}-s{}-w{}-c{}-{}".format(
+    c[0], c[1], c[3], c[4], c[5], c[6], c[7], jnp.dtype(c[12]).name))
+def test_cache_attention_ring_matches_numpy_and_twin(case):
+  """window > 0: the ring built by writing every position in order (stale laps overwritten),
+  against float64 attention over each row's window read from the position-indexed tables."""
+  b, t, hkv, g, d, s, window, capacity, start, chunk, bk, bq, dtype = case
+  assert s >= window + t - 1 or s == capacity   # the contract
+  q, kt, vt = _ring_tables(sum(case[:8]) + sum(start) + chunk + bq, b, t, hkv, g, d, start, window, dtype)
+  ck, cv, held = _ring_cache(kt, vt, start, t, s, capacity, dtype)
+  start_j = jnp.asarray(start, jnp.int32)
+  kw = dict(t=t, window=window, capacity=capacity, chunk=chunk, block_k=bk, block_q=bq)
+  qj = jnp.asarray(q, dtype)
+  want = numpy_ring_attention(q, kt, vt, start, t, window, capacity, held)
+  ok = ~np.isnan(want)   # rows at positions past the capacity: no contract
+  assert ok.any()
+  got = np.asarray(A.cache_attention(qj, ck, cv, start_j, **kw))
+  assert got.shape == (b, t, hkv * g * d) and np.isfinite(got[ok]).all()
+  tol = F64_TOL[jnp.dtype(dtype)]
+  np.testing.assert_allclose(got[ok], want[ok], atol=tol, rtol=tol)
+  twin = np.asarray(A.cache_attention_reference(qj, ck, cv, start_j, **kw))
+  np.testing.assert_allclose(got[ok], twin[ok], atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype, g, d", [(BF16, 4, 16), (F32, 3, 48)], ids=["bf16-g4", "f32-g3"])
+def test_cache_attention_ring_rows_are_batch_invariant(dtype, g, d):
+  """Ring mode: each row of a 16-row pass equals, bit for bit, the 1-row pass of the same query
+  at the same position over the ring as it stands after writing only up to that position (the
+  later rows' slots still hold the lap before), and a 5-row pass from row 3 its rows 3..7. The
+  ring (S = window + 16) has wrapped; the query tile is the 16-row pass's for every call."""
+  b, t, hkv, window, capacity = 2, 16, 2, 32, 4096
+  s = window + t
+  start = [100, 203]
+  q, kt, vt = _ring_tables(g * d + 1, b, t, hkv, g, d, start, window, dtype)
+  kw = dict(window=window, capacity=capacity, chunk=16, block_k=16, block_q=A.default_knobs(
+      rows=t * g, head_dim=d, cache_dtype=dtype, chunk=16).block_q)
+  start_j = jnp.asarray(start, jnp.int32)
+  ck, cv, _ = _ring_cache(kt, vt, start, t, s, capacity, dtype)
+  rows = jnp.asarray(q, dtype).reshape(b, hkv, t, g, d)
+  full = _bits(A.cache_attention(rows.reshape(b, hkv, t * g, d), ck, cv, start_j, t=t, **kw))
+  for i in (0, 1, 5, 15):
+    k1, v1, held = _ring_cache(kt, vt, start, t, s, capacity, dtype,
+                               upto=[st + i for st in start])
+    assert (held >= 0).all() and held.max() == max(start) + i
+    one = A.cache_attention(rows[:, :, i], k1, v1, start_j + i, t=1, **kw)
+    np.testing.assert_array_equal(_bits(one)[:, 0], full[:, i])
+  k5, v5, _ = _ring_cache(kt, vt, start, t, s, capacity, dtype, upto=[st + 7 for st in start])
+  part = A.cache_attention(rows[:, :, 3:8].reshape(b, hkv, 5 * g, d), k5, v5, start_j + 3, t=5,
+                           **kw)
+  np.testing.assert_array_equal(_bits(part), full[:, 3:8])
+
+
 def test_cache_attention_limits():
   q, k, v, start = _attention_inputs(0, 1, 2, 2, 2, 16, 32, jnp.float32)
   with pytest.raises(ValueError, match="chunk must be a multiple of block_k"):
@@ -130,28 +268,64 @@ def test_cache_attention_limits():
     A.cache_attention(q[..., :8], k[..., :8], v[..., :8], start, t=2)
   with pytest.raises(ValueError, match="start must be int32"):
     A.cache_attention(q, k, v, start[None], t=2)
+  ring = r"a windowed \(ring\) cache needs capacity >= its S slots"
+  for fn in (A.cache_attention, A.cache_attention_reference):   # S = 32
+    with pytest.raises(ValueError, match=ring):
+      fn(q, k, v, start, t=2, window=8, capacity=31)
+    with pytest.raises(ValueError, match=ring):
+      fn(q, k, v, start, t=2, window=8)   # capacity 0
 
 
 # --- qk_norm_rope_cache ------------------------------------------------------------------------
 
-def numpy_norm_rope(x, w, pos, inv_freq, norm: bool) -> np.ndarray:
-  """Float64: x [R, D] -> rms_norm(x) * w (if norm), then NEOX rope at pos [R]."""
+def numpy_norm_rope(x, w, pos, inv_freq, norm: bool, rope: bool = True) -> np.ndarray:
+  """Float64: x [R, D] -> rms_norm(x) * w (if norm), then NEOX rope at pos [R] (if rope)."""
   x = np.asarray(x, np.float64)
   if norm:
     x = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + EPS) * np.asarray(w, np.float64)
+  if not rope:
+    return x
   h = x.shape[1] // 2
   ang = np.asarray(pos, np.float64)[:, None] * np.asarray(inv_freq, np.float64)[None, :]
   c, s = np.cos(ang), np.sin(ang)
   return np.concatenate([x[:, :h] * c - x[:, h:] * s, x[:, h:] * c + x[:, :h] * s], axis=1)
 
 
-def _norm_rope_inputs(seed, n_parts, b, t, hq, hkv, d, s, dtype):
+def _norm_rope_inputs(seed, n_parts, b, t, hq, hkv, d, s, dtype, extra: int = 0):
+  """extra: trailing heads past q, k, v in parts (an output gate's), LEAK-scaled."""
   rng = np.random.default_rng(seed)
-  parts = jnp.asarray(rng.standard_normal((n_parts, b, t, hq + 2 * hkv, d)), jnp.float32)
+  parts = rng.standard_normal((n_parts, b, t, hq + 2 * hkv + extra, d))
+  parts[:, :, :, hq + 2 * hkv:] *= LEAK
+  parts = jnp.asarray(parts, jnp.float32)
   qn, kn = (jnp.asarray(rng.standard_normal(d) + 1, jnp.float32) for _ in range(2))
   ck, cv = (jnp.asarray(rng.standard_normal((b, hkv, s, d)), dtype) for _ in range(2))
   inv = jnp.asarray(1e4 ** (-np.arange(0, d, 2) / d), jnp.float32)
   return parts, qn, kn, ck, cv, inv
+
+
+def numpy_qk_norm_rope_cache(parts, qn, kn, old_k, old_v, start, inv, hq: int, hkv: int,
+                             qk_norm: bool, rope: bool = True, capacity: int = 0):
+  """Float64 transcription: q [B, Hkv, T, G, D] (token t, query head h G + g), and the caches
+  old_k, old_v [B, Hkv, S, D] with row t's k and v written at its position p = start[b] + t:
+  at slot p if p < S (capacity 0), at slot p % S if p < capacity (a ring); else nowhere.
+  Also returns which slots were written [B, S]."""
+  x = np.asarray(parts, np.float64).sum(0)   # [B, T, heads, D]; heads past q, k, v unread
+  b, t, _, d = x.shape
+  s = old_k.shape[2]
+  g = hq // hkv
+  q = np.zeros((b, hkv, t, g, d))
+  want_k, want_v = np.array(old_k, np.float64), np.array(old_v, np.float64)
+  written = np.zeros((b, s), bool)
+  for i in range(b):
+    pos = int(start[i]) + np.arange(t)
+    ok, slot = (pos < capacity, pos % s) if capacity else (pos < s, pos)
+    written[i, slot[ok]] = True
+    for h in range(hkv):
+      for j in range(g):
+        q[i, h, :, j] = numpy_norm_rope(x[i, :, h * g + j], qn, pos, inv, qk_norm, rope)
+      want_k[i, h, slot[ok]] = numpy_norm_rope(x[i, :, hq + h], kn, pos, inv, qk_norm, rope)[ok]
+      want_v[i, h, slot[ok]] = x[i, :, hq + hkv + h][ok]
+  return q, want_k, want_v, written
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
@@ -177,22 +351,56 @@ def test_qk_norm_rope_cache(dtype, n_parts, b, t, hq, hkv, d, s, qk_norm):
                                         jnp.asarray(old_v, dtype), start, inv, **kw)
   for got, want in zip((q, nk, nv), twin):
     np.testing.assert_array_equal(_bits(got), _bits(want))
-  x = np.asarray(parts, np.float64).sum(0)
-  g = hq // hkv
   tol = 1e-5 if dtype == jnp.float32 else 1e-2
-  q = np.asarray(q.astype(jnp.float32)).reshape(b, hkv, t, g, d)
-  want_k, want_v = old_k.copy(), old_v.copy()
-  for i in range(b):
-    pos = int(start[i]) + np.arange(t)
-    for h in range(hkv):
-      for j in range(g):
-        np.testing.assert_allclose(q[i, h, :, j], numpy_norm_rope(
-            x[i, :, h * g + j], qn, pos, inv, qk_norm), rtol=tol, atol=tol)
-      ok = pos < s
-      want_k[i, h, pos[ok]] = numpy_norm_rope(x[i, :, hq + h], kn, pos, inv, qk_norm)[ok]
-      want_v[i, h, pos[ok]] = x[i, :, hq + hkv + h][ok]
+  want_q, want_k, want_v, _ = numpy_qk_norm_rope_cache(parts, qn, kn, old_k, old_v,
+                                                       np.asarray(start), inv, hq, hkv, qk_norm)
+  np.testing.assert_allclose(np.asarray(q.astype(jnp.float32)).reshape(want_q.shape), want_q,
+                             rtol=tol, atol=tol)
   np.testing.assert_allclose(np.asarray(nk.astype(jnp.float32)), want_k, rtol=tol, atol=tol)
   np.testing.assert_allclose(np.asarray(nv.astype(jnp.float32)), want_v, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize(
+    "n_parts, b, t, hq, hkv, d, s, capacity, start, qk_norm, rope, extra, dtype", [
+        # a ring: one sequence wraps within the pass, one's rows pass the capacity
+        (2, 3, 16, 4, 2, 16, 24, 100, [30, 95, 10], True, True, 2, BF16),
+        (1, 1, 8, 2, 1, 16, 24, 24, [20], True, True, 3, BF16),     # S = capacity
+        (2, 2, 7, 8, 2, 16, 16, 48, [40, 12], False, True, 0, F32),  # no q/k norm
+        (1, 2, 5, 4, 2, 48, 40, 4096, [77, 3], True, False, 1, F32),  # NoPE ring, d 48
+        (3, 2, 20, 6, 2, 16, 64, 0, [0, 50], True, False, 4, BF16),   # NoPE, two row tiles
+        (1, 1, 1, 4, 1, 16, 32, 0, [7], False, False, 2, F32),        # neither: q, k as is
+    ], ids=lambda v: ("-".join(map(str, v)) if isinstance(v, list) else
+                      jnp.dtype(v).name if isinstance(v, type) else str(v)))
+def test_qk_norm_rope_cache_ring_nope_and_trailing_heads(n_parts, b, t, hq, hkv, d, s, capacity,
+                                                         start, qk_norm, rope, extra, dtype):
+  """capacity > 0: row t's K/V at slot (start + t) % S, rows at positions >= capacity dropped;
+  rope=False: q and k normed (when qk_norm), not rotated; the cache's other slots keep their
+  bits. Against the float64 transcription, the twin bitwise, and trailing heads in parts
+  (LEAK-scaled) changing no bit: the same call with them cut off."""
+  parts, qn, kn, ck, cv, inv = _norm_rope_inputs(d + t + extra, n_parts, b, t, hq, hkv, d, s,
+                                                 dtype, extra=extra)
+  start = jnp.asarray(start, jnp.int32)
+  kw = dict(n_head=hq, n_head_kv=hkv, eps=EPS, qk_norm=qk_norm, rope=rope, capacity=capacity)
+  old_k, old_v = np.asarray(ck.astype(jnp.float32)), np.asarray(cv.astype(jnp.float32))
+  fresh = lambda: (jnp.asarray(old_k, dtype), jnp.asarray(old_v, dtype))
+  got = N.qk_norm_rope_cache(parts, qn, kn, *fresh(), start, inv, **kw)
+  cut = N.qk_norm_rope_cache(parts[:, :, :, :hq + 2 * hkv], qn, kn, *fresh(), start, inv, **kw)
+  twin = N.qk_norm_rope_cache_reference(parts, qn, kn, *fresh(), start, inv, **kw)
+  for a, c, w in zip(got, cut, twin):
+    np.testing.assert_array_equal(_bits(a), _bits(c))
+    np.testing.assert_array_equal(_bits(a), _bits(w))
+  q, nk, nv = got
+  want_q, want_k, want_v, written = numpy_qk_norm_rope_cache(
+      parts, qn, kn, old_k, old_v, np.asarray(start), inv, hq, hkv, qk_norm, rope, capacity)
+  assert written.any() and not written.all()
+  tol = 1e-5 if dtype == jnp.float32 else 1e-2
+  np.testing.assert_allclose(np.asarray(q.astype(jnp.float32)).reshape(want_q.shape), want_q,
+                             rtol=tol, atol=tol)
+  for new, old, want in ((nk, old_k, want_k), (nv, old_v, want_v)):
+    new = np.asarray(new.astype(jnp.float32))
+    np.testing.assert_allclose(new, want, rtol=tol, atol=tol)
+    np.testing.assert_array_equal(new.transpose(0, 2, 1, 3)[~written],
+                                  old.transpose(0, 2, 1, 3)[~written])
 
 
 def test_qk_norm_rope_cache_rows_are_batch_invariant():

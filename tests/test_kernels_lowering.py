@@ -239,6 +239,22 @@ def _target_cases() -> dict:
                         interpret=False),
       (S((1, 3, 5, 40, 96), F32), S((96,), F32), S((96,), F32))
       + (S((3, 8, 1000, 96), F32),) * 2 + (S((3,), I32), S((48,), F32)))
+  # Muse-Glimmer (32 query heads over 2 kv heads, head_dim 128): the fused projection's parts
+  # hold q, k, v and the output gate (2*32 + 2*2 heads); its sliding-window layers keep a ring
+  # of 2112 slots (roped), its full layers are NoPE.
+  for nm, rope, capacity, s in (("ring", True, 2112, 2112), ("nope", False, 0, 4096)):
+    cases[f"qk_norm_rope_cache_glimmer_{nm}"] = (
+        functools.partial(N.qk_norm_rope_cache, n_head=32, n_head_kv=2, eps=1e-6, rope=rope,
+                          capacity=capacity, interpret=False),
+        (S((4, 1, 16, 68, 128), F32), S((128,), F32), S((128,), F32))
+        + (S((1, 2, s, 128), BF16),) * 2 + (S((1,), I32), S((64,), F32)))
+  kn = CA.default_knobs(rows=16 * 16, head_dim=128, cache_dtype=BF16,
+                        chunk=POLICY.target_attention_chunk).kwargs()
+  for t in (1, 16):   # a window of 2048 over a 2112-slot ring, positions below 4096
+    cases[f"cache_attention_glimmer_window_t{t}"] = (
+        functools.partial(CA.cache_attention, t=t, window=2048, capacity=4096, out_dtype=BF16,
+                          interpret=False, **kn),
+        (S((1, 2, t * 16, 128), BF16),) + (S((1, 2, 2112, 128), BF16),) * 2 + (S((1,), I32),))
   cases["add_rms_norm"] = (functools.partial(RN.add_rms_norm, eps=1e-6, interpret=False),
                            (S((16, 4096), F32), S((4, 16, 4096), F32), S((4096,), F32)))
   cases["add_rms_norm_no_parts"] = (

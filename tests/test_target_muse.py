@@ -27,7 +27,7 @@ MIXED = dataclasses.replace(
     layer_rope_theta=(0.0, 1e4, 0.0, 123.0), tie_word_embeddings=True,
     final_logit_softcapping=None, sliding_window=3, qk_scale_factor=2.0)
 TOL = dict(rtol=2e-4, atol=2e-4)
-# commit_jit donates the verify's pending rows, which its result no longer holds.
+# commit_jit donates the cache, which its result holds unchanged but for the length.
 pytestmark = pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
 
 
@@ -196,28 +196,40 @@ def _prefill(p, cfg, cache, toks, n):
   return M.prefill_jit(p, cfg, cache, padded, jnp.asarray(n, jnp.int32), capture_layers=(1, 3))
 
 
-@pytest.mark.parametrize("cfg", [TINY, MIXED], ids=["default-layers", "mixed-tied-nocap"])
-def test_cached_chunks_equal_one_pass(cfg):
+# The Pallas kernels take head_dim >= 16.
+TINY16 = dataclasses.replace(TINY, head_dim=16)
+MIXED16 = dataclasses.replace(MIXED, head_dim=16)
+
+
+@pytest.mark.parametrize("cfg, impl, n_start, upto", [
+    (TINY, "xla", (3, 9), 100), (MIXED, "xla", (3, 9), 100),
+    (TINY16, "pallas", (63, 70), 84), (MIXED16, "pallas", (66, 60), 84)],
+    ids=["default-layers", "mixed-tied-nocap", "pallas-default", "pallas-mixed"])
+def test_cached_chunks_equal_one_pass(cfg, impl, n_start, upto):
   """Two sequences at different lengths: a prefill, then verifies of random widths (1-7,
   wider than the window too), each committed whole or in part (the rest re-verified), with
-  a rejected garbage verify between; every row equals the uncached forward's."""
+  a rejected garbage verify between; every row equals the uncached forward's. The rings
+  (window + RING_SLACK slots) wrap: the sequences run past them in a 128-position cache.
+  impl "pallas": the verifies run the Pallas kernels (interpret mode)."""
+  assert cfg.ring_slots(128) < upto < 128
   _, p = _model(cfg, 7)
   rng = np.random.default_rng(8)
-  toks = _tokens(9, (2, 60), cfg.vocab_size)
+  toks = _tokens(9, (2, 128), cfg.vocab_size)
   capture = (1, 3)
   ref_logits, ref_feats = M.forward_jit(p, cfg, toks, capture_layers=capture)
-  cache = M.init_cache(cfg, 2, 64)
-  pos = np.array([3, 9])
+  cache = M.init_cache(cfg, 2, 128)
+  pos = np.array(n_start)
   cache, feats = _prefill(p, cfg, cache, toks, pos)
   for b in range(2):
     np.testing.assert_allclose(feats[b, :pos[b]], ref_feats[b, :pos[b]], **TOL)
-  while pos.max() < 48:
+  while pos.max() < upto:
     w = int(rng.integers(1, 8))
     cache, _, _ = M.verify_jit(p, cfg, cache, _tokens(int(rng.integers(1 << 20)), (2, w),
-                                                       cfg.vocab_size), capture_layers=capture)
+                                                       cfg.vocab_size), capture_layers=capture,
+                               impl=impl)
     cache = M.commit_jit(cfg, cache, jnp.zeros((2,), jnp.int32))
     vt = np.stack([toks[b, pos[b]:pos[b] + w] for b in range(2)])
-    cache, logits, feats = M.verify_jit(p, cfg, cache, vt, capture_layers=capture)
+    cache, logits, feats = M.verify_jit(p, cfg, cache, vt, capture_layers=capture, impl=impl)
     for b in range(2):
       np.testing.assert_allclose(logits[b], ref_logits[b, pos[b]:pos[b] + w], **TOL)
       np.testing.assert_allclose(feats[b], ref_feats[b, pos[b]:pos[b] + w], **TOL)
@@ -228,15 +240,17 @@ def test_cached_chunks_equal_one_pass(cfg):
 
 
 def test_verify_then_commit_every_n_keep():
-  """From one prefilled state: verify w rows whose first n_keep are the sequence's and the
-  rest garbage, commit(n_keep), then verify the sequence onward: equal to one pass over the
-  kept tokens, for every n_keep in 0..w (w = 6 > the window 4: the kept rows wrap the ring)."""
+  """From one prefilled state past the ring's first lap: verify w rows whose first n_keep are
+  the sequence's and the rest garbage, commit(n_keep), then verify the sequence onward: equal
+  to one pass over the kept tokens, for every n_keep in 0..w (w = 6 > the window 4). The
+  garbage rows overwrote ring slots: what they overwrote was out of every window."""
   _, p = _model(TINY, 10)
-  toks = _tokens(11, (1, 40))
+  toks = _tokens(11, (1, 100))
   ref_logits, ref_feats = M.forward_jit(p, TINY, toks, capture_layers=(2, 5))
-  w, n0 = 6, 9
+  w, n0 = 6, 75
+  assert n0 > TINY.ring_slots(128)
   for n_keep in range(w + 1):
-    cache = M.init_cache(TINY, 1, 48)
+    cache = M.init_cache(TINY, 1, 128)
     cache, _ = _prefill(p, TINY, cache, toks, np.array([n0]))
     vt = _tokens(20 + n_keep, (1, w))
     vt[0, :n_keep] = toks[0, n0:n0 + n_keep]
@@ -250,20 +264,25 @@ def test_verify_then_commit_every_n_keep():
 
 
 def test_cache_holds_the_window_only():
-  """Sliding layers keep min(window, capacity) slots, full layers capacity; cache_nbytes is
-  what init_cache allocates plus a verify's pending rows; commit without a verify fails."""
-  cache = M.init_cache(TINY, 2, 40, "bf16")
-  assert [k.shape[1] for k in cache.k] == [40, 4, 4, 4, 40]
-  assert cache.k[0].dtype == jnp.bfloat16 and cache.capacity == 40
+  """Sliding layers keep min(window + RING_SLACK, capacity) slots, full layers capacity;
+  cache_nbytes is what init_cache allocates (a verify writes in place); a verify wider than
+  the ring's slack is refused."""
+  assert M.RING_SLACK == 64
+  cache = M.init_cache(TINY, 2, 100, "bf16")
+  assert [k.shape[2] for k in cache.k] == [100, 68, 68, 68, 100]
+  assert cache.k[0].shape == (2, 2, 100, 8)
+  assert cache.k[0].dtype == jnp.bfloat16 and cache.capacity == 100
   arrays = sum(a.nbytes for a in jax.tree.leaves(cache))
-  assert TINY.cache_nbytes(2, 40, "bf16") == arrays + 3 * 2 * 2 * 16 * 2
-  assert [k.shape[1] for k in M.init_cache(TINY, 1, 3).k] == [3] * 5
+  assert TINY.cache_nbytes(2, 100, "bf16", 16) == arrays
+  assert [k.shape[2] for k in M.init_cache(TINY, 1, 3).k] == [3] * 5
   glimmer = M.config_from_hf(GLIMMER_30B_HF)
   per_pos = 2 * 2 * 128 * 2   # K and V, 2 kv heads x 128, bf16
   assert glimmer.cache_nbytes(1, 131072, "bf16", 16) == (
-      per_pos * (13 * 131072 + 39 * (2048 + 16)) + 4)
-  with pytest.raises(ValueError, match="commit follows a verify"):
-    M.commit(TINY, cache, jnp.zeros((2,), jnp.int32))
+      per_pos * (13 * 131072 + 39 * (2048 + 64)) + 4)
+  _, p = _model(TINY, 3)
+  with pytest.raises(ValueError, match="65 rows per sequence, but a sliding layer's ring "
+                     "serves verifies of at most RING_SLACK = 64 rows"):
+    M.verify(p, TINY, M.init_cache(TINY, 1, 100), _tokens(4, (1, 65)))
   with pytest.raises(ValueError, match="capture_layers \\[6\\] outside \\[0, 5\\]"):
     TINY.check_capture_layers((0, 6))
 

@@ -11,22 +11,28 @@ attention output times sigmoid(gate) goes through o_proj, then a (1 + w) norm wi
 a plain weight; logits are `softcap * tanh(output_multiplier * (h @ lm_head^T) / softcap)`.
 
 The cache. Full-attention layers keep K/V for every position (slot = position, `capacity`
-slots). Sliding layers keep a ring of R = min(sliding_window, capacity) slots (slot =
-position % R) holding only committed rows, so a long context costs the full layers' cache
-alone. A call attends over the ring as it was before the call plus the call's own rows (one
-softmax over both), so a prefill longer than the window needs no wider ring. `prefill`
-writes its first n_valid rows into the ring. `verify` writes nothing into the ring: its rows
-ride in the returned cache (`pending_k/v`, one [B, w, Hkv, D] per sliding layer) and
-`commit(cache, n_keep)` writes the first n_keep of them, so a rejected row never overwrites a
-committed one and the ring needs no slots beyond the window (the alternative, writing the
-verify rows into a ring of W + w_max slots, would fix w_max at `init_cache`).
+slots). Sliding layers keep a ring of R = min(sliding_window + RING_SLACK, capacity) slots
+(slot = position % R), so a long context costs the full layers' cache alone. Every pass
+writes its rows in place, a verify's past the length; `commit(cache, n_keep)` only moves the
+length. The ring's RING_SLACK slots past the window are what makes that safe: a verify of
+w <= RING_SLACK rows overwrites only positions at least R - w + 1 > window behind any row
+that can still see them, so a rejected row never costs a committed one a row needs (the
+other way, holding a verify's rows aside until the commit, costs a copy per sliding layer and
+round). On the Pallas path a call of up to policy.target_pallas_max_width rows runs the
+target's cache kernels (q/k norm + rope writing K/V in place, the cache attention over the
+live slots, the ring's window masked in the kernel), and each joint between sublayers is one
+launch (`dispatch.sandwich_norm`: the post norm of the finished sublayer, the residual add
+and the next pre-norm). XLA's cached attention (wider passes) attends a sliding layer over
+the ring as it was before the call plus the call's own rows (one softmax over both), so a
+prefill longer than the window needs no wider ring.
 
 Layout as in qwen3.py: matrices (out, in), every product is `qwen3.project` (`linear`'s
-batch-invariant route, whose split-K partials are added elementwise in order: XLA fuses the
-adds into the consumer, where a reduction over the splits would be a launch of its own);
-q/k/v/gate are one
+batch-invariant route); a projection's split-K partials go to their consumer unsummed (the
+joint's norm, the q/k kernel) and are added there in order. q/k/v/gate are one
 `[(2 Hq + 2 Hkv) D, E]` matrix, gate/up one `[2 F, E]`; norm weights are stored as in the
-checkpoint (the w of 1 + w) in float32; caches are [B, S, Hkv, D].
+checkpoint (the w of 1 + w) in float32; caches are [B, Hkv, S, D]. Under the default policy
+the Pallas path is batch invariant as qwen3.py's is: a row's bits do not depend on how many
+rows share the call.
 """
 from __future__ import annotations
 
@@ -44,7 +50,11 @@ from dflash_jax.config import (FULL, LAYER_TYPES, SLIDING, RopeScaling, checked_
                                rope_from_hf, rope_inv_freq)
 from dflash_jax.models import base
 from dflash_jax.models.qwen3 import normals, project, rope
-from dflash_jax.dispatch import KernelPolicy, einsum_f32, resolve_dtype, rms_norm
+from dflash_jax.dispatch import (KernelPolicy, einsum_f32, input_dtype, resolve_dtype, rms_norm,
+                                 sandwich_norm, sum_in_order, target_attention)
+from pallas_kernels import cache_attention as cache_attn_k
+from pallas_kernels import norm_rope as norm_rope_k
+from pallas_kernels._common import next_pow2
 
 MODEL_TYPES = ("muse_glimmer", "muse_glimmer_text")
 PREFIX = "model.language_model."   # the text model's tensors in the (VLM) checkpoint
@@ -52,6 +62,10 @@ _ARCHITECTURE = "MuseGlimmerForConditionalGeneration"
 # Stored but never read: the vision tower and its projection into the text model.
 _IGNORED_PREFIXES = ("model.vision_tower.", "model.vision_adapter.", "model.vision_projection.")
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+# The widest verify (rows per sequence) a sliding layer's ring serves: the ring holds this
+# many slots past the window (see the module docstring). Decoding verifies at most a
+# drafter's block (16 for the published drafters); 64 costs 64 K/V rows per sliding layer.
+RING_SLACK = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,9 +135,10 @@ class MuseGlimmerConfig(base.HFDecoderFacts):
 
   def cache_nbytes(self, batch: int, capacity: int, dtype: Any = "fp32",
                    verify_width: int = 1) -> int:
+    del verify_width   # a verify writes in place
     item = resolve_dtype(dtype, "cache dtype").itemsize
     slots = (len(self.full_layers) * capacity
-             + len(self.sliding_layers) * (self.ring_slots(capacity) + verify_width))
+             + len(self.sliding_layers) * self.ring_slots(capacity))
     return 2 * batch * self.kv_dim * item * slots + 4 * batch
 
   def prefill(self, params, cache, tokens, n_valid, *, capture_layers=(), impl: str = "xla"):
@@ -160,7 +175,7 @@ class MuseGlimmerConfig(base.HFDecoderFacts):
 
   def ring_slots(self, capacity: int) -> int:
     """Slots of a sliding layer's ring in a cache of `capacity` positions."""
-    return min(self.sliding_window, capacity)
+    return min(self.sliding_window + RING_SLACK, capacity)
 
   # --- HF config.json ---
   def to_hf(self) -> dict[str, Any]:
@@ -304,69 +319,110 @@ def init_params(cfg: MuseGlimmerConfig, key: jax.Array, dtype: Any = jnp.float32
 
 # --- the layer and the uncached forward ----------------------------------------------------
 
-def _attention(q: jax.Array, parts) -> jax.Array:
-  """q [B, T, Hq, D] f32 over key/value parts [(keys [B, S, Hkv, D], values, visible [B or
-  1, T, S])], one softmax over all of them -> [B, T, Hq D]. Each part's dots take their
-  operands in its K/V dtype with float32 accumulation (full precision for float32). Every
-  row must see at least one key (each row sees its own position)."""
-  b, t, hq, d = q.shape
-  hkv = parts[0][0].shape[2]
-  scores = []
-  for keys, _, visible in parts:
-    prec = jax.lax.Precision.HIGHEST if keys.dtype == jnp.float32 else jax.lax.Precision.DEFAULT
-    qg = q.reshape(b, t, hkv, hq // hkv, d).astype(keys.dtype)
-    s = einsum_f32("btkgd,bskd->bkgts", qg, keys, prec) * (1.0 / math.sqrt(d))
-    scores.append(jnp.where(visible[:, None, None], s, -jnp.inf))
-  p = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
-  o, start = 0.0, 0
-  for (keys, values, _), s in zip(parts, scores):
-    prec = jax.lax.Precision.HIGHEST if keys.dtype == jnp.float32 else jax.lax.Precision.DEFAULT
-    n = s.shape[-1]
-    o = o + einsum_f32("bkgts,bskd->btkgd", p[..., start:start + n].astype(values.dtype),
-                       values, prec)
-    start += n
-  return o.reshape(b, t, hq * d)
+@flax.struct.dataclass
+class Joint:
+  """The residual stream x [M, E] f32 between two sublayers, the finished sublayer's output
+  still in its split-K partials [P, M, E] f32 (None: nothing pending) with the (1 + w) weight
+  of its post norm: the next `sandwich_norm` finishes it (one launch on the Pallas path)."""
+  x: jax.Array
+  parts: jax.Array | None = None
+  w_post: jax.Array | None = None
 
 
-def _layer(cfg: MuseGlimmerConfig, l: int, lp: MuseLayer, x: jax.Array, positions: jax.Array,
-           freqs: jax.Array, attend, impl: str, policy: KernelPolicy):
-  """Layer l on rows x [B T, E] f32 at positions [B, T]. attend(q, k, v) with q [B, T, Hq,
-  D], k/v [B, T, Hkv, D] returns (o [B, T, Hq D], what the path keeps)."""
+def _join(cfg: MuseGlimmerConfig, j: Joint, w_norm: jax.Array, w, impl: str,
+          policy: KernelPolicy, offset: float = 1.0, out_dtype=None):
+  """(the residual with j's sublayer added, its norm (weight offset + w_norm) as the input
+  of linear(., w))."""
+  return sandwich_norm(j.x, j.parts, j.w_post, cfg.post_norm_eps, w_norm, cfg.rms_norm_eps, w,
+                       offset=offset, post_offset=1.0, policy=policy, impl=impl,
+                       out_dtype=out_dtype)
+
+
+def settle(cfg: MuseGlimmerConfig, j: Joint) -> jax.Array:
+  """The residual stream as one array (HF's hidden state entering the next layer)."""
+  if j.parts is None:
+    return j.x
+  return j.x + rms_norm(sum_in_order(j.parts), 1.0 + j.w_post, cfg.post_norm_eps)
+
+
+def _qkv(cfg: MuseGlimmerConfig, l: int, y: jax.Array, positions: jax.Array,
+         freqs: jax.Array):
+  """q [B, T, Hq, D], k and v [B, T, Hkv, D] f32 from the fused projection's sum y [B T, W]:
+  weight-less q/k norms (q times qk_scale_factor), rope on the layers that have it."""
   b, t = positions.shape
-  eps, post, d = cfg.rms_norm_eps, cfg.post_norm_eps, cfg.head_dim
-  qd, kvd = cfg.q_dim, cfg.kv_dim
-  h = rms_norm(x, 1.0 + lp.attn_norm, eps)
-  y = project(h, lp.wqkvg, impl, policy)
+  d, eps, qd, kvd = cfg.head_dim, cfg.rms_norm_eps, cfg.q_dim, cfg.kv_dim
   q = rms_norm(y[:, :qd].reshape(b, t, cfg.num_attention_heads, d), cfg.qk_scale_factor, eps)
   k = rms_norm(y[:, qd:qd + kvd].reshape(b, t, cfg.num_key_value_heads, d), 1.0, eps)
   v = y[:, qd + kvd:qd + 2 * kvd].reshape(b, t, cfg.num_key_value_heads, d)
   if cfg.has_rope(l):
     scale = cfg.rope_scaling.attention_scaling
     q, k = rope(q, positions, freqs, scale), rope(k, positions, freqs, scale)
-  o, kept = attend(q, k, v)
-  o = o.reshape(b * t, qd) * jax.nn.sigmoid(y[:, qd + 2 * kvd:])   # the gate of the normed h
-  x = x + rms_norm(project(o, lp.wo, impl, policy), 1.0 + lp.post_attn_norm, post)
-  hidden = project(rms_norm(x, 1.0 + lp.ffn_norm, eps), lp.wgu, impl, policy, gate_up=True)
-  return x + rms_norm(project(hidden, lp.wd, impl, policy), 1.0 + lp.post_ffn_norm,
-                      post), kept
+  return q, k, v
+
+
+def _attention(q: jax.Array, parts) -> jax.Array:
+  """q [B, T, Hq, D] f32 over key/value parts [(keys [B, Hkv, S, D], values, visible [B or
+  1, T, S])], one softmax over all of them -> [B T, Hq D]. Each part's dots take their
+  operands in its K/V dtype with float32 accumulation (full precision for float32). Every
+  row must see at least one key (each row sees its own position)."""
+  b, t, hq, d = q.shape
+  hkv = parts[0][0].shape[1]
+  scores = []
+  for keys, _, visible in parts:
+    prec = jax.lax.Precision.HIGHEST if keys.dtype == jnp.float32 else jax.lax.Precision.DEFAULT
+    qg = q.reshape(b, t, hkv, hq // hkv, d).astype(keys.dtype)
+    s = einsum_f32("btkgd,bksd->bkgts", qg, keys, prec) * (1.0 / math.sqrt(d))
+    scores.append(jnp.where(visible[:, None, None], s, -jnp.inf))
+  p = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
+  o, start = 0.0, 0
+  for (keys, values, _), s in zip(parts, scores):
+    prec = jax.lax.Precision.HIGHEST if keys.dtype == jnp.float32 else jax.lax.Precision.DEFAULT
+    n = s.shape[-1]
+    o = o + einsum_f32("bkgts,bksd->btkgd", p[..., start:start + n].astype(values.dtype),
+                       values, prec)
+    start += n
+  return o.reshape(b * t, hq * d)
+
+
+def _layer(cfg: MuseGlimmerConfig, l: int, lp: MuseLayer, j: Joint, positions: jax.Array,
+           attend, impl: str, policy: KernelPolicy):
+  """Layer l on the stream j (rows [B T, E]) at positions [B, T] -> (Joint with the MLP's
+  down projection pending, what attend kept). attend(y) takes the fused q/k/v/gate
+  projection's partials [P, B T, (2 Hq + 2 Hkv) D] and returns (the attention output
+  [B T, Hq D] f32, what the path keeps)."""
+  qd, kvd = cfg.q_dim, cfg.kv_dim
+  x, h = _join(cfg, j, lp.attn_norm, lp.wqkvg, impl, policy)
+  y = project(h, lp.wqkvg, impl, policy, partials=True)
+  o, kept = attend(y)
+  # The output gate of the normed input: the gate columns' partials summed here, fused by
+  # XLA with the product into the o projection's input.
+  o = o * jax.nn.sigmoid(sum_in_order(y[:, :, qd + 2 * kvd:]))
+  x, h = _join(cfg, Joint(x, project(o, lp.wo, impl, policy, partials=True), lp.post_attn_norm),
+               lp.ffn_norm, lp.wgu, impl, policy)
+  hidden = project(h, lp.wgu, impl, policy, gate_up=True,
+                   out_dtype=jnp.float32 if impl == "xla" else input_dtype(lp.wd))
+  return Joint(x, project(hidden, lp.wd, impl, policy, partials=True), lp.post_ffn_norm), kept
 
 
 def _trunk(params: MuseParams, cfg: MuseGlimmerConfig, tokens: jax.Array, positions: jax.Array,
            attend_layer, capture_layers, impl: str):
-  """Normed embedding -> layers -> final norm: (h [B T, E], features [B, T, F], kept per
-  layer). attend_layer(l) gives layer l's attend function."""
+  """Normed embedding -> layers -> final norm: (h [B T, E] in the LM head's input dtype
+  (float32 when the features capture it), features [B, T, F], kept per layer).
+  attend_layer(l) gives layer l's attend function."""
   capture = cfg.check_capture_layers(capture_layers)
   b, t = tokens.shape
-  freqs = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
-  x = rms_norm(params.embed[tokens.reshape(-1)], 1.0, cfg.rms_norm_eps)   # weight-less
+  n = cfg.num_hidden_layers
+  j = Joint(rms_norm(params.embed[tokens.reshape(-1)], 1.0, cfg.rms_norm_eps))   # weight-less
   seen, kept = {}, []
   for l, lp in enumerate(params.layers):
     if l in capture:
-      seen[l] = x
-    x, k = _layer(cfg, l, lp, x, positions, freqs, attend_layer(l), impl, params.policy)
+      j = Joint(settle(cfg, j))
+      seen[l] = j.x
+    j, k = _layer(cfg, l, lp, j, positions, attend_layer(l), impl, params.policy)
     kept.append(k)
-  h = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
-  seen[cfg.num_hidden_layers] = h
+  _, h = _join(cfg, j, params.final_norm, params.head, impl, params.policy, offset=0.0,
+               out_dtype=jnp.float32 if n in capture else None)
+  seen[n] = h
   feats = (jnp.concatenate([seen[i] for i in capture], axis=-1) if capture
            else jnp.zeros((b * t, 0), jnp.float32))
   return h, feats.reshape(b, t, -1), kept
@@ -386,6 +442,10 @@ def _window(cfg: MuseGlimmerConfig, l: int, diff: jax.Array) -> jax.Array:
   return vis & (diff < cfg.sliding_window) if cfg.is_sliding(l) else vis
 
 
+def _freqs(cfg: MuseGlimmerConfig) -> jax.Array:
+  return jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+
+
 def forward(params: MuseParams, cfg: MuseGlimmerConfig, tokens: jax.Array, *,
             capture_layers=(), with_logits: bool = True):
   """Uncached causal forward of tokens [B, T] at positions 0..T-1 -> (logits [B, T, V] f32 or
@@ -394,10 +454,15 @@ def forward(params: MuseParams, cfg: MuseGlimmerConfig, tokens: jax.Array, *,
   b, t = tokens.shape
   positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
   diff = (jnp.arange(t)[:, None] - jnp.arange(t)[None, :])[None]
+  freqs = _freqs(cfg)
 
   def attend_layer(l):
     vis = _window(cfg, l, diff)
-    return lambda q, k, v: (_attention(q, [(k, v, vis)]), None)
+
+    def attend(y):
+      q, k, v = _qkv(cfg, l, sum_in_order(y), positions, freqs)
+      return _attention(q, [(k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), vis)]), None
+    return attend
 
   h, feats, _ = _trunk(params, cfg, tokens, positions, attend_layer, capture_layers, "xla")
   return (_logits(params, cfg, h, (b, t), "xla") if with_logits else None), feats
@@ -407,16 +472,13 @@ def forward(params: MuseParams, cfg: MuseGlimmerConfig, tokens: jax.Array, *,
 
 @flax.struct.dataclass
 class MuseCache:
-  """k / v: one [B, S, Hkv, D] per layer (S = capacity for full-attention layers, slot =
-  position; S = R = min(sliding_window, capacity) for sliding ones, slot = position % R,
-  committed rows only). length [B] int32: positions < length are committed. pending_k /
-  pending_v: after a verify, its rows' K/V [B, w, Hkv, D] per sliding layer (in layer order)
-  for `commit`; None otherwise."""
+  """k / v: one [B, Hkv, S, D] per layer (full-attention layers: S = capacity, slot =
+  position; sliding layers: a ring of S = `ring_slots(capacity)` slots, slot = position % S).
+  length [B] int32: positions < length are committed. A verify's rows are written in place
+  (past the length) and `commit` only moves the length."""
   k: tuple[jax.Array, ...]
   v: tuple[jax.Array, ...]
   length: jax.Array
-  pending_k: tuple[jax.Array, ...] | None = None
-  pending_v: tuple[jax.Array, ...] | None = None
   capacity: int = flax.struct.field(pytree_node=False, default=0)
 
   @property
@@ -429,8 +491,9 @@ def init_cache(cfg: MuseGlimmerConfig, batch: int, capacity: int, dtype: Any = "
   if batch <= 0 or capacity <= 0:
     raise ValueError(f"batch and capacity must be positive, got {batch} and {capacity}")
   dt = resolve_dtype(dtype, "cache dtype")
-  shapes = [(batch, cfg.ring_slots(capacity) if cfg.is_sliding(l) else capacity,
-             cfg.num_key_value_heads, cfg.head_dim) for l in range(cfg.num_hidden_layers)]
+  shapes = [(batch, cfg.num_key_value_heads,
+             cfg.ring_slots(capacity) if cfg.is_sliding(l) else capacity, cfg.head_dim)
+            for l in range(cfg.num_hidden_layers)]
   return MuseCache(k=tuple(jnp.zeros(s, dt) for s in shapes),
                    v=tuple(jnp.zeros(s, dt) for s in shapes),
                    length=jnp.zeros((batch,), jnp.int32), capacity=int(capacity))
@@ -438,83 +501,126 @@ def init_cache(cfg: MuseGlimmerConfig, batch: int, capacity: int, dtype: Any = "
 
 def _write(buf: jax.Array, rows: jax.Array, start: jax.Array,
            n: jax.Array | None = None) -> jax.Array:
-  """buf [B, S, Hkv, D] with rows [B, T, Hkv, D] at slots start[b] .. start[b] + T - 1. With
+  """buf [B, Hkv, S, D] with rows [B, T, Hkv, D] at slots start[b] .. start[b] + T - 1. With
   n [B], only rows t < n[b]: the others keep buf's values, so a sequence with n 0 is untouched
   even where start + T passes the capacity (the write's start is then clamped, and so is the
   read of the values it keeps)."""
-  rows = rows.astype(buf.dtype)
-  t = rows.shape[1]
+  rows = rows.transpose(0, 2, 1, 3).astype(buf.dtype)
+  t = rows.shape[2]
   if n is not None:
-    old = jax.vmap(lambda c, s: jax.lax.dynamic_slice(c, (s, 0, 0), (t, *c.shape[1:])))(
-        buf, start)
+    old = jax.vmap(lambda c, s: jax.lax.dynamic_slice(c, (0, s, 0), (c.shape[0], t,
+                                                                     c.shape[2])))(buf, start)
     keep = jnp.arange(t, dtype=jnp.int32)[None, :] < n[:, None]
-    rows = jnp.where(keep[:, :, None, None], rows, old)
+    rows = jnp.where(keep[:, None, :, None], rows, old)
   if buf.shape[0] == 1:   # one sequence: a plain dynamic-update-slice, in place
-    return jax.lax.dynamic_update_slice(buf, rows, (0, start[0], 0, 0))
-  return jax.vmap(lambda c, r, s: jax.lax.dynamic_update_slice(c, r, (s, 0, 0)))(
+    return jax.lax.dynamic_update_slice(buf, rows, (0, 0, start[0], 0))
+  return jax.vmap(lambda c, r, s: jax.lax.dynamic_update_slice(c, r, (0, s, 0)))(
       buf, rows, start)
 
 
 def _ring_write(ring: jax.Array, rows: jax.Array, start: jax.Array, n: jax.Array) -> jax.Array:
-  """ring [B, R, Hkv, D] with rows t < n[b] of rows [B, T, Hkv, D] (positions start[b] + t)
+  """ring [B, Hkv, R, D] with rows t < n[b] of rows [B, T, Hkv, D] (positions start[b] + t)
   at slots (start + t) % R; of those only the last R (the earlier ones would be overwritten),
   so every written slot is distinct."""
-  r, t = ring.shape[1], rows.shape[1]
+  r, t = ring.shape[2], rows.shape[1]
   i = jnp.arange(t, dtype=jnp.int32)[None]
   keep = (i < n[:, None]) & (i >= n[:, None] - r)
   slot = jnp.where(keep, (start[:, None] + i) % r, r)   # r: out of range, dropped
   b = jnp.broadcast_to(jnp.arange(ring.shape[0], dtype=jnp.int32)[:, None], slot.shape)
-  return ring.at[b, slot].set(rows.astype(ring.dtype), mode="drop")
+  return ring.at[b, :, slot].set(rows.astype(ring.dtype), mode="drop")
+
+
+def _ring_visible(cfg: MuseGlimmerConfig, l: int, r: int, start: jax.Array,
+                  positions: jax.Array) -> jax.Array:
+  """[B, T, R]: which slots of a ring as it was before the call (slot s holds the latest
+  committed position = s mod R) rows at positions [B, T] see."""
+  last = start[:, None] - 1
+  held = last - (last - jnp.arange(r, dtype=jnp.int32)[None]) % r     # [B, R]
+  return (held[:, None, :] >= 0) & (
+      positions[:, :, None] - held[:, None, :] < cfg.sliding_window)
+
+
+def _xla_attend_layer(cfg, cache: MuseCache, start, positions, n_write, freqs):
+  """attend_layer of XLA's cached pass: K/V written (full layers at slot = position; rings at
+  position % R, of a prefill only the committed rows), then a masked attention; a sliding
+  layer attends over the ring as it was before the call plus the call's own rows (one
+  softmax), so a prefill longer than the window needs no wider ring."""
+  b, t = positions.shape
+  own = (jnp.arange(t)[:, None] - jnp.arange(t)[None, :])[None]   # diff within the call
+  all_rows = jnp.full((b,), t, jnp.int32)
+
+  def attend_layer(l):
+    ck, cv = cache.k[l], cache.v[l]
+
+    def attend(y):
+      q, k, v = _qkv(cfg, l, sum_in_order(y), positions, freqs)
+      if not cfg.is_sliding(l):
+        nk, nv = _write(ck, k, start, n_write), _write(cv, v, start, n_write)
+        vis = jnp.arange(ck.shape[2], dtype=jnp.int32)[None, None, :] <= positions[:, :, None]
+        return _attention(q, [(nk, nv, vis)]), (nk, nv)
+      k, v = k.astype(ck.dtype), v.astype(cv.dtype)   # as a later call will read them
+      vis_ring = _ring_visible(cfg, l, ck.shape[2], start, positions)
+      o = _attention(q, [(ck, cv, vis_ring), (k.transpose(0, 2, 1, 3),
+                                              v.transpose(0, 2, 1, 3), _window(cfg, l, own))])
+      n = all_rows if n_write is None else n_write
+      return o, (_ring_write(ck, k, start, n), _ring_write(cv, v, start, n))
+    return attend
+  return attend_layer
+
+
+def _pallas_attend_layer(cfg, cache: MuseCache, start, t: int, knobs, policy, freqs):
+  """attend_layer of the Pallas cached pass: the q/k norms (+ rope) with the K/V rows
+  written into the cache or ring in place (one launch), then the cache attention over the
+  live slots (two launches; a ring's window masked in the kernel)."""
+  b = start.shape[0]
+  hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+  q_norm = jnp.full((d,), cfg.qk_scale_factor, jnp.float32)
+  k_norm = jnp.ones((d,), jnp.float32)
+
+  def attend_layer(l):
+    sliding = cfg.is_sliding(l)
+    ring = dict(capacity=cache.capacity) if sliding else {}
+
+    def attend(y):
+      parts = y.reshape(y.shape[0], b, t, y.shape[-1] // d, d)
+      q, ck, cv = norm_rope_k.qk_norm_rope_cache(
+          parts, q_norm, k_norm, cache.k[l], cache.v[l], start, freqs, n_head=hq,
+          n_head_kv=hkv, eps=cfg.rms_norm_eps, rope=cfg.has_rope(l),
+          attention_scaling=cfg.rope_scaling.attention_scaling,
+          block_rows=next_pow2(policy.target_pallas_max_width), **ring)
+      o = cache_attn_k.cache_attention(
+          q, ck, cv, start, t=t, window=cfg.sliding_window if sliding else 0, **ring,
+          **knobs.kwargs())
+      return o.reshape(b * t, hq * d), (ck, cv)
+    return attend
+  return attend_layer
 
 
 def _extend(params: MuseParams, cfg: MuseGlimmerConfig, cache: MuseCache, tokens: jax.Array,
             n_commit, capture_layers, with_logits: bool, impl: str):
-  """tokens [B, T] at positions length..; n_commit None (verify: the sliding layers' rows go
-  to pending) or [B] (prefill: rows < n_commit enter the rings, length += n_commit)."""
+  """tokens [B, T] at positions length.., their K/V written in place; n_commit None (verify:
+  every row written, nothing committed) or [B] (prefill: length += n_commit). impl "pallas"
+  (`dispatch.target_attention`): up to policy.target_pallas_max_width rows per sequence run
+  the Pallas pieces (which write every row: rows past n_commit land past the length, never
+  seen); wider passes XLA's attention, which writes only the committed rows of a prefill."""
   tokens = jnp.asarray(tokens, jnp.int32)
   b, t = tokens.shape
+  if n_commit is None and cfg.sliding_layers and t > RING_SLACK:
+    raise ValueError(f"verify: {t} rows per sequence, but a sliding layer's ring serves "
+                     f"verifies of at most RING_SLACK = {RING_SLACK} rows")
   start = cache.length
   positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)
-  own = (jnp.arange(t)[:, None] - jnp.arange(t)[None, :])[None]   # diff within the call
-
-  def attend_layer(l):
-    ck, cv = cache.k[l], cache.v[l]
-    if not cfg.is_sliding(l):
-      slots = jnp.arange(ck.shape[1], dtype=jnp.int32)
-      vis = slots[None, None, :] <= positions[:, :, None]
-
-      def attend_full(q, k, v):
-        nk, nv = _write(ck, k, start, n_commit), _write(cv, v, start, n_commit)
-        return _attention(q, [(nk, nv, vis)]), (nk, nv)
-      return attend_full
-    # The ring as before the call: slot s holds the latest committed position = s (mod R).
-    r = ck.shape[1]
-    last = start[:, None] - 1
-    held = last - (last - jnp.arange(r, dtype=jnp.int32)[None]) % r     # [B, R]
-    vis_ring = (held[:, None, :] >= 0) & (
-        positions[:, :, None] - held[:, None, :] < cfg.sliding_window)
-    vis_own = _window(cfg, l, own)
-
-    def attend_sliding(q, k, v):
-      k, v = k.astype(ck.dtype), v.astype(cv.dtype)   # as a later call will read them
-      return _attention(q, [(ck, cv, vis_ring), (k, v, vis_own)]), (k, v)
-    return attend_sliding
-
-  h, feats, kept = _trunk(params, cfg, tokens, positions, attend_layer, capture_layers, impl)
-  ks, vs = list(cache.k), list(cache.v)
-  pend_k, pend_v = [], []
-  for l, (k, v) in enumerate(kept):
-    if not cfg.is_sliding(l):
-      ks[l], vs[l] = k, v
-    elif n_commit is None:
-      pend_k.append(k)
-      pend_v.append(v)
-    else:
-      ks[l], vs[l] = _ring_write(ks[l], k, start, n_commit), _ring_write(vs[l], v, start, n_commit)
-  new = cache.replace(k=tuple(ks), v=tuple(vs), pending_k=None, pending_v=None)
-  if n_commit is None:
-    new = new.replace(pending_k=tuple(pend_k), pending_v=tuple(pend_v))
+  freqs = _freqs(cfg)
+  knobs = target_attention(t=t, group=cfg.num_attention_heads // cfg.num_key_value_heads,
+                           head_dim=cfg.head_dim, cache_dtype=cache.k[0].dtype, impl=impl,
+                           policy=params.policy)
+  if knobs is not None:
+    attend_layer = _pallas_attend_layer(cfg, cache, start, t, knobs, params.policy, freqs)
   else:
+    attend_layer = _xla_attend_layer(cfg, cache, start, positions, n_commit, freqs)
+  h, feats, kept = _trunk(params, cfg, tokens, positions, attend_layer, capture_layers, impl)
+  new = cache.replace(k=tuple(k for k, _ in kept), v=tuple(v for _, v in kept))
+  if n_commit is not None:
     new = new.replace(length=start + n_commit)
   return new, (_logits(params, cfg, h, (b, t), impl) if with_logits else None), feats
 
@@ -523,7 +629,9 @@ def prefill(params: MuseParams, cfg: MuseGlimmerConfig, cache: MuseCache, tokens
             n_valid: jax.Array, *, capture_layers=(), impl: str = "xla"):
   """Commit rows 0..n_valid-1 of tokens [B, T] (T padded to a bucket, any valid ids past
   n_valid) at positions length.. -> (cache, features [B, T, F]; rows past n_valid garbage).
-  Padding rows write nothing (a sequence with n_valid 0 is left unchanged)."""
+  Padding rows change nothing a later call sees (XLA's path writes none; the Pallas path's
+  land past the length, over ring positions out of every window), so a sequence with
+  n_valid 0 is left as it was."""
   n = jnp.broadcast_to(jnp.asarray(n_valid, jnp.int32), (tokens.shape[0],))
   cache, _, feats = _extend(params, cfg, cache, tokens, n, capture_layers, False, impl)
   return cache, feats
@@ -531,31 +639,25 @@ def prefill(params: MuseParams, cfg: MuseGlimmerConfig, cache: MuseCache, tokens
 
 def verify(params: MuseParams, cfg: MuseGlimmerConfig, cache: MuseCache, tokens: jax.Array, *,
            capture_layers=(), impl: str = "xla"):
-  """Run tokens [B, w] at positions length.. -> (cache, logits [B, w, V] f32, features [B, w,
-  F] f32). Nothing is committed: the full layers' K/V sit past the length, the sliding
-  layers' rows in pending_k/v, until `commit`."""
+  """Run tokens [B, w] (w <= RING_SLACK where the model has sliding layers) at positions
+  length.. -> (cache, logits [B, w, V] f32, features [B, w, F] f32). Every row's K/V is
+  written in place past the length; nothing is committed until `commit`."""
   return _extend(params, cfg, cache, tokens, None, capture_layers, True, impl)
 
 
 def commit(cfg: MuseGlimmerConfig, cache: MuseCache, n_keep: jax.Array) -> MuseCache:
-  """Keep the first n_keep [B] rows of the last verify: they enter the rings, length +=
-  n_keep; the rest are dropped (nothing committed is overwritten)."""
+  """Keep the first n_keep [B] rows of the last verify: length += n_keep. The rows past them
+  stay where the verify wrote them, past the length, and are overwritten by later calls
+  before anything reads them."""
+  del cfg
   n = jnp.broadcast_to(jnp.asarray(n_keep, jnp.int32), cache.length.shape)
-  ks, vs = list(cache.k), list(cache.v)
-  if cfg.sliding_layers:
-    if cache.pending_k is None:
-      raise ValueError("commit: the cache holds no verify rows (commit follows a verify)")
-    for i, l in enumerate(cfg.sliding_layers):
-      ks[l] = _ring_write(ks[l], cache.pending_k[i], cache.length, n)
-      vs[l] = _ring_write(vs[l], cache.pending_v[i], cache.length, n)
-  return cache.replace(k=tuple(ks), v=tuple(vs), length=cache.length + n, pending_k=None,
-                       pending_v=None)
+  return cache.replace(length=cache.length + n)
 
 
 def reset(cache: MuseCache, empty: jax.Array) -> MuseCache:
-  """Empty the sequences where empty [B]: length 0. Their K/V stay, never visible (full
-  layers: a row at position p sees slots <= p, rewritten from 0 on; rings: a slot is read only
-  for a committed position, and there are none)."""
+  """Empty the sequences where empty [B]: length 0. Their K/V stay, never visible (a row at
+  position p sees full-layer slots <= p and ring slots holding positions <= p, all rewritten
+  from 0 on)."""
   return cache.replace(length=jnp.where(jnp.asarray(empty, bool), 0, cache.length))
 
 
