@@ -85,14 +85,14 @@ def _live(start: jax.Array, t: int, n_slots: int, capacity: int) -> jax.Array:
   return jnp.minimum(start + t, n_slots)
 
 
-def visible(slot: jax.Array, pos: jax.Array, start: jax.Array, *, t: int, n_slots: int,
-            window: int, capacity: int) -> jax.Array:
+def visible(slot: jax.Array, pos: jax.Array, start: jax.Array, live: jax.Array, *, t: int,
+            n_slots: int, window: int, capacity: int) -> jax.Array:
   """Which slots [K] rows at positions pos [R] see ([R, K] bool), the pass's rows written.
   window 0: slot = position, a row sees slots <= its position. window > 0: a ring of n_slots
   slots over positions below capacity (position p at slot p % n_slots); a slot holds the
   latest position <= the pass's last written one (`last`) that it can, and a row sees the
-  positions in (pos - window, pos]. Shared by the kernel and its twin."""
-  live = _live(start, t, n_slots, capacity)
+  positions in (pos - window, pos]. live: `_live`'s bound. Shared by the kernel and its
+  twin."""
   if not window:
     return (slot[None, :] <= pos[:, None]) & (slot < live)[None, :]
   last = jnp.minimum(start + t, capacity) - 1
@@ -125,7 +125,8 @@ def _partial_kernel(start_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, t: i
     j0 = i * block_k
     lim = live - c0 - j0   # slots of this tile below the live bound
     slot = c0 + j0 + jnp.arange(block_k, dtype=jnp.int32)
-    vis = visible(slot, pos, start, t=t, n_slots=n_slots, window=window, capacity=capacity)
+    vis = visible(slot, pos, start, live, t=t, n_slots=n_slots, window=window,
+                  capacity=capacity)
     s = split_dot(q_parts, load_tile(k_ref, (j0, 0), (block_k, dp), (lim, col_lim)), 1)
     s = jnp.where(vis, s * scale, MASK)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
@@ -315,8 +316,8 @@ def cache_attention_reference(q: jax.Array, cache_k: jax.Array, cache_v: jax.Arr
                   precision=lax.Precision.HIGHEST) / math.sqrt(d)
   pos = start[:, None] + jnp.arange(t * g, dtype=jnp.int32)[None, :] // g      # [B, R]
   slot = jnp.arange(s, dtype=jnp.int32)
-  vis = jax.vmap(lambda p_, s_: visible(slot, p_, s_, t=t, n_slots=s, window=window,
-                                        capacity=capacity))(pos, start)
+  vis = jax.vmap(lambda p_, s_: visible(slot, p_, s_, _live(s_, t, s, capacity), t=t,
+                                        n_slots=s, window=window, capacity=capacity))(pos, start)
   p = jax.nn.softmax(jnp.where(vis[:, None], sc, -jnp.inf), axis=-1)
   o = jnp.einsum("bhrs,bhsd->bhrd", p, cache_v.astype(jnp.float32),
                  precision=lax.Precision.HIGHEST)

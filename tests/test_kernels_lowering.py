@@ -260,6 +260,15 @@ def _target_cases() -> dict:
   cases["add_rms_norm_no_parts"] = (
       lambda x, w: RN.add_rms_norm(x, None, w, eps=1e-6, out_dtype=F32, interpret=False),
       (S((1, 4096), F32), S((4096,), F32)))
+  # Muse-Glimmer's joints (hidden 6656): after a sublayer (5 partials), and the first one.
+  cases["sandwich_rms_norm_glimmer"] = (
+      functools.partial(RN.sandwich_rms_norm, eps=1e-5, post_eps=1e-8, offset=1.0,
+                        post_offset=1.0, interpret=False),
+      (S((16, 6656), F32), S((5, 16, 6656), F32), S((6656,), F32), S((6656,), F32)))
+  cases["sandwich_rms_norm_glimmer_no_parts"] = (
+      lambda x, w: RN.sandwich_rms_norm(x, None, None, w, eps=1e-5, offset=1.0,
+                                        interpret=False),
+      (S((1, 6656), F32), S((6656,), F32)))
   for name, n, k, gate_up in (("qkv", 6144, 4096, False), ("gate_up", 12288, 4096, True),
                               ("down", 4096, 12288, False)):
     kn = G.default_knobs("fp32", n, k, gate_up, swap_ab_min_m=POLICY.skinny_fp8_swap_min_m)

@@ -158,3 +158,82 @@ def test_add_rms_norm_limits():
 def test_gpu_add_rms_norm_qwen3_8b_width():
   _rows_invariant(64, 4096)
   _check(16, 4096, 1, 8, seed=3)
+
+
+# --- sandwich_rms_norm: a sandwich-normed target's joint (Muse-Glimmer) ------------------------
+
+POST_EPS = 1e-8
+
+
+@pytest.mark.parametrize("m, k, n_parts, offsets", [
+    (1, 64, None, (1.0, 0.0)), (5, 100, 3, (1.0, 1.0)), (16, 48, 1, (0.0, 1.0)),
+    (3, 6656 // 8, 4, (1.0, 1.0))])
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+def test_sandwich_rms_norm_matches_oracle_and_twin(m, k, n_parts, offsets, out_dtype):
+  """x + norm(sum of the partials) (weight post_offset + w_post, POST_EPS), then its norm
+  (weight offset + w, EPS): against float64 numpy, and the new residual against the twin's
+  bits up to the norm's float32 rounding."""
+  offset, post_offset = offsets
+  x, w = _inputs(m + k, m, k)
+  rng = np.random.default_rng(k + 1)
+  # Partials far from unit scale: a post norm skipped or applied to x instead shows.
+  parts = (None if n_parts is None else
+           (rng.standard_normal((n_parts, m, k)) * 7.0).astype(np.float32))
+  w_post = (0.3 * rng.standard_normal(k)).astype(np.float32)
+  jp = None if parts is None else jnp.asarray(parts)
+  kw = dict(eps=EPS, post_eps=POST_EPS, offset=offset, post_offset=post_offset,
+            out_dtype=out_dtype)
+  new, got = RN.sandwich_rms_norm(jnp.asarray(x), jp, jnp.asarray(w_post), jnp.asarray(w), **kw)
+  t_new, twin = RN.sandwich_rms_norm_reference(jnp.asarray(x), jp, jnp.asarray(w_post),
+                                               jnp.asarray(w), **kw)
+  assert new.dtype == jnp.float32 and got.dtype == out_dtype and got.shape == (m, k)
+  x64 = x.astype(np.float64)
+  if parts is not None:
+    y = parts.astype(np.float64).sum(0)
+    x64 = x64 + y / np.sqrt(np.mean(y * y, axis=1, keepdims=True) + POST_EPS) * (
+        post_offset + w_post.astype(np.float64))
+  else:
+    np.testing.assert_array_equal(np.asarray(new), x)
+  np.testing.assert_allclose(np.asarray(new), x64, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(new), np.asarray(t_new), rtol=1e-6, atol=1e-6)
+  ulp = BF16_EPS if out_dtype == jnp.bfloat16 else 2.0 ** -23
+  n64 = np.asarray(new, np.float64)
+  want = n64 / np.sqrt(np.mean(n64 * n64, axis=1, keepdims=True) + EPS) * (
+      offset + w.astype(np.float64))
+  got = np.asarray(got.astype(jnp.float32), np.float64)
+  assert np.all(np.abs(got - want) <= (ulp + 1e-5) * np.abs(want) + 1e-30)
+  twin = np.asarray(twin.astype(jnp.float32), np.float64)
+  assert np.all(np.abs(got - twin) <= (2 * ulp + 1e-5) * np.abs(want) + 1e-30)
+
+
+def _sandwich_rows_invariant(m, k):
+  x, w = _inputs(m, m, k)
+  rng = np.random.default_rng(2)
+  parts = jnp.asarray(rng.standard_normal((4, m, k)), jnp.float32)
+  wp = jnp.asarray(0.1 * rng.standard_normal(k), jnp.float32)
+  x, w = jnp.asarray(x), jnp.asarray(w)
+  kw = dict(eps=EPS, post_eps=POST_EPS, offset=1.0, post_offset=1.0)
+  new, y = RN.sandwich_rms_norm(x, parts, wp, w, **kw)
+  for i in range(0, m, max(1, m // 5)):
+    n1, y1 = RN.sandwich_rms_norm(x[i:i + 1], parts[:, i:i + 1], wp, w, **kw)
+    np.testing.assert_array_equal(np.asarray(n1)[0], np.asarray(new)[i])
+    np.testing.assert_array_equal(np.asarray(y1).view(np.uint16)[0],
+                                  np.asarray(y).view(np.uint16)[i])
+
+
+def test_sandwich_rms_norm_rows_are_batch_invariant():
+  """One row per program: a row's bits do not depend on the call's row count."""
+  _sandwich_rows_invariant(16, 96)
+
+
+def test_sandwich_rms_norm_limits():
+  x, w = jnp.ones((4, 8), jnp.float32), jnp.ones((8,), jnp.float32)
+  with pytest.raises(ValueError, match="parts must be \\[P, 4, 8\\]"):
+    RN.sandwich_rms_norm(x, jnp.ones((2, 3, 8), jnp.float32), w, w, eps=EPS)
+  with pytest.raises(ValueError, match="w_post must be float32 \\[8\\]"):
+    RN.sandwich_rms_norm(x, jnp.ones((2, 4, 8), jnp.float32), None, w, eps=EPS)
+
+
+@pytest.mark.gpu
+def test_gpu_sandwich_rms_norm_glimmer_width():
+  _sandwich_rows_invariant(64, 6656)

@@ -27,6 +27,8 @@ import pytest
 from benchmarks.oracle import Oracle
 from dflash_jax import decode as D
 from dflash_jax.dispatch import KernelPolicy
+from dflash_jax.config import FULL, SLIDING
+from dflash_jax.models import muse_glimmer as M
 from dflash_jax.models import qwen3 as Q
 from dflash_jax.models.base import prefill_bucket
 
@@ -35,6 +37,13 @@ pytestmark = pytest.mark.filterwarnings("ignore:Some donated buffers were not us
 CFG = Q.TargetConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=1e4,
                      max_position_embeddings=512)
+# Muse-Glimmer: sandwich joints, a full NoPE layer between two sliding ones whose rings hold
+# window 8 + RING_SLACK 64 = 72 slots.
+MUSE = M.MuseGlimmerConfig(vocab_size=97, hidden_size=64, intermediate_size=96,
+                           num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=16, rope_theta=1e4, sliding_window=8,
+                           layer_types=(SLIDING, FULL, SLIDING), layer_rope_theta=(1e4, 0.0, 1e4),
+                           max_position_embeddings=512)
 LENGTHS = (5, 9, 13)   # the 3 sequences' prefilled lengths
 W = 16
 
@@ -58,13 +67,14 @@ def _copy(tree):
 
 
 def check_rows_invariant(cfg, params, dtype, lengths, capacity, widths=(5,), decode_slots=(0,),
-                         capture=(1, 2), reference=None, model=Q):
+                         capture=(1, 2), reference=None, model=Q, other_capacity=True):
   """A W-row verify of every sequence (capturing features) against: w-row verifies for w in
   widths; each sequence in decode_slots alone, as W 1-row decodes committed one by one (no
   capture, as target-only decoding runs); its first rows again in a cache of another
   capacity. Logits and the cache rows written are compared bit for bit. reference(tokens
   [T]) -> logits [T, V]: the W-row verify's logits are also checked against it. model: the
-  target family's module (its prefill_jit / verify_jit; cfg gives the cache and commit)."""
+  target family's module (its prefill_jit / verify_jit; cfg gives the cache and commit).
+  other_capacity False: no decodes in a wider cache (a ring's slots are not padding)."""
   b = len(lengths)
   rng = np.random.default_rng(7)
   tokens = rng.integers(0, cfg.vocab_size, (b, prefill_bucket(max(lengths)) + W)).astype(np.int32)
@@ -80,7 +90,7 @@ def check_rows_invariant(cfg, params, dtype, lengths, capacity, widths=(5,), dec
   for w in widths:
     _, got, _ = model.verify_jit(params, cfg, _copy(cache), vt[:, :w], impl="pallas")
     np.testing.assert_array_equal(_bits(got), big[:, :w], err_msg=f"{w}-row verify")
-  for cap, steps in ((capacity, W), (capacity + 24, 3)):
+  for cap, steps in ((capacity, W),) + (((capacity + 24, 3),) if other_capacity else ()):
     for s in decode_slots:
       one = _copy(jax.tree.map(lambda a: a[s:s + 1], cache))
       if cap != capacity:
@@ -118,6 +128,21 @@ def test_llama_variant_rows_are_invariant():
                        capture=(0, 2))
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_muse_glimmer_rows_are_invariant(dtype):
+  """Muse-Glimmer's Pallas path, 3 sequences past their rings' first lap (positions 75-105
+  in rings of 72 slots): the same, and in fp32 against the float64 numpy reference."""
+  from reference.targets import muse_glimmer as RM
+  params = M.init_params(MUSE, jax.random.key(3), dtype)
+  ref = None
+  if dtype == "fp32":
+    tensors = {n: np.asarray(a, np.float64) for n, a in M.params_to_hf(MUSE, params).items()}
+    ref = lambda toks: RM.hidden_states(MUSE.to_hf(), tensors, toks)[1]
+  assert MUSE.ring_slots(128) == 72
+  check_rows_invariant(MUSE, params, dtype, (75, 80, 90), 128, widths=(5,), decode_slots=(2,),
+                       capture=(1, 3), reference=ref, model=M, other_capacity=False)
+
+
 def test_wide_prefill_on_the_pallas_path_matches_the_reference():
   """impl="pallas" with a prefill wider than target_pallas_max_width (a 40-token prompt in a
   64-row bucket: XLA's attention, the Pallas norms and GEMMs), then 5-row verifies of 2
@@ -135,27 +160,32 @@ def test_wide_prefill_on_the_pallas_path_matches_the_reference():
     np.testing.assert_allclose(logits[i], want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("family", ["qwen3", "muse"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_greedy_speculative_equals_target_only(dtype):
+def test_greedy_speculative_equals_target_only(dtype, family):
   """The decoding loop with the Pallas target: target-only decoding (1 row per slot) against
   speculative rounds of 5 and 16 rows per slot over 3 slots with oracle drafts (the target's
   own continuation with a quarter of its tokens changed: every acceptance length, rollbacks,
-  bonus tokens): the same tokens, in bf16 too."""
-  params = Q.init_params(CFG, jax.random.key(5), dtype)
-  models = D.Models(target=params, drafter=None, d2t=None, target_cfg=CFG)
+  bonus tokens): the same tokens, in bf16 too. Muse-Glimmer's longest prompt starts past its
+  rings' first lap."""
+  cfg, module, lengths, capacity = {"qwen3": (CFG, Q, (3, 8, 17), 64),
+                                    "muse": (MUSE, M, (3, 8, 77), 128)}[family]
+  params = module.init_params(cfg, jax.random.key(5), dtype)
+  models = D.Models(target=params, drafter=None, d2t=None, target_cfg=cfg)
   rng = np.random.default_rng(6)
-  prompts = [rng.integers(0, CFG.vocab_size, n).tolist() for n in (3, 8, 17)]
-  kw = dict(capacity=64, cache_dtype=dtype, rounds_per_call=4)
-  base = D.generate_target_only(params, CFG, prompts, 24, target_impl="pallas", **kw).tokens
+  prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in lengths]
+  kw = dict(capacity=capacity, cache_dtype=dtype, rounds_per_call=4)
+  base = D.generate_target_only(params, cfg, prompts, 24, target_impl="pallas", **kw).tokens
   for width in (5, 16):
     noisy = []
     for p, c in zip(prompts, base):
       c = np.array(c)
       bad = rng.random(len(c)) < 0.25
-      c[bad] = (c[bad] + 1 + rng.integers(0, CFG.vocab_size - 2, bad.sum())) % CFG.vocab_size
+      c[bad] = (c[bad] + 1 + rng.integers(0, cfg.vocab_size - 2, bad.sum())) % cfg.vocab_size
       noisy.append(p + c.tolist())
     dcfg = D.DecodeConfig(width=width, target_impl="pallas", proposer=Oracle(run_drafter=False))
-    g = D.generate(models, dcfg, prompts, 24, proposer_state=Oracle.state(noisy, 64), **kw)
+    g = D.generate(models, dcfg, prompts, 24, proposer_state=Oracle.state(noisy, capacity),
+                   **kw)
     assert g.tokens == base, width
     assert g.hist[:, 1:].sum() > 0 and g.hist[:, 0].sum() > 0, g.hist
 
@@ -245,7 +275,9 @@ def test_gpu_verify_runs_as_one_command_buffer(tmp_path):
   """XLA records the whole Pallas verify, its kernels included, into one command buffer."""
   script = textwrap.dedent("""
       import dataclasses, jax, jax.numpy as jnp
-      from dflash_jax.models import qwen3 as Q
+      from dflash_jax.config import FULL, SLIDING
+from dflash_jax.models import muse_glimmer as M
+from dflash_jax.models import qwen3 as Q
       cfg = Q.TargetConfig(vocab_size=32768, hidden_size=4096, intermediate_size=12288,
                            num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8,
                            head_dim=128)
