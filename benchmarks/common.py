@@ -270,17 +270,20 @@ def without_copies(per_iter):
 
 
 def target_layer_launches(cfg, impl: str, w: int, capacity: int, live: int,
-                          policy=None) -> tuple[int, list[str]]:
-  """Kernels one decoder layer adds to a w-row verify of a Qwen3 target (CUPTI, copies
-  dropped): a 3-layer minus a 2-layer `cfg` at `live` cached rows; with the 3-layer pass's
-  kernel names in launch order."""
+                          policy=None, module=Q) -> tuple[int, list[str]]:
+  """Kernels one decoder layer adds to a w-row verify of a target (CUPTI, copies dropped): a
+  3-layer minus a 2-layer `cfg` (per-layer tuples such as Muse-Glimmer's layer_types cut to
+  their last layers) at `live` cached rows; with the 3-layer pass's kernel names in launch
+  order. module: the family's module (its init_params)."""
   counts, names = {}, []
   for n in (2, 3):
-    c = dataclasses.replace(cfg, num_hidden_layers=n)
-    tp = Q.init_params(c, jax.random.key(0), jnp.bfloat16)
+    per_layer = {f: getattr(cfg, f)[-n:] for f in ("layer_types", "layer_rope_theta")
+                 if getattr(cfg, f, None) is not None}
+    c = dataclasses.replace(cfg, num_hidden_layers=n, **per_layer)
+    tp = module.init_params(c, jax.random.key(0), jnp.bfloat16)
     if policy is not None:
       tp = tp.replace(policy=policy)
-    cache = Q.init_cache(c, 1, capacity, "bf16").replace(length=jnp.array([live], jnp.int32))
+    cache = c.init_cache(1, capacity, "bf16").replace(length=jnp.array([live], jnp.int32))
     tokens = jax.random.randint(jax.random.key(5), (1, w), 0, c.vocab_size, jnp.int32)
     f = jax.jit(functools.partial(lambda p, k, t, c: c.verify(p, k, t, impl=impl)[1], c=c))
     per = without_copies(cupti_kernels(f, tp, cache, tokens, iterations=3))

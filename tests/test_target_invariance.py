@@ -310,3 +310,36 @@ def test_gpu_launches_per_target_layer():
     assert n == 9, (w, n, names)
   print("xla launches per layer (w = 1, 16):",
         [C.target_layer_launches(QWEN3_8B, "xla", w, 2048, 128)[0] for w in (1, 16)])
+
+
+@pytest.mark.gpu
+def test_gpu_muse_glimmer_launches_per_layer():
+  """Muse-Glimmer-30B's layer on the Pallas path: 10 kernels (sandwich joint, qkvg, q/k norm
+  (+ rope) + cache write, attention partial + combine, the gate, o, sandwich joint, gate+up,
+  down), at 1 and 16 rows, a sliding layer (the 3-layer model's extra one) in a ring that has
+  wrapped; XLA's path printed for comparison."""
+  from benchmarks import common as C
+  cfg = M.MuseGlimmerConfig(vocab_size=32768, hidden_size=6656, intermediate_size=19968,
+                            num_hidden_layers=52, num_attention_heads=32, num_key_value_heads=2,
+                            head_dim=128, rope_theta=5e5)
+  for w in (1, 16):
+    n, names = C.target_layer_launches(cfg, "pallas", w, 4096, 3000, KernelPolicy(), module=M)
+    assert n == 10, (w, n, names)
+  print("xla launches per layer (w = 1, 16):",
+        [C.target_layer_launches(cfg, "xla", w, 4096, 3000, module=M)[0] for w in (1, 16)])
+
+
+@pytest.mark.gpu
+def test_gpu_muse_glimmer_widths_rows_are_invariant():
+  """Muse-Glimmer-30B's widths (hidden 6656, 32/2 heads x 128, ffn 19968), a sliding layer of
+  window 64 (a 128-slot ring, wrapped), a full NoPE layer and another sliding one, vocab
+  32768: 3 sequences x 16 rows against 5-row verifies and sixteen 1-row decodes, bit for bit
+  (the GPU's kernels)."""
+  cfg = M.MuseGlimmerConfig(vocab_size=32768, hidden_size=6656, intermediate_size=19968,
+                            num_hidden_layers=3, num_attention_heads=32, num_key_value_heads=2,
+                            head_dim=128, rope_theta=5e5, sliding_window=64,
+                            layer_types=(SLIDING, FULL, SLIDING),
+                            layer_rope_theta=(5e5, 0.0, 5e5))
+  params = M.init_params(cfg, jax.random.key(0), "bf16")
+  check_rows_invariant(cfg, params, "bf16", (150, 300, 700), 1024, widths=(5,),
+                       decode_slots=(2,), capture=(1, 3), model=M, other_capacity=False)
