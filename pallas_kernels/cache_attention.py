@@ -147,10 +147,13 @@ def _partial_kernel(start_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, t: i
     store_tile(l_ref, (0,), l, (row_lim,))
 
 
-def _combine_kernel(start_ref, o_ref, m_ref, l_ref, out_ref, *, t: int, group: int, rows: int,
-                    d: int, n_slots: int, chunk: int, n_head_kv: int, capacity: int):
+def _combine_kernel(start_ref, o_ref, m_ref, l_ref, *refs, t: int, group: int, rows: int,
+                    d: int, n_slots: int, chunk: int, n_head_kv: int, capacity: int,
+                    gate_col: int | None):
   # Blocks: o [C, R, D], m and l [C, R] (every chunk's partials of one kv head of one
-  # sequence), out [T, Hq D] (that sequence's output). RB rows of the kv head per program.
+  # sequence), gate [P, T, W] (that sequence's rows of the gating projection's partials),
+  # out [T, Hq D] (that sequence's output). RB rows of the kv head per program.
+  g_ref, out_ref = refs if gate_col is not None else (None, refs[0])
   rb = COMBINE_ROWS
   dp = next_pow2(d)
   col_lim = None if dp == d else d
@@ -173,7 +176,7 @@ def _combine_kernel(start_ref, o_ref, m_ref, l_ref, out_ref, *, t: int, group: i
 
   num, den = lax.fori_loop(0, n_chunks, add, (jnp.zeros((rb, dp), jnp.float32),
                                               jnp.zeros((rb,), jnp.float32)))
-  out = (num / den[:, None]).astype(out_ref.dtype)
+  out = num / den[:, None]
   # Row r of kv head h: token r // G, query head h G + r % G. Lanes past the rows or past D
   # get distinct out-of-range indices: the mask stops them on the GPU, and interpret mode's
   # masked scatter drops them instead of racing a live lane on a shared element.
@@ -184,7 +187,16 @@ def _combine_kernel(start_ref, o_ref, m_ref, l_ref, out_ref, *, t: int, group: i
   hq_d = out_ref.shape[1]
   tok = jnp.where(live_row, (r // group)[:, None], t + r[:, None])
   dst = (pl.program_id(0) % n_head_kv * group + r % group)[:, None] * d + col[None, :]
-  plt.store(out_ref.at[tok, jnp.where(ok, dst, hq_d + col[None, :])], out, mask=ok)
+  if gate_col is not None:
+    # The gate's partials added in order, masked lanes reading an in-range element.
+    g_tok = jnp.where(live_row, tok, 0)
+    g_col = jnp.where(ok, gate_col + dst, gate_col)
+    g = plt.load(g_ref.at[0, g_tok, g_col], mask=ok, other=0.0)
+    for i in range(1, g_ref.shape[0]):
+      g = g + plt.load(g_ref.at[i, g_tok, g_col], mask=ok, other=0.0)
+    out = out * (1.0 / (1.0 + jnp.exp(-g)))
+  plt.store(out_ref.at[tok, jnp.where(ok, dst, hq_d + col[None, :])],
+            out.astype(out_ref.dtype), mask=ok)
 
 
 def _check_shapes(name: str, q, cache_k, cache_v, start, t: int) -> tuple[int, int, int, int]:
@@ -206,6 +218,15 @@ def _check_shapes(name: str, q, cache_k, cache_v, start, t: int) -> tuple[int, i
   return b, hkv, rows // t, d
 
 
+def _check_gate(name: str, gate, gate_col: int, b: int, t: int, hq_d: int) -> None:
+  if gate is None:
+    return
+  check(gate.ndim == 4 and gate.shape[1:3] == (b, t) and gate.dtype == jnp.float32, name,
+        f"gate must be float32 [P, {b}, {t}, W]", (gate.shape, gate.dtype))
+  check(isinstance(gate_col, int) and 0 <= gate_col and gate_col + hq_d <= gate.shape[3], name,
+        f"gate_col must leave Hq D = {hq_d} gate columns in W", (gate_col, gate.shape[3]))
+
+
 def _check_window(name: str, window: int, capacity: int, n_slots: int) -> None:
   check(isinstance(window, int) and window >= 0, name, "window must be an int >= 0", window)
   check(isinstance(capacity, int) and capacity >= 0, name, "capacity must be an int >= 0",
@@ -214,11 +235,12 @@ def _check_window(name: str, window: int, capacity: int, n_slots: int) -> None:
         "a windowed (ring) cache needs capacity >= its S slots", (window, capacity, n_slots))
 
 
-@functools.partial(jax.jit, static_argnames=["t", "window", "capacity", "chunk", "block_k",
-                                             "block_q", "num_warps", "num_stages", "out_dtype",
-                                             "interpret"])
-def cache_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, start: jax.Array, *,
-                    t: int, window: int = 0, capacity: int = 0, chunk: int = 512,
+@functools.partial(jax.jit, static_argnames=["t", "gate_col", "window", "capacity", "chunk",
+                                             "block_k", "block_q", "num_warps", "num_stages",
+                                             "out_dtype", "interpret"])
+def cache_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, start: jax.Array,
+                    gate: jax.Array | None = None, *, t: int, gate_col: int = 0,
+                    window: int = 0, capacity: int = 0, chunk: int = 512,
                     block_k: int = 64, block_q: int = 64, num_warps: int = 4,
                     num_stages: int = 2, out_dtype=jnp.float32,
                     interpret: bool | None = None) -> jax.Array:
@@ -230,7 +252,10 @@ def cache_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, start:
   window > 0 (with capacity >= S): a sliding-window layer's ring, as `qk_norm_rope_cache`
   writes it with that capacity (position p at slot p % S); row t sees the positions in
   (start + t - window, start + t]. The pass's writes must not have overwritten a position a
-  row sees: S >= window + T - 1, or S = capacity (no slot is ever reused). Returns
+  row sees: S >= window + T - 1, or S = capacity (no slot is ever reused). gate: a
+  projection's split-K partials [P, B, T, W] float32 whose columns gate_col .. gate_col +
+  Hq D - 1 gate the output (Muse-Glimmer's output gate): out * sigmoid(their sum, added in
+  order), in the combine. Returns
   [B, T, Hq D] token-major, computed in float32 and stored as out_dtype. Knobs
   (`default_knobs`): `chunk` slots per partial (a multiple of block_k; powers of 2),
   `block_k` slots per tile, `block_q` query rows per program (power of 2 >= 16), the partial
@@ -244,6 +269,7 @@ def cache_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, start:
   check(chunk % block_k == 0, name, "chunk must be a multiple of block_k", (chunk, block_k))
   s = cache_k.shape[2]
   _check_window(name, window, capacity, s)
+  _check_gate(name, gate, gate_col, b, t, hkv * g * d)
   interpret = resolve_interpret(interpret)
   rows = t * g
   n_chunks = pl.cdiv(s, chunk)
@@ -281,26 +307,30 @@ def cache_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, start:
   # Program (b Hkv + h, i): every chunk's partials of kv head h of sequence b (whole blocks:
   # the kernel reads the live chunks' rows of its row group), that sequence's output.
   stat_spec = pl.BlockSpec((None, None, n_chunks, rows), lambda p, i: (p // hkv, p % hkv, 0, 0))
+  gated = gate is not None
+  gate_specs = [pl.BlockSpec((gate.shape[0], None, t, gate.shape[3]),
+                             lambda p, i: (0, p // hkv, 0, 0))] if gated else []
   return pl.pallas_call(
       functools.partial(_combine_kernel, t=t, group=g, rows=rows, d=d, n_slots=s, chunk=chunk,
-                        n_head_kv=hkv, capacity=capacity),
+                        n_head_kv=hkv, capacity=capacity, gate_col=gate_col if gated else None),
       grid=(b * hkv, pl.cdiv(rows, COMBINE_ROWS)),
       in_specs=[pl.BlockSpec((1,), lambda p, i: (p // hkv,)),
                 pl.BlockSpec((None, None, n_chunks, rows, d),
                              lambda p, i: (p // hkv, p % hkv, 0, 0, 0)),
-                stat_spec, stat_spec],
+                stat_spec, stat_spec] + gate_specs,
       out_specs=pl.BlockSpec((None, t, hq_d), lambda p, i: (p // hkv, 0, 0)),
       out_shape=jax.ShapeDtypeStruct((b, t, hq_d), out_dtype),
       compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
       interpret=interpret, name="cache_attn_combine",
-  )(start, o, m, l)
+  )(start, o, m, l, *([gate] if gated else []))
 
 
-@functools.partial(jax.jit, static_argnames=["t", "window", "capacity", "chunk", "block_k",
-                                             "block_q", "num_warps", "num_stages", "out_dtype",
-                                             "interpret"])
+@functools.partial(jax.jit, static_argnames=["t", "gate_col", "window", "capacity", "chunk",
+                                             "block_k", "block_q", "num_warps", "num_stages",
+                                             "out_dtype", "interpret"])
 def cache_attention_reference(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array,
-                              start: jax.Array, *, t: int, window: int = 0, capacity: int = 0,
+                              start: jax.Array, gate: jax.Array | None = None, *, t: int,
+                              gate_col: int = 0, window: int = 0, capacity: int = 0,
                               chunk: int = 512, block_k: int = 64, block_q: int = 64,
                               num_warps: int = 4, num_stages: int = 2, out_dtype=jnp.float32,
                               interpret: bool | None = None) -> jax.Array:
@@ -311,6 +341,7 @@ def cache_attention_reference(q: jax.Array, cache_k: jax.Array, cache_v: jax.Arr
   b, hkv, g, d = _check_shapes(name, q, cache_k, cache_v, start, t)
   s = cache_k.shape[2]
   _check_window(name, window, capacity, s)
+  _check_gate(name, gate, gate_col, b, t, hkv * g * d)
   qf = q.astype(jnp.float32)
   sc = jnp.einsum("bhrd,bhsd->bhrs", qf, cache_k.astype(jnp.float32),
                   precision=lax.Precision.HIGHEST) / math.sqrt(d)
@@ -321,4 +352,10 @@ def cache_attention_reference(q: jax.Array, cache_k: jax.Array, cache_v: jax.Arr
   p = jax.nn.softmax(jnp.where(vis[:, None], sc, -jnp.inf), axis=-1)
   o = jnp.einsum("bhrs,bhsd->bhrd", p, cache_v.astype(jnp.float32),
                  precision=lax.Precision.HIGHEST)
-  return o.reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, -1).astype(out_dtype)
+  o = o.reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, -1)
+  if gate is not None:
+    gs = gate[0]
+    for i in range(1, gate.shape[0]):
+      gs = gs + gate[i]
+    o = o * (1.0 / (1.0 + jnp.exp(-gs[..., gate_col:gate_col + o.shape[-1]])))
+  return o.astype(out_dtype)

@@ -226,6 +226,42 @@ def test_cache_attention_ring_matches_numpy_and_twin(case):
   np.testing.assert_allclose(got[ok], twin[ok], atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("b, t, g, d, n_parts, dtype", [
+    (1, 1, 2, 16, 4, BF16), (2, 5, 3, 48, 1, F32), (3, 16, 4, 16, 2, BF16)],
+    ids=["decode-bf16", "d48-f32", "t16-bf16"])
+def test_cache_attention_gate(b, t, g, d, n_parts, dtype):
+  """gate: the output times sigmoid of the gate columns' partials summed (Muse-Glimmer's
+  output gate, read at gate_col of a [P, B, T, W] projection with other columns around it),
+  against float64 numpy; without the gate the kernel's output is unchanged (the ungated call
+  times numpy's sigmoid, to the output dtype's rounding)."""
+  hkv, s = 2, 64
+  q, k, v, start = _attention_inputs(b * t + d, b, t, hkv, g, d, s, dtype)
+  hq_d = hkv * g * d
+  rng = np.random.default_rng(d + t)
+  gate_col = 3 * d + 5   # not aligned to a head
+  # Columns outside the gate's range far off scale: reading them would show.
+  gate = np.full((n_parts, b, t, gate_col + hq_d + 7), 50.0, np.float32)
+  gate[..., gate_col:gate_col + hq_d] = rng.standard_normal((n_parts, b, t, hq_d)) * 2
+  kw = dict(t=t, chunk=32, block_k=16, block_q=16)
+  plain = np.asarray(A.cache_attention(q, k, v, start, **kw), np.float64)
+  got = A.cache_attention(q, k, v, start, jnp.asarray(gate), gate_col=gate_col, **kw)
+  assert got.shape == (b, t, hq_d)
+  gs = gate[..., gate_col:gate_col + hq_d].astype(np.float64).sum(0)
+  want = numpy_attention(q, k, v, np.asarray(start), t) / (1.0 + np.exp(-gs))
+  tol = F64_TOL[jnp.dtype(dtype)]
+  np.testing.assert_allclose(np.asarray(got), want, atol=tol, rtol=tol)
+  np.testing.assert_allclose(np.asarray(got), plain / (1.0 + np.exp(-gs)), atol=1e-6, rtol=1e-5)
+  twin = A.cache_attention_reference(q, k, v, start, jnp.asarray(gate), gate_col=gate_col, **kw)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(twin), atol=tol, rtol=tol)
+  bf = A.cache_attention(q, k, v, start, jnp.asarray(gate), gate_col=gate_col,
+                         out_dtype=jnp.bfloat16, **kw)
+  np.testing.assert_array_equal(np.asarray(bf), np.asarray(got.astype(jnp.bfloat16)))
+  with pytest.raises(ValueError, match="gate_col must leave Hq D"):
+    A.cache_attention(q, k, v, start, jnp.asarray(gate), gate_col=gate_col + 8, **kw)
+  with pytest.raises(ValueError, match="gate must be float32"):
+    A.cache_attention(q, k, v, start, jnp.asarray(gate, jnp.bfloat16), gate_col=0, **kw)
+
+
 @pytest.mark.parametrize("dtype, g, d", [(BF16, 4, 16), (F32, 3, 48)], ids=["bf16-g4", "f32-g3"])
 def test_cache_attention_ring_rows_are_batch_invariant(dtype, g, d):
   """Ring mode: each row of a 16-row pass equals, bit for bit, the 1-row pass of the same query

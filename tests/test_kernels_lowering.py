@@ -255,6 +255,12 @@ def _target_cases() -> dict:
         functools.partial(CA.cache_attention, t=t, window=2048, capacity=4096, out_dtype=BF16,
                           interpret=False, **kn),
         (S((1, 2, t * 16, 128), BF16),) + (S((1, 2, 2112, 128), BF16),) * 2 + (S((1,), I32),))
+    # With the output gate read from the q/k/v/gate projection's 4 partials (68 heads).
+    cases[f"cache_attention_glimmer_gated_t{t}"] = (
+        functools.partial(CA.cache_attention, t=t, gate_col=36 * 128, window=2048,
+                          capacity=4096, out_dtype=BF16, interpret=False, **kn),
+        (S((1, 2, t * 16, 128), BF16),) + (S((1, 2, 2112, 128), BF16),) * 2
+        + (S((1,), I32), S((4, 1, t, 68 * 128), F32)))
   cases["add_rms_norm"] = (functools.partial(RN.add_rms_norm, eps=1e-6, interpret=False),
                            (S((16, 4096), F32), S((4, 16, 4096), F32), S((4096,), F32)))
   cases["add_rms_norm_no_parts"] = (

@@ -20,7 +20,8 @@ that can still see them, so a rejected row never costs a committed one a row nee
 other way, holding a verify's rows aside until the commit, costs a copy per sliding layer and
 round). On the Pallas path a call of up to policy.target_pallas_max_width rows runs the
 target's cache kernels (q/k norm + rope writing K/V in place, the cache attention over the
-live slots, the ring's window masked in the kernel), and each joint between sublayers is one
+live slots, the ring's window masked in the kernel and the output gate applied in its
+combine), and each joint between sublayers is one
 launch (`dispatch.sandwich_norm`: the post norm of the finished sublayer, the residual add
 and the next pre-norm). XLA's cached attention (wider passes) attends a sliding layer over
 the ring as it was before the call plus the call's own rows (one softmax over both), so a
@@ -360,6 +361,13 @@ def _qkv(cfg: MuseGlimmerConfig, l: int, y: jax.Array, positions: jax.Array,
   return q, k, v
 
 
+def _gated(cfg: MuseGlimmerConfig, o: jax.Array, y: jax.Array) -> jax.Array:
+  """o [B T, Hq D] f32 times sigmoid of the output gate: the gate columns of the fused
+  projection's partials y, summed in order (XLA fuses it all into the o projection's
+  input)."""
+  return o * jax.nn.sigmoid(sum_in_order(y[:, :, cfg.q_dim + 2 * cfg.kv_dim:]))
+
+
 def _attention(q: jax.Array, parts) -> jax.Array:
   """q [B, T, Hq, D] f32 over key/value parts [(keys [B, Hkv, S, D], values, visible [B or
   1, T, S])], one softmax over all of them -> [B T, Hq D]. Each part's dots take their
@@ -387,16 +395,12 @@ def _attention(q: jax.Array, parts) -> jax.Array:
 def _layer(cfg: MuseGlimmerConfig, l: int, lp: MuseLayer, j: Joint, positions: jax.Array,
            attend, impl: str, policy: KernelPolicy):
   """Layer l on the stream j (rows [B T, E]) at positions [B, T] -> (Joint with the MLP's
-  down projection pending, what attend kept). attend(y) takes the fused q/k/v/gate
-  projection's partials [P, B T, (2 Hq + 2 Hkv) D] and returns (the attention output
-  [B T, Hq D] f32, what the path keeps)."""
-  qd, kvd = cfg.q_dim, cfg.kv_dim
+  down projection pending, what attend kept). attend(y, out_dtype) takes the fused
+  q/k/v/gate projection's partials [P, B T, (2 Hq + 2 Hkv) D] and returns (the attention
+  output times sigmoid(gate) [B T, Hq D], what the path keeps)."""
   x, h = _join(cfg, j, lp.attn_norm, lp.wqkvg, impl, policy)
   y = project(h, lp.wqkvg, impl, policy, partials=True)
-  o, kept = attend(y)
-  # The output gate of the normed input: the gate columns' partials summed here, fused by
-  # XLA with the product into the o projection's input.
-  o = o * jax.nn.sigmoid(sum_in_order(y[:, :, qd + 2 * kvd:]))
+  o, kept = attend(y, input_dtype(lp.wo))
   x, h = _join(cfg, Joint(x, project(o, lp.wo, impl, policy, partials=True), lp.post_attn_norm),
                lp.ffn_norm, lp.wgu, impl, policy)
   hidden = project(h, lp.wgu, impl, policy, gate_up=True,
@@ -459,9 +463,10 @@ def forward(params: MuseParams, cfg: MuseGlimmerConfig, tokens: jax.Array, *,
   def attend_layer(l):
     vis = _window(cfg, l, diff)
 
-    def attend(y):
+    def attend(y, _):
       q, k, v = _qkv(cfg, l, sum_in_order(y), positions, freqs)
-      return _attention(q, [(k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), vis)]), None
+      o = _attention(q, [(k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), vis)])
+      return _gated(cfg, o, y), None
     return attend
 
   h, feats, _ = _trunk(params, cfg, tokens, positions, attend_layer, capture_layers, "xla")
@@ -552,18 +557,18 @@ def _xla_attend_layer(cfg, cache: MuseCache, start, positions, n_write, freqs):
   def attend_layer(l):
     ck, cv = cache.k[l], cache.v[l]
 
-    def attend(y):
+    def attend(y, _):
       q, k, v = _qkv(cfg, l, sum_in_order(y), positions, freqs)
       if not cfg.is_sliding(l):
         nk, nv = _write(ck, k, start, n_write), _write(cv, v, start, n_write)
         vis = jnp.arange(ck.shape[2], dtype=jnp.int32)[None, None, :] <= positions[:, :, None]
-        return _attention(q, [(nk, nv, vis)]), (nk, nv)
+        return _gated(cfg, _attention(q, [(nk, nv, vis)]), y), (nk, nv)
       k, v = k.astype(ck.dtype), v.astype(cv.dtype)   # as a later call will read them
       vis_ring = _ring_visible(cfg, l, ck.shape[2], start, positions)
       o = _attention(q, [(ck, cv, vis_ring), (k.transpose(0, 2, 1, 3),
                                               v.transpose(0, 2, 1, 3), _window(cfg, l, own))])
       n = all_rows if n_write is None else n_write
-      return o, (_ring_write(ck, k, start, n), _ring_write(cv, v, start, n))
+      return _gated(cfg, o, y), (_ring_write(ck, k, start, n), _ring_write(cv, v, start, n))
     return attend
   return attend_layer
 
@@ -581,16 +586,18 @@ def _pallas_attend_layer(cfg, cache: MuseCache, start, t: int, knobs, policy, fr
     sliding = cfg.is_sliding(l)
     ring = dict(capacity=cache.capacity) if sliding else {}
 
-    def attend(y):
+    def attend(y, out_dtype):
       parts = y.reshape(y.shape[0], b, t, y.shape[-1] // d, d)
       q, ck, cv = norm_rope_k.qk_norm_rope_cache(
           parts, q_norm, k_norm, cache.k[l], cache.v[l], start, freqs, n_head=hq,
           n_head_kv=hkv, eps=cfg.rms_norm_eps, rope=cfg.has_rope(l),
           attention_scaling=cfg.rope_scaling.attention_scaling,
           block_rows=next_pow2(policy.target_pallas_max_width), **ring)
+      # The output gate in the attention's combine: the o projection reads its output.
       o = cache_attn_k.cache_attention(
-          q, ck, cv, start, t=t, window=cfg.sliding_window if sliding else 0, **ring,
-          **knobs.kwargs())
+          q, ck, cv, start, y.reshape(y.shape[0], b, t, y.shape[-1]), t=t,
+          gate_col=cfg.q_dim + 2 * cfg.kv_dim, window=cfg.sliding_window if sliding else 0,
+          out_dtype=out_dtype, **ring, **knobs.kwargs())
       return o.reshape(b * t, hq * d), (ck, cv)
     return attend
   return attend_layer
