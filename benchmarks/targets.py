@@ -156,8 +156,8 @@ def touched_experts(cfg: Q.Qwen3MoeConfig, tp, cache, tokens, impl: str) -> list
   seen, calls = {}, [0]
   route = Q.route
 
-  def spy(c, logits):
-    ids, w = route(c, logits)
+  def spy(c, logits, *a):
+    ids, w = route(c, logits, *a)
     n = calls[0]
     calls[0] += 1
     jax.debug.callback(lambda i, n=n: seen.__setitem__(n, len(np.unique(i))), ids)

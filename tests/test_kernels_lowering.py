@@ -266,6 +266,12 @@ def _target_cases() -> dict:
   cases["add_rms_norm_no_parts"] = (
       lambda x, w: RN.add_rms_norm(x, None, w, eps=1e-6, out_dtype=F32, interpret=False),
       (S((1, 4096), F32), S((4096,), F32)))
+  # Qwen3-30B-A3B's router: 128 experts, 8 per token, its GEMM's 4 partials, 1 and 16 rows.
+  from pallas_kernels import moe_route as MR
+  for m in (1, 16):
+    cases[f"moe_route_30b_a3b_m{m}"] = (
+        functools.partial(MR.moe_route, k=8, norm_topk=True, interpret=False),
+        (S((4, m, 128), F32),))
   # Muse-Glimmer's joints (hidden 6656): after a sublayer (5 partials), and the first one.
   cases["sandwich_rms_norm_glimmer"] = (
       functools.partial(RN.sandwich_rms_norm, eps=1e-5, post_eps=1e-8, offset=1.0,

@@ -274,8 +274,8 @@ def _touched_experts(p, cfg, cache, vt, impl="xla"):
   seen, calls = {}, [0]
   orig = Q.route
 
-  def spy(c, logits):
-    ids, w = orig(c, logits)
+  def spy(c, logits, *a):
+    ids, w = orig(c, logits, *a)
     n = calls[0]
     calls[0] += 1
     jax.debug.callback(lambda i, n=n: seen.__setitem__(n, np.unique(i)), ids)

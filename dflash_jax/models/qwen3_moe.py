@@ -17,7 +17,9 @@ as two stacked arrays, w_gu [E, 2 Im, H] (each expert's gate rows then up rows) 
   its jnp twin, which gathers them, for impl="xla" or float32 weights);
 - more rows (prefill, training): the (row, expert) pairs sorted by expert and two grouped
   GEMMs over the runs (`lax.ragged_dot_general`).
-Every other GEMM goes through `qwen3.project` (the router included).
+Every other GEMM goes through `qwen3.project` (the router included); on the Pallas path the
+router's softmax top-k is one launch (`pallas_kernels.moe_route`), reading the router GEMM's
+split-K partials.
 
 Batch invariance, as qwen3's: on the Pallas path with bf16 experts a decode or verify row is
 bitwise the same whatever rows share the call, up to `SLOT_MAX_ROWS` rows (float32 experts
@@ -44,7 +46,7 @@ from dflash_jax.config import RopeScaling, checked_rope_scaling, rope_from_hf
 from dflash_jax.models import base, qwen3
 from dflash_jax.models.qwen3 import TargetCache, TargetLayer, TargetParams
 from dflash_jax.dispatch import KernelPolicy, resolve_dtype, sum_in_order
-from pallas_kernels import moe_gemm
+from pallas_kernels import moe_gemm, moe_route
 
 MODEL_TYPES = ("qwen3_moe",)
 _ARCHITECTURE = "Qwen3MoeForCausalLM"
@@ -274,12 +276,20 @@ def _row_sum(x: jax.Array) -> jax.Array:
   return x
 
 
-def route(cfg: Qwen3MoeConfig, logits: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Router logits [M, E] -> (expert ids [M, k] int32, weights [M, k] f32): softmax in
-  float32 over all experts, the k most probable (ties to the lower id), renormalised iff
-  norm_topk_prob. Each row's sums run in a fixed order (`_row_sum`, `sum_in_order`), so the
-  routing of a row is bitwise the same whatever rows share the call (batch invariance)."""
-  lf = logits.astype(jnp.float32)
+def route(cfg: Qwen3MoeConfig, logits: jax.Array, impl: str = "xla"
+          ) -> tuple[jax.Array, jax.Array]:
+  """Router logits [M, E], or the router GEMM's split-K partials [P, M, E] (added in order)
+  -> (expert ids [M, k] int32, weights [M, k] f32): softmax in float32 over all experts, the
+  k most probable (ties to the lower id), renormalised iff norm_topk_prob. impl "pallas":
+  one launch (`pallas_kernels.moe_route`); "xla": XLA's composition with each row's sums in
+  a fixed order (`_row_sum`, `sum_in_order`). Either way the routing of a row is bitwise the
+  same whatever rows share the call (batch invariance)."""
+  parts = logits.astype(jnp.float32)
+  if parts.ndim == 2:
+    parts = parts[None]
+  if impl != "xla":
+    return moe_route.moe_route(parts, k=cfg.num_experts_per_tok, norm_topk=cfg.norm_topk_prob)
+  lf = sum_in_order(parts)
   e = jnp.exp(lf - jnp.max(lf, axis=-1, keepdims=True))
   p = e / _row_sum(e)
   w, ids = lax.top_k(p, cfg.num_experts_per_tok)
@@ -355,7 +365,7 @@ def moe_mlp(cfg: Qwen3MoeConfig, lp: MoeLayer, x, impl: str,
   """x + the expert mixture of the post-attention-normed x [M, H] (x an array or qwen3's
   `Residual`: the attention's output partials are added by the norm)."""
   x, h = qwen3.pre_norm(x, lp.ffn_norm, cfg.rms_norm_eps, lp.router, impl, policy)
-  ids, w = route(cfg, qwen3.project(h, lp.router, impl, policy))
+  ids, w = route(cfg, qwen3.project(h, lp.router, impl, policy, partials=True), impl)
   if h.shape[0] <= SLOT_MAX_ROWS:
     return x + _experts_by_slot(lp, h, ids, w, impl)
   return x + _experts_sorted(lp, h, ids, w)
