@@ -367,6 +367,20 @@ def linear(x: jax.Array, w, *, policy: KernelPolicy | None = None, impl: str = "
   return y[None] if partials else y.astype(out_dtype)
 
 
+def norm_pair(x: jax.Array, w_norm: jax.Array, eps: float, w, *,
+              policy: KernelPolicy | None = None, impl: str = "pallas"
+              ) -> tuple[jax.Array, jax.Array]:
+  """(rms_norm(x, w_norm, eps) in float32, the same as the input of linear(., w)) for a norm
+  that feeds a float32 consumer besides the GEMM. impl "pallas": one launch writing both
+  (`rms_norm.rms_norm_pair`), where XLA's norm fusion and the GEMM input's convert are two;
+  "xla": XLA's float32 norm, twice the same array."""
+  policy = _routing_policy(policy, impl, "norm_pair")
+  if impl == "xla" or x.ndim != 2:
+    y = rms_norm(x, w_norm, eps)
+    return y, y
+  return norm_k.rms_norm_pair(x.astype(jnp.float32), w_norm, eps=eps, out_dtype=input_dtype(w))
+
+
 def gemm_input_norm(x: jax.Array, w_norm: jax.Array, eps: float, w, *,
                     policy: KernelPolicy | None = None, impl: str = "pallas",
                     gate_up: bool = False) -> jax.Array:

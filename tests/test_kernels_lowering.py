@@ -266,6 +266,10 @@ def _target_cases() -> dict:
   cases["add_rms_norm_no_parts"] = (
       lambda x, w: RN.add_rms_norm(x, None, w, eps=1e-6, out_dtype=F32, interpret=False),
       (S((1, 4096), F32), S((4096,), F32)))
+  # DFlash2's sublayer input at the seed width: 16 rows, float32 and bf16 out.
+  cases["rms_norm_pair_seed"] = (
+      functools.partial(RN.rms_norm_pair, eps=1e-6, interpret=False),
+      (S((16, 6656), F32), S((6656,), F32)))
   # Qwen3-30B-A3B's router: 128 experts, 8 per token, its GEMM's 4 partials, 1 and 16 rows.
   from pallas_kernels import moe_route as MR
   for m in (1, 16):
