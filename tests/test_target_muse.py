@@ -200,16 +200,18 @@ def _prefill(p, cfg, cache, toks, n):
 MIXED16 = dataclasses.replace(MIXED, head_dim=16)
 
 
-@pytest.mark.parametrize("cfg, impl, n_start, upto", [
-    (TINY, "xla", (3, 9), 100), (MIXED, "xla", (3, 9), 100),
-    (MIXED16, "pallas", (66, 60), 84)],
+@pytest.mark.parametrize("cfg, impl, n_start, upto, widths", [
+    (TINY, "xla", (3, 9), 100, tuple(range(1, 8))),
+    (MIXED, "xla", (3, 9), 100, tuple(range(1, 8))),
+    (MIXED16, "pallas", (66, 60), 80, (1, 6))],
     ids=["default-layers", "mixed-tied-nocap", "pallas-mixed"])
-def test_cached_chunks_equal_one_pass(cfg, impl, n_start, upto):
-  """Two sequences at different lengths: a prefill, then verifies of random widths (1-7,
-  wider than the window too), each committed whole or in part (the rest re-verified), with
-  a rejected garbage verify between; every row equals the uncached forward's. The rings
+def test_cached_chunks_equal_one_pass(cfg, impl, n_start, upto, widths):
+  """Two sequences at different lengths: a prefill, then verifies of random widths (wider
+  than the window too), each committed whole or in part (the rest re-verified), with a
+  rejected garbage verify between; every row equals the uncached forward's. The rings
   (window + RING_SLACK slots) wrap: the sequences run past them in a 128-position cache.
-  impl "pallas": the verifies run the Pallas kernels (interpret mode)."""
+  impl "pallas": the verifies run the Pallas kernels (interpret mode; two widths, each a
+  compile of its own)."""
   assert cfg.ring_slots(128) < upto < 128
   _, p = _model(cfg, 7)
   rng = np.random.default_rng(8)
@@ -222,7 +224,7 @@ def test_cached_chunks_equal_one_pass(cfg, impl, n_start, upto):
   for b in range(2):
     np.testing.assert_allclose(feats[b, :pos[b]], ref_feats[b, :pos[b]], **TOL)
   while pos.max() < upto:
-    w = int(rng.integers(1, 8))
+    w = int(rng.choice(widths))
     cache, _, _ = M.verify_jit(p, cfg, cache, _tokens(int(rng.integers(1 << 20)), (2, w),
                                                        cfg.vocab_size), capture_layers=capture,
                                impl=impl)
