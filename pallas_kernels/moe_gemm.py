@@ -89,7 +89,9 @@ def _kernel(ids_ref, x_ref, w_ref, o_ref, *, gate_up: bool, n_out: int, k: int, 
 
   @pl.when(e < 0)
   def _():
-    o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+    # Chunk by chunk: the whole block is 48 rows at M = 33..48, not a power of 2.
+    for c in range(chunks):
+      o_ref[pl.ds(c * ROW_CHUNK, ROW_CHUNK), :] = jnp.zeros((ROW_CHUNK, block_n), o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("gate_up", "block_n", "block_k", "num_warps",

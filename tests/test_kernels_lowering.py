@@ -266,6 +266,15 @@ def _target_cases() -> dict:
   cases["add_rms_norm_no_parts"] = (
       lambda x, w: RN.add_rms_norm(x, None, w, eps=1e-6, out_dtype=F32, interpret=False),
       (S((1, 4096), F32), S((4096,), F32)))
+  # Qwen3-30B-A3B's grouped expert GEMMs at 1, 48 (three 16-row chunks: no power of 2) and
+  # 64 rows over 8 slots.
+  from pallas_kernels import moe_gemm as MG
+  for m in (1, 48, 64):
+    for gate_up, (n, k) in ((True, (768, 2048)), (False, (2048, 768))):
+      cases[f"moe_matmul_{'gate_up_' if gate_up else ''}m{m}"] = (
+          functools.partial(MG.moe_matmul, gate_up=gate_up, interpret=False,
+                            **MG.default_knobs(n, k, gate_up)),
+          (S((m, k), F32), S((128, 2 * n if gate_up else n, k), BF16), S((8,), I32)))
   # DFlash2's sublayer input at the seed width: 16 rows, float32 and bf16 out.
   cases["rms_norm_pair_seed"] = (
       functools.partial(RN.rms_norm_pair, eps=1e-6, interpret=False),

@@ -275,9 +275,7 @@ def test_gpu_verify_runs_as_one_command_buffer(tmp_path):
   """XLA records the whole Pallas verify, its kernels included, into one command buffer."""
   script = textwrap.dedent("""
       import dataclasses, jax, jax.numpy as jnp
-      from dflash_jax.config import FULL, SLIDING
-from dflash_jax.models import muse_glimmer as M
-from dflash_jax.models import qwen3 as Q
+      from dflash_jax.models import qwen3 as Q
       cfg = Q.TargetConfig(vocab_size=32768, hidden_size=4096, intermediate_size=12288,
                            num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8,
                            head_dim=128)

@@ -323,27 +323,31 @@ def init_params(cfg: MuseGlimmerConfig, key: jax.Array, dtype: Any = jnp.float32
 @flax.struct.dataclass
 class Joint:
   """The residual stream x [M, E] f32 between two sublayers, the finished sublayer's output
-  still in its split-K partials [P, M, E] f32 (None: nothing pending) with the (1 + w) weight
-  of its post norm: the next `sandwich_norm` finishes it (one launch on the Pallas path)."""
+  still in its split-K partials [P, M, E] f32 with the w of its post norm's (1 + w) weight
+  and its eps: the next `sandwich_norm` finishes it (one launch on the Pallas path)."""
   x: jax.Array
-  parts: jax.Array | None = None
-  w_post: jax.Array | None = None
+  parts: jax.Array
+  w_post: jax.Array
+  post_eps: float = flax.struct.field(pytree_node=False, default=0.0)
+
+
+def _embedded(params: MuseParams, cfg: MuseGlimmerConfig, tokens: jax.Array) -> Joint:
+  """The embedding's weight-less norm as the first joint's pending sublayer (zero residual,
+  post weight 1 + 0, `rms_norm_eps`): the first joint writes HF's hidden_states[0] and layer
+  0's input norm in one launch, one row per program (batch invariant, where XLA's own row
+  norm would pick its reduction order by the row count)."""
+  e = params.embed[tokens.reshape(-1)].astype(jnp.float32)
+  return Joint(jnp.zeros_like(e), e[None], jnp.zeros((e.shape[1],), jnp.float32),
+               cfg.rms_norm_eps)
 
 
 def _join(cfg: MuseGlimmerConfig, j: Joint, w_norm: jax.Array, w, impl: str,
           policy: KernelPolicy, offset: float = 1.0, out_dtype=None):
   """(the residual with j's sublayer added, its norm (weight offset + w_norm) as the input
   of linear(., w))."""
-  return sandwich_norm(j.x, j.parts, j.w_post, cfg.post_norm_eps, w_norm, cfg.rms_norm_eps, w,
+  return sandwich_norm(j.x, j.parts, j.w_post, j.post_eps, w_norm, cfg.rms_norm_eps, w,
                        offset=offset, post_offset=1.0, policy=policy, impl=impl,
                        out_dtype=out_dtype)
-
-
-def settle(cfg: MuseGlimmerConfig, j: Joint) -> jax.Array:
-  """The residual stream as one array (HF's hidden state entering the next layer)."""
-  if j.parts is None:
-    return j.x
-  return j.x + rms_norm(sum_in_order(j.parts), 1.0 + j.w_post, cfg.post_norm_eps)
 
 
 def _qkv(cfg: MuseGlimmerConfig, l: int, y: jax.Array, positions: jax.Array,
@@ -395,17 +399,20 @@ def _attention(q: jax.Array, parts) -> jax.Array:
 def _layer(cfg: MuseGlimmerConfig, l: int, lp: MuseLayer, j: Joint, positions: jax.Array,
            attend, impl: str, policy: KernelPolicy):
   """Layer l on the stream j (rows [B T, E]) at positions [B, T] -> (Joint with the MLP's
-  down projection pending, what attend kept). attend(y, out_dtype) takes the fused
+  down projection pending, what attend kept, the residual stream entering the layer: HF's
+  hidden_states[l]). attend(y, out_dtype) takes the fused
   q/k/v/gate projection's partials [P, B T, (2 Hq + 2 Hkv) D] and returns (the attention
   output times sigmoid(gate) [B T, Hq D], what the path keeps)."""
-  x, h = _join(cfg, j, lp.attn_norm, lp.wqkvg, impl, policy)
+  post = cfg.post_norm_eps
+  x_in, h = _join(cfg, j, lp.attn_norm, lp.wqkvg, impl, policy)
   y = project(h, lp.wqkvg, impl, policy, partials=True)
   o, kept = attend(y, input_dtype(lp.wo))
-  x, h = _join(cfg, Joint(x, project(o, lp.wo, impl, policy, partials=True), lp.post_attn_norm),
-               lp.ffn_norm, lp.wgu, impl, policy)
+  x, h = _join(cfg, Joint(x_in, project(o, lp.wo, impl, policy, partials=True),
+                          lp.post_attn_norm, post), lp.ffn_norm, lp.wgu, impl, policy)
   hidden = project(h, lp.wgu, impl, policy, gate_up=True,
                    out_dtype=jnp.float32 if impl == "xla" else input_dtype(lp.wd))
-  return Joint(x, project(hidden, lp.wd, impl, policy, partials=True), lp.post_ffn_norm), kept
+  return (Joint(x, project(hidden, lp.wd, impl, policy, partials=True), lp.post_ffn_norm, post),
+          kept, x_in)
 
 
 def _trunk(params: MuseParams, cfg: MuseGlimmerConfig, tokens: jax.Array, positions: jax.Array,
@@ -416,13 +423,12 @@ def _trunk(params: MuseParams, cfg: MuseGlimmerConfig, tokens: jax.Array, positi
   capture = cfg.check_capture_layers(capture_layers)
   b, t = tokens.shape
   n = cfg.num_hidden_layers
-  j = Joint(rms_norm(params.embed[tokens.reshape(-1)], 1.0, cfg.rms_norm_eps))   # weight-less
+  j = _embedded(params, cfg, tokens)
   seen, kept = {}, []
   for l, lp in enumerate(params.layers):
+    j, k, x_in = _layer(cfg, l, lp, j, positions, attend_layer(l), impl, params.policy)
     if l in capture:
-      j = Joint(settle(cfg, j))
-      seen[l] = j.x
-    j, k = _layer(cfg, l, lp, j, positions, attend_layer(l), impl, params.policy)
+      seen[l] = x_in
     kept.append(k)
   _, h = _join(cfg, j, params.final_norm, params.head, impl, params.policy, offset=0.0,
                out_dtype=jnp.float32 if n in capture else None)
