@@ -417,8 +417,8 @@ def _layer(cfg: MuseGlimmerConfig, l: int, lp: MuseLayer, j: Joint, positions: j
 
 def _trunk(params: MuseParams, cfg: MuseGlimmerConfig, tokens: jax.Array, positions: jax.Array,
            attend_layer, capture_layers, impl: str):
-  """Normed embedding -> layers -> final norm: (h [B T, E] in the LM head's input dtype
-  (float32 when the features capture it), features [B, T, F], kept per layer).
+  """Normed embedding -> layers -> final norm: (h [B T, E] in the LM head's input dtype,
+  features [B, T, F], kept per layer).
   attend_layer(l) gives layer l's attend function."""
   capture = cfg.check_capture_layers(capture_layers)
   b, t = tokens.shape
@@ -430,9 +430,14 @@ def _trunk(params: MuseParams, cfg: MuseGlimmerConfig, tokens: jax.Array, positi
     if l in capture:
       seen[l] = x_in
     kept.append(k)
-  _, h = _join(cfg, j, params.final_norm, params.head, impl, params.policy, offset=0.0,
-               out_dtype=jnp.float32 if n in capture else None)
-  seen[n] = h
+  _, h = _join(cfg, j, params.final_norm, params.head, impl, params.policy, offset=0.0)
+  if n in capture:
+    # Its float32 rows for the features from a launch of their own, so the LM head reads the
+    # joint's bf16 rows whether or not the features are taken: float32 rows rounded for the
+    # LM head outside the kernel gave other logits bits on the GPU in some rows, so a verify
+    # capturing the last layer was not batch invariant against a decode (RESULTS.md, run 34).
+    seen[n] = _join(cfg, j, params.final_norm, params.head, impl, params.policy, offset=0.0,
+                    out_dtype=jnp.float32)[1]
   feats = (jnp.concatenate([seen[i] for i in capture], axis=-1) if capture
            else jnp.zeros((b * t, 0), jnp.float32))
   return h, feats.reshape(b, t, -1), kept
