@@ -347,8 +347,11 @@ def run(args) -> int:
   save("throughput")
 
   # 4. Kernels of the drafter's forward + backward.
-  fb = jax.jit(lambda p: grad_fn(p, target, b, features, **kw)[1])
-  res["kernels"] = kernel_split(C.cupti_kernels(fb, state.params, iterations=3), mf["total"])
+  # The batch, features and target are arguments: closed over, they would be compiled in as
+  # constants, a second copy of them on the device (the seed case then ran out of memory).
+  fb = jax.jit(lambda p, t, bb, f: grad_fn(p, t, bb, f, **kw)[1])
+  res["kernels"] = kernel_split(C.cupti_kernels(fb, state.params, target, b, features,
+                                                iterations=3), mf["total"])
   res["seconds"] = time.perf_counter() - t_start
   save("kernels")
   md = markdown(res)

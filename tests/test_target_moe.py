@@ -452,7 +452,9 @@ def test_gpu_30b_a3b_widths_rows_are_invariant():
   kernels."""
   from test_target_invariance import check_rows_invariant
   params = Q.init_params(A3B_WIDTHS, jax.random.key(0), "bf16")
-  check_rows_invariant(A3B_WIDTHS, params, "bf16", (100, 700, 1500), 2048, widths=(5,),
+  # Prompts within a 512-row prefill bucket: the prefill's sorted grouped GEMM (XLA's
+  # ragged dot) took 24 GB of scratch at 3 x 2048 rows.
+  check_rows_invariant(A3B_WIDTHS, params, "bf16", (100, 300, 500), 1024, widths=(5,),
                        decode_slots=(2,), model=Q)
 
 
