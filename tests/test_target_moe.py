@@ -3,6 +3,7 @@ semantics note (reference/targets/qwen3_moe.py), read from random checkpoints wi
 published tensor names (experts one by one); its cached path against one pass; decode and
 verify read only the experts their rows route to."""
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -168,6 +169,25 @@ def test_expert_slots_random(m, k, e):
   text = jax.jit(Q.expert_slots, static_argnums=1).trace(
       jax.ShapeDtypeStruct((m, k), jnp.int32), e).lower(lowering_platforms=("cuda",)).as_text()
   assert "scatter" not in text and "scan" not in text and "while" not in text
+
+
+def test_sorted_experts_add_no_float_scatter():
+  """The sort-by-expert path (prefill) gathers each row's k outputs back and adds them in
+  order: its program, lowered for CUDA, scatters integers only (a float scatter-add would add
+  a row's terms in whatever order the GPU's atomics land, so one prefill run twice could
+  differ)."""
+  cfg = TINY
+  _, p = _model(cfg, 2)
+  lp = next(l for l in p.layers if isinstance(l, Q.MoeLayer))
+  m, k, hsz = 40, cfg.num_experts_per_tok, cfg.hidden_size
+  text = jax.jit(Q._experts_sorted).trace(
+      lp, jax.ShapeDtypeStruct((m, hsz), jnp.float32), jax.ShapeDtypeStruct((m, k), jnp.int32),
+      jax.ShapeDtypeStruct((m, k), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
+  # Each scatter op's result type follows its region: "-> tensor<...>" after the op.
+  results = [text[i:].split("->", 1)[1].split("\n", 1)[0]
+             for i in (mm.start() for mm in re.finditer(r'"stablehlo\.scatter"', text))]
+  assert results and all("i32" in r and "f32" not in r and "bf16" not in r for r in results), (
+      results)
 
 
 def test_greedy_continuation_matches_reference():

@@ -348,7 +348,9 @@ def _ragged(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
 
 def _experts_sorted(lp: MoeLayer, h: jax.Array, ids: jax.Array, w: jax.Array):
   """The same sum for many rows: (row, choice) pairs sorted by expert, two grouped GEMMs over
-  the runs, the weighted outputs added back to their rows."""
+  the runs, each row's k weighted outputs gathered back and added in its routing order. (A
+  scatter-add of the sorted outputs into their rows would add a row's k terms in whatever
+  order the GPU's atomics land, so two runs of one prefill could differ in the last bit.)"""
   m, k = ids.shape
   flat = ids.reshape(-1)
   order = jnp.argsort(flat, stable=True)
@@ -357,7 +359,9 @@ def _experts_sorted(lp: MoeLayer, h: jax.Array, ids: jax.Array, w: jax.Array):
   gu = _ragged(h[rows], lp.w_gu, sizes)
   im = gu.shape[-1] // 2
   out = _ragged(jax.nn.silu(gu[:, :im]) * gu[:, im:], lp.w_d, sizes)
-  return jnp.zeros((m, h.shape[1]), jnp.float32).at[rows].add(out * w.reshape(-1)[order][:, None])
+  where = jnp.zeros_like(order).at[order].set(jnp.arange(m * k, dtype=order.dtype))
+  own = out[where].reshape(m, k, -1) * w[..., None]     # [M, k, H]: pair (m, j)'s output
+  return sum_in_order(jnp.moveaxis(own, 1, 0))
 
 
 def moe_mlp(cfg: Qwen3MoeConfig, lp: MoeLayer, x, impl: str,
