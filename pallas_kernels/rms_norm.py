@@ -26,13 +26,26 @@ from jax.experimental.pallas import triton as plt
 from pallas_kernels._common import check, load_tile, next_pow2, resolve_interpret, store_tile
 
 
+def _normed(x: jax.Array, w: jax.Array, k: int, eps: float) -> jax.Array:
+  """Rows x [R, Kp] (lanes past K zero) RMS-normed over K, times w [Kp]: every kernel's norm."""
+  r = jax.lax.rsqrt(jnp.sum(x * x, axis=1) / k + eps)
+  return x * r[:, None] * w[None, :]
+
+
+def _part_sum(p_ref, n_parts: int, kp: int, lims) -> jax.Array:
+  """parts[0] + parts[1] + ... of one row's [P, 1, Kp] block of split-K partials, in order."""
+  y = load_tile(p_ref, (0, 0, 0), (None, 1, kp), (None,) + lims)
+  for i in range(1, n_parts):
+    y = y + load_tile(p_ref, (i, 0, 0), (None, 1, kp), (None,) + lims)
+  return y
+
+
 def _kernel(x_ref, w_ref, o_ref, *, k: int, eps: float):
   rows, kp = x_ref.shape
   lims = (None, None if kp == k else k)
   x = load_tile(x_ref, (0, 0), (rows, kp), lims)
   w = load_tile(w_ref, (0,), (kp,), lims[1:])
-  r = jax.lax.rsqrt(jnp.sum(x * x, axis=1) / k + eps)
-  store_tile(o_ref, (0, 0), (x * r[:, None] * w[None, :]).astype(o_ref.dtype), lims)
+  store_tile(o_ref, (0, 0), _normed(x, w, k, eps).astype(o_ref.dtype), lims)
 
 
 def _check_args(name, x, w):
@@ -40,6 +53,13 @@ def _check_args(name, x, w):
   check(x.dtype == jnp.float32 and w.dtype == jnp.float32, name, "x and w must be float32",
         (x.dtype, w.dtype))
   check(w.shape == (x.shape[1],), name, f"w must be [{x.shape[1]}]", w.shape)
+
+
+def _check_parts(name, parts, x):
+  m, k = x.shape
+  check(parts.ndim == 3 and parts.shape[1:] == x.shape, name, f"parts must be [P, {m}, {k}]",
+        parts.shape)
+  check(parts.dtype == jnp.float32, name, "parts must be float32", parts.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=["eps", "out_dtype", "rows", "num_warps",
@@ -71,9 +91,7 @@ def _pair_kernel(x_ref, w_ref, f_ref, o_ref, *, k: int, eps: float):
   rows, kp = x_ref.shape
   lims = (None, None if kp == k else k)
   x = load_tile(x_ref, (0, 0), (rows, kp), lims)
-  w = load_tile(w_ref, (0,), (kp,), lims[1:])
-  r = jax.lax.rsqrt(jnp.sum(x * x, axis=1) / k + eps)
-  y = x * r[:, None] * w[None, :]
+  y = _normed(x, load_tile(w_ref, (0,), (kp,), lims[1:]), k, eps)
   store_tile(f_ref, (0, 0), y, lims)
   store_tile(o_ref, (0, 0), y.astype(o_ref.dtype), lims)
 
@@ -122,14 +140,10 @@ def _add_kernel(x_ref, *refs, k: int, eps: float, n_parts: int):
   lims = (None, None if kp == k else k)
   x = load_tile(x_ref, (0, 0), (1, kp), lims)
   if n_parts:
-    s = load_tile(p_ref, (0, 0, 0), (None, 1, kp), (None,) + lims)
-    for i in range(1, n_parts):
-      s = s + load_tile(p_ref, (i, 0, 0), (None, 1, kp), (None,) + lims)
-    x = x + s
+    x = x + _part_sum(p_ref, n_parts, kp, lims)
     store_tile(x_out, (0, 0), x, lims)
   w = load_tile(w_ref, (0,), (kp,), lims[1:])
-  r = jax.lax.rsqrt(jnp.sum(x * x, axis=1) / k + eps)
-  store_tile(o_ref, (0, 0), (x * r[:, None] * w[None, :]).astype(o_ref.dtype), lims)
+  store_tile(o_ref, (0, 0), _normed(x, w, k, eps).astype(o_ref.dtype), lims)
 
 
 @functools.partial(jax.jit, static_argnames=["eps", "out_dtype", "num_warps", "interpret"])
@@ -144,9 +158,7 @@ def add_rms_norm(x: jax.Array, parts: jax.Array | None, w: jax.Array, *, eps: fl
   _check_args(name, x, w)
   m, k = x.shape
   if parts is not None:
-    check(parts.ndim == 3 and parts.shape[1:] == x.shape, name, f"parts must be [P, {m}, {k}]",
-          parts.shape)
-    check(parts.dtype == jnp.float32, name, "parts must be float32", parts.dtype)
+    _check_parts(name, parts, x)
   n_parts = 0 if parts is None else parts.shape[0]
   kp = next_pow2(k)
   row = pl.BlockSpec((1, kp), lambda i: (i, 0))
@@ -187,16 +199,12 @@ def _sandwich_kernel(x_ref, *refs, k: int, eps: float, post_eps: float, offset: 
   lims = (None, None if kp == k else k)
   x = load_tile(x_ref, (0, 0), (1, kp), lims)
   if n_parts:
-    y = load_tile(p_ref, (0, 0, 0), (None, 1, kp), (None,) + lims)
-    for i in range(1, n_parts):
-      y = y + load_tile(p_ref, (i, 0, 0), (None, 1, kp), (None,) + lims)
+    y = _part_sum(p_ref, n_parts, kp, lims)
     wp = load_tile(wp_ref, (0,), (kp,), lims[1:]) + post_offset
-    r = jax.lax.rsqrt(jnp.sum(y * y, axis=1) / k + post_eps)
-    x = x + y * r[:, None] * wp[None, :]
+    x = x + _normed(y, wp, k, post_eps)
     store_tile(x_out, (0, 0), x, lims)
   w = load_tile(w_ref, (0,), (kp,), lims[1:]) + offset
-  r = jax.lax.rsqrt(jnp.sum(x * x, axis=1) / k + eps)
-  store_tile(o_ref, (0, 0), (x * r[:, None] * w[None, :]).astype(o_ref.dtype), lims)
+  store_tile(o_ref, (0, 0), _normed(x, w, k, eps).astype(o_ref.dtype), lims)
 
 
 @functools.partial(jax.jit, static_argnames=["eps", "post_eps", "offset", "post_offset",
@@ -216,9 +224,7 @@ def sandwich_rms_norm(x: jax.Array, parts: jax.Array | None, w_post: jax.Array |
   _check_args(name, x, w)
   m, k = x.shape
   if parts is not None:
-    check(parts.ndim == 3 and parts.shape[1:] == x.shape, name, f"parts must be [P, {m}, {k}]",
-          parts.shape)
-    check(parts.dtype == jnp.float32, name, "parts must be float32", parts.dtype)
+    _check_parts(name, parts, x)
     check(w_post is not None and w_post.shape == (k,) and w_post.dtype == jnp.float32, name,
           f"w_post must be float32 [{k}]", None if w_post is None else (w_post.shape,
                                                                          w_post.dtype))

@@ -129,13 +129,17 @@ def test_add_rms_norm_matches_oracle_and_twin(m, k, n_parts, out_dtype):
   assert np.all(np.abs(got - twin) <= (2 * ulp + 1e-5) * np.abs(want) + 1e-30)
 
 
-def _rows_invariant(m, k):
+def _rows_invariant(m, k, norm=None):
+  """norm(x, parts, w) -> (new residual, norm) for a call of any rows (default add_rms_norm):
+  each row's bits equal the same row's alone."""
+  if norm is None:
+    norm = lambda x, parts, w: RN.add_rms_norm(x, parts, w, eps=EPS)
   x, w = _inputs(m, m, k)
   parts = jnp.asarray(np.random.default_rng(1).standard_normal((4, m, k)), jnp.float32)
   x, w = jnp.asarray(x), jnp.asarray(w)
-  new, y = RN.add_rms_norm(x, parts, w, eps=EPS)
+  new, y = norm(x, parts, w)
   for i in range(0, m, max(1, m // 5)):
-    n1, y1 = RN.add_rms_norm(x[i:i + 1], parts[:, i:i + 1], w, eps=EPS)
+    n1, y1 = norm(x[i:i + 1], parts[:, i:i + 1], w)
     np.testing.assert_array_equal(np.asarray(n1)[0], np.asarray(new)[i])
     np.testing.assert_array_equal(np.asarray(y1).view(np.uint16)[0],
                                   np.asarray(y).view(np.uint16)[i])
@@ -207,18 +211,9 @@ def test_sandwich_rms_norm_matches_oracle_and_twin(m, k, n_parts, offsets, out_d
 
 
 def _sandwich_rows_invariant(m, k):
-  x, w = _inputs(m, m, k)
-  rng = np.random.default_rng(2)
-  parts = jnp.asarray(rng.standard_normal((4, m, k)), jnp.float32)
-  wp = jnp.asarray(0.1 * rng.standard_normal(k), jnp.float32)
-  x, w = jnp.asarray(x), jnp.asarray(w)
-  kw = dict(eps=EPS, post_eps=POST_EPS, offset=1.0, post_offset=1.0)
-  new, y = RN.sandwich_rms_norm(x, parts, wp, w, **kw)
-  for i in range(0, m, max(1, m // 5)):
-    n1, y1 = RN.sandwich_rms_norm(x[i:i + 1], parts[:, i:i + 1], wp, w, **kw)
-    np.testing.assert_array_equal(np.asarray(n1)[0], np.asarray(new)[i])
-    np.testing.assert_array_equal(np.asarray(y1).view(np.uint16)[0],
-                                  np.asarray(y).view(np.uint16)[i])
+  wp = jnp.asarray(0.1 * np.random.default_rng(2).standard_normal(k), jnp.float32)
+  _rows_invariant(m, k, lambda x, parts, w: RN.sandwich_rms_norm(
+      x, parts, wp, w, eps=EPS, post_eps=POST_EPS, offset=1.0, post_offset=1.0))
 
 
 def test_sandwich_rms_norm_rows_are_batch_invariant():

@@ -434,8 +434,8 @@ def _trunk(params: MuseParams, cfg: MuseGlimmerConfig, tokens: jax.Array, positi
   if n in capture:
     # Its float32 rows for the features from a launch of their own, so the LM head reads the
     # joint's bf16 rows whether or not the features are taken: float32 rows rounded for the
-    # LM head outside the kernel gave other logits bits on the GPU in some rows, so a verify
-    # capturing the last layer was not batch invariant against a decode (RESULTS.md, run 34).
+    # LM head outside the kernel can round otherwise on the GPU, and a verify capturing the
+    # last layer would then not be batch invariant against a decode.
     seen[n] = _join(cfg, j, params.final_norm, params.head, impl, params.policy, offset=0.0,
                     out_dtype=jnp.float32)[1]
   feats = (jnp.concatenate([seen[i] for i in capture], axis=-1) if capture
