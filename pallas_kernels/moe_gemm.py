@@ -15,7 +15,18 @@ that each program reads first (one scalar load), then it offsets its weight load
   moe_matmul(x, w, ids)                 x [M, K] (every slot's rows) or [S, M, K] (per slot)
   moe_matmul(x, w_gu, ids, gate_up=True)  w_gu [E, 2 N, K], gate rows then up rows per expert:
                                         silu(x gate^T) * (x up^T) in the epilogue
--> [S, M, N], zeros in unused slots. Weights bf16; x is rounded to bf16 for the dot, the
+-> [S, M, N], zeros in unused slots.
+
+  moe_matmul(x, w_d, ids, routes=(route_ids, route_weights))
+                                        the down projection's routed epilogue: route_ids [M, k]
+                                        int32 and route_weights [M, k] float32 (each row's
+                                        experts in routing order, every one of them in ids)
+-> [k, M, N] float32: out[c, m] = route_weights[m, c] (x(j) @ w_d[e]^T)[m] for the slot j of
+e = route_ids[m, c]. Each (c, m) is written once, by the program of that slot, with its row's
+weight applied, so a row's k expert outputs leave the kernel as k split-K-like partials in
+routing order, ready for the next pre-norm to add (no gather-and-sum launch in between).
+
+Weights bf16; x is rounded to bf16 for the dot, the
 accumulation is float32 (the rounding `dflash_jax.dispatch.linear` applies to bf16 weights).
 `moe_matmul_reference` is the jnp twin (impl="xla"): it gathers the listed experts.
 
@@ -56,9 +67,12 @@ def default_knobs(n: int, k: int, gate_up: bool = False) -> dict:
               num_stages=3)
 
 
-def _kernel(ids_ref, x_ref, w_ref, o_ref, *, gate_up: bool, n_out: int, k: int, block_n: int,
-            block_k: int):
-  """Slot j = program_id(0), N tile program_id(1): o [M, block_n] of expert ids[j]."""
+def _kernel(ids_ref, x_ref, w_ref, *refs, gate_up: bool, n_out: int, k: int, block_n: int,
+            block_k: int, n_routes: int):
+  """Slot j = program_id(0), N tile program_id(1): o [M, block_n] of expert ids[j], or with
+  n_routes > 0 (refs: route ids and weights [k M] choice-major, then o [k, M, block_n]) each
+  row's weighted output stored at the choices that route it to ids[j]."""
+  o_ref = refs[-1]
   e = ids_ref[pl.program_id(0)]
   n0 = pl.multiple_of(pl.program_id(1) * block_n, block_n)
   chunks = x_ref.shape[0] // ROW_CHUNK
@@ -79,6 +93,18 @@ def _kernel(ids_ref, x_ref, w_ref, o_ref, *, gate_up: bool, n_out: int, k: int, 
       return tuple(new)
     zeros = tuple(jnp.zeros((ROW_CHUNK, block_n), jnp.float32) for _ in range(chunks * n_w))
     accs = lax.fori_loop(0, k // block_k, step, zeros)
+    if n_routes:
+      rid_ref, rw_ref = refs[:2]
+      m_pad = x_ref.shape[0]
+      for c in range(chunks):
+        for r in range(n_routes):
+          at = pl.ds(r * m_pad + c * ROW_CHUNK, ROW_CHUNK)
+          mine = (rid_ref[at] == e)[:, None]
+          out = accs[c] * rw_ref[at][:, None]
+          plt.store(o_ref.at[pl.ds(r, 1), pl.ds(c * ROW_CHUNK, ROW_CHUNK), :],
+                    out.astype(o_ref.dtype)[None],
+                    mask=jnp.broadcast_to(mine, (ROW_CHUNK, block_n))[None])
+      return
     for c in range(chunks):
       if gate_up:
         g, u = accs[2 * c], accs[2 * c + 1]
@@ -87,20 +113,44 @@ def _kernel(ids_ref, x_ref, w_ref, o_ref, *, gate_up: bool, n_out: int, k: int, 
         out = accs[c]
       o_ref[pl.ds(c * ROW_CHUNK, ROW_CHUNK), :] = out.astype(o_ref.dtype)
 
-  @pl.when(e < 0)
-  def _():
-    # Chunk by chunk: the whole block is 48 rows at M = 33..48, not a power of 2.
-    for c in range(chunks):
-      o_ref[pl.ds(c * ROW_CHUNK, ROW_CHUNK), :] = jnp.zeros((ROW_CHUNK, block_n), o_ref.dtype)
+  if not n_routes:   # routed: a slot no row routes to has nothing to store
+    @pl.when(e < 0)
+    def _():
+      # Chunk by chunk: the whole block is 48 rows at M = 33..48, not a power of 2.
+      for c in range(chunks):
+        o_ref[pl.ds(c * ROW_CHUNK, ROW_CHUNK), :] = jnp.zeros((ROW_CHUNK, block_n),
+                                                              o_ref.dtype)
+
+
+def _check_routes(kernel: str, routes, m: int, gate_up: bool, out_dtype) -> int:
+  """The routed epilogue's operands -> k (0 without routes)."""
+  if routes is None:
+    return 0
+  check(not gate_up, kernel, "routes with gate_up=False (the down projection)", gate_up)
+  check(jnp.dtype(out_dtype) == jnp.float32, kernel, "out_dtype float32 with routes",
+        out_dtype)
+  check(isinstance(routes, tuple) and len(routes) == 2, kernel,
+        "routes a tuple (route_ids, route_weights)", type(routes))
+  rid, rw = routes
+  check(rid.ndim == 2 and rid.shape[0] == m and rid.dtype == jnp.int32, kernel,
+        f"route_ids int32 [{m}, k]", (rid.dtype, rid.shape))
+  check(rw.shape == rid.shape and rw.dtype == jnp.float32, kernel,
+        f"route_weights float32 {tuple(rid.shape)}", (rw.dtype, rw.shape))
+  return rid.shape[1]
 
 
 @functools.partial(jax.jit, static_argnames=("gate_up", "block_n", "block_k", "num_warps",
                                              "num_stages", "out_dtype", "interpret"))
 def moe_matmul(x: jax.Array, w: jax.Array, expert_ids: jax.Array, *, gate_up: bool = False,
-               block_n: int = 64, block_k: int = 128, num_warps: int = 4, num_stages: int = 3,
+               routes: tuple[jax.Array, jax.Array] | None = None, block_n: int = 64,
+               block_k: int = 128, num_warps: int = 4, num_stages: int = 3,
                out_dtype=jnp.float32, interpret: bool | None = None) -> jax.Array:
   """[S, M, N]: slot j holds x(j) @ w[expert_ids[j]]^T (silu(gate) * up with gate_up), zeros
-  where expert_ids[j] < 0. x [M, K] (the same rows for every slot) or [S, M, K]."""
+  where expert_ids[j] < 0. x [M, K] (the same rows for every slot) or [S, M, K].
+
+  routes (route_ids [M, k] int32, route_weights [M, k] float32; each route id must be listed
+  in expert_ids): [k, M, N] float32 instead, out[c, m] = route_weights[m, c] times row m of
+  the slot holding expert route_ids[m, c] (the module docstring's routed epilogue)."""
   kernel = "moe_matmul"
   check(w.ndim == 3 and w.dtype == jnp.bfloat16, kernel, "w bfloat16 [E, N, K]",
         (w.dtype, w.shape))
@@ -111,6 +161,7 @@ def moe_matmul(x: jax.Array, w: jax.Array, expert_ids: jax.Array, *, gate_up: bo
   check(x.ndim in (2, 3) and (not per_slot or x.shape[0] == s), kernel,
         "x [M, K] or [S, M, K] with S = len(expert_ids)", (x.shape, s))
   m, k = x.shape[-2:]
+  n_routes = _check_routes(kernel, routes, m, gate_up, out_dtype)
   e, n_rows, kw = w.shape
   check(kw == k, kernel, "w.shape[2] == x.shape[-1] (K)", (w.shape, x.shape))
   check(not gate_up or n_rows % 2 == 0, kernel, "gate_up w [E, 2 N, K]", w.shape)
@@ -126,25 +177,47 @@ def moe_matmul(x: jax.Array, w: jax.Array, expert_ids: jax.Array, *, gate_up: bo
     x_spec = pl.BlockSpec((None, mp, k), lambda j, n: (j, 0, 0))
   else:
     x_spec = pl.BlockSpec((mp, k), lambda j, n: (0, 0))
+  operands = [expert_ids, xp, w]
+  in_specs = [pl.BlockSpec((s,), lambda j, n: (0,)), x_spec,
+              pl.BlockSpec((e, n_rows, k), lambda j, n: (0, 0, 0))]
+  out_spec = pl.BlockSpec((None, mp, block_n), lambda j, n: (j, 0, n))
+  out_shape = jax.ShapeDtypeStruct((s, mp, n_out), out_dtype)
+  if n_routes:
+    # Choice-major and flat, padded rows routed nowhere (-1): each program loads 16-row runs.
+    rid, rw = (jnp.pad(a.T, ((0, 0), (0, mp - m)), constant_values=v).reshape(-1)
+               for a, v in ((routes[0], -1), (routes[1], 0.0)))
+    operands += [rid, rw]
+    in_specs += [pl.BlockSpec((n_routes * mp,), lambda j, n: (0,))] * 2
+    # Every slot's programs store into the one [k, M, N] array, each (choice, row) once.
+    out_spec = pl.BlockSpec((n_routes, mp, block_n), lambda j, n: (0, 0, n))
+    out_shape = jax.ShapeDtypeStruct((n_routes, mp, n_out), jnp.float32)
   out = pl.pallas_call(
       functools.partial(_kernel, gate_up=gate_up, n_out=n_out, k=k, block_n=block_n,
-                        block_k=block_k),
+                        block_k=block_k, n_routes=n_routes),
       grid=(s, n_out // block_n),
-      in_specs=[pl.BlockSpec((s,), lambda j, n: (0,)), x_spec,
-                pl.BlockSpec((e, n_rows, k), lambda j, n: (0, 0, 0))],
-      out_specs=pl.BlockSpec((None, mp, block_n), lambda j, n: (j, 0, n)),
-      out_shape=jax.ShapeDtypeStruct((s, mp, n_out), out_dtype),
+      in_specs=in_specs,
+      out_specs=out_spec,
+      out_shape=out_shape,
       compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=resolve_interpret(interpret), name="moe_matmul_gate_up" if gate_up else
-      "moe_matmul")(expert_ids, xp, w)
+      "moe_matmul")(*operands)
   return out[:, :m] if mp != m else out
 
 
 def moe_matmul_reference(x: jax.Array, w: jax.Array, expert_ids: jax.Array, *,
-                         gate_up: bool = False, out_dtype=jnp.float32) -> jax.Array:
+                         gate_up: bool = False, routes: tuple[jax.Array, jax.Array] | None = None,
+                         out_dtype=jnp.float32) -> jax.Array:
   """Twin of `moe_matmul` in jnp (any float weights: bf16 rounds x to bf16 and accumulates
   in float32, float32 is full precision). Gathers the listed experts (unused slots repeat
-  slot 0's expert, so no other expert is read) and zeroes the unused slots."""
+  slot 0's expert, so no other expert is read) and zeroes the unused slots; with routes, picks
+  each row's choices out of their slots and weights them."""
+  if routes is not None:
+    _check_routes("moe_matmul_reference", routes, x.shape[-2], gate_up, out_dtype)
+    y = moe_matmul_reference(x, w, expert_ids)
+    rid, rw = routes
+    slot_of = jnp.argmax(rid[..., None] == expert_ids, axis=-1)           # [M, k]
+    own = y[slot_of, jnp.arange(rid.shape[0])[:, None]]                   # [M, k, N]
+    return jnp.moveaxis(own * rw[..., None], 1, 0)
   used = expert_ids >= 0
   wg = w[jnp.where(used, expert_ids, expert_ids[0])]
   if w.dtype == jnp.bfloat16:

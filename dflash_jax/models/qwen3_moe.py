@@ -25,7 +25,8 @@ Batch invariance, as qwen3's: on the Pallas path with bf16 experts a decode or v
 bitwise the same whatever rows share the call, up to `SLOT_MAX_ROWS` rows (float32 experts
 run the jnp twin, whose contraction order XLA picks by shape): the router GEMM is invariant,
 the routing's sums run in a fixed order, the grouped GEMM multiplies 16 rows per dot, and a
-row's k expert outputs are added in its routing order. So greedy speculative decoding equals
+row's k expert outputs are added in its routing order (the down GEMM stores each row's
+weighted outputs at its choices; the next pre-norm adds them, in its launch). So greedy speculative decoding equals
 target-only decoding token for token in bf16 (a random router sits on near ties often: any
 row-count dependence flips an expert within a few tokens).
 """
@@ -315,23 +316,20 @@ def expert_slots(ids: jax.Array, n_experts: int) -> tuple[jax.Array, jax.Array]:
 
 
 def _experts_by_slot(lp: MoeLayer, h: jax.Array, ids: jax.Array, w: jax.Array, impl: str):
-  """sum_k w[m, k] expert_{ids[m, k]}(h[m]) for a few rows: a grouped GEMM over the touched
-  experts only (every row through every touched expert), then each row's own k outputs
-  picked out and added in its routing order (elementwise adds: a row's sum does not depend
-  on the other rows' experts, as a contraction over all touched slots would)."""
-  m = h.shape[0]
-  slots, slot_of = expert_slots(ids, lp.router.shape[0])
+  """Each row's k weighted expert outputs [k, M, H] (routing order) for a few rows: a grouped
+  GEMM over the touched experts only (every row through every touched expert), whose down
+  projection stores each row's own k outputs, weighted, at its choices (the routed epilogue:
+  a row's outputs do not depend on the other rows' experts). The caller's next pre-norm adds
+  them in routing order, as it adds a dense layer's split-K partials."""
+  slots, _ = expert_slots(ids, lp.router.shape[0])
   im = lp.w_d.shape[-1]
   if impl != "xla" and lp.w_gu.dtype == jnp.bfloat16:
     hidden = moe_gemm.moe_matmul(h, lp.w_gu, slots, gate_up=True, out_dtype=jnp.bfloat16,
                                  **moe_gemm.default_knobs(im, h.shape[1], True))
-    out = moe_gemm.moe_matmul(hidden, lp.w_d, slots,
-                              **moe_gemm.default_knobs(lp.w_d.shape[1], im))
-  else:
-    hidden = moe_gemm.moe_matmul_reference(h, lp.w_gu, slots, gate_up=True)
-    out = moe_gemm.moe_matmul_reference(hidden, lp.w_d, slots)
-  own = out[slot_of, jnp.arange(m)[:, None]]            # [M, k, H]: row m's k experts
-  return sum_in_order(jnp.moveaxis(own * w[..., None], 1, 0))
+    return moe_gemm.moe_matmul(hidden, lp.w_d, slots, routes=(ids, w),
+                               **moe_gemm.default_knobs(lp.w_d.shape[1], im))
+  hidden = moe_gemm.moe_matmul_reference(h, lp.w_gu, slots, gate_up=True)
+  return moe_gemm.moe_matmul_reference(hidden, lp.w_d, slots, routes=(ids, w))
 
 
 def _ragged(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
@@ -347,8 +345,8 @@ def _ragged(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
 
 
 def _experts_sorted(lp: MoeLayer, h: jax.Array, ids: jax.Array, w: jax.Array):
-  """The same sum for many rows: (row, choice) pairs sorted by expert, two grouped GEMMs over
-  the runs, each row's k weighted outputs gathered back and added in its routing order. (A
+  """The same parts [k, M, H] for many rows: (row, choice) pairs sorted by expert, two grouped
+  GEMMs over the runs, each row's k weighted outputs gathered back into routing order. (A
   scatter-add of the sorted outputs into their rows would add a row's k terms in whatever
   order the GPU's atomics land, so two runs of one prefill could differ in the last bit.)"""
   m, k = ids.shape
@@ -361,18 +359,19 @@ def _experts_sorted(lp: MoeLayer, h: jax.Array, ids: jax.Array, w: jax.Array):
   out = _ragged(jax.nn.silu(gu[:, :im]) * gu[:, im:], lp.w_d, sizes)
   where = jnp.zeros_like(order).at[order].set(jnp.arange(m * k, dtype=order.dtype))
   own = out[where].reshape(m, k, -1) * w[..., None]     # [M, k, H]: pair (m, j)'s output
-  return sum_in_order(jnp.moveaxis(own, 1, 0))
+  return jnp.moveaxis(own, 1, 0)
 
 
 def moe_mlp(cfg: Qwen3MoeConfig, lp: MoeLayer, x, impl: str,
-            policy: KernelPolicy) -> jax.Array:
+            policy: KernelPolicy) -> qwen3.Residual:
   """x + the expert mixture of the post-attention-normed x [M, H] (x an array or qwen3's
-  `Residual`: the attention's output partials are added by the norm)."""
+  `Residual`: the attention's output partials are added by the norm), each row's k weighted
+  expert outputs not yet added (a `Residual` whose parts are the k choices, routing order)."""
   x, h = qwen3.pre_norm(x, lp.ffn_norm, cfg.rms_norm_eps, lp.router, impl, policy)
   ids, w = route(cfg, qwen3.project(h, lp.router, impl, policy, partials=True), impl)
   if h.shape[0] <= SLOT_MAX_ROWS:
-    return x + _experts_by_slot(lp, h, ids, w, impl)
-  return x + _experts_sorted(lp, h, ids, w)
+    return qwen3.Residual(x, _experts_by_slot(lp, h, ids, w, impl))
+  return qwen3.Residual(x, _experts_sorted(lp, h, ids, w))
 
 
 def _layer(cfg: Qwen3MoeConfig, l: int, lp, x: jax.Array, positions: jax.Array,
