@@ -321,7 +321,11 @@ def _experts_by_slot(lp: MoeLayer, h: jax.Array, ids: jax.Array, w: jax.Array, i
   projection stores each row's own k outputs, weighted, at its choices (the routed epilogue:
   a row's outputs do not depend on the other rows' experts). The caller's next pre-norm adds
   them in routing order, as it adds a dense layer's split-K partials."""
-  slots, _ = expert_slots(ids, lp.router.shape[0])
+  # A slot's product does not depend on where the slot sits in the list, and the routed
+  # epilogue finds each choice's slot by its expert: any list of the touched experts gives a
+  # row the same bits. One row's k distinct experts are such a list already (a decode skips
+  # the listing's launches).
+  slots = ids[0] if h.shape[0] == 1 else expert_slots(ids, lp.router.shape[0])[0]
   im = lp.w_d.shape[-1]
   if impl != "xla" and lp.w_gu.dtype == jnp.bfloat16:
     hidden = moe_gemm.moe_matmul(h, lp.w_gu, slots, gate_up=True, out_dtype=jnp.bfloat16,
