@@ -31,8 +31,9 @@ accumulation is float32 (the rounding `dflash_jax.dispatch.linear` applies to bf
 `moe_matmul_reference` is the jnp twin (impl="xla"): it gathers the listed experts.
 
 Tiles: N and K must be multiples of block_n and block_k (every published MoE's expert dims
-are multiples of 128). M is padded to a multiple of 16 and each weight tile, read once,
-multiplies the rows 16 at a time, one dot per 16-row chunk: a row's result is then the same
+are multiples of 128). Each weight tile, read once, multiplies the rows 16 at a time, one dot
+per 16-row chunk (a last chunk past M read and written under a row mask, so a decode's one
+row needs no padded copy on either side): a row's result is then the same
 instruction sequence whatever M is (a wider dot could move to another MMA instruction, wgmma
 from 64 rows), so the product is batch invariant, as `skinny_gemm`'s row chunks make the
 dense GEMMs.
@@ -67,16 +68,36 @@ def default_knobs(n: int, k: int, gate_up: bool = False) -> dict:
               num_stages=3)
 
 
-def _kernel(ids_ref, x_ref, w_ref, *refs, gate_up: bool, n_out: int, k: int, block_n: int,
-            block_k: int, n_routes: int):
+def _kernel(ids_ref, x_ref, w_ref, *refs, gate_up: bool, m: int, n_out: int, k: int,
+            block_n: int, block_k: int, n_routes: int):
   """Slot j = program_id(0), N tile program_id(1): o [M, block_n] of expert ids[j], or with
-  n_routes > 0 (refs: route ids and weights [k M] choice-major, then o [k, M, block_n]) each
-  row's weighted output stored at the choices that route it to ids[j]."""
+  n_routes > 0 (refs: route ids and weights [M, k], then o [k, M, block_n]) each row's
+  weighted output stored at the choices that route it to ids[j]. The arrays hold exactly M
+  rows: a last 16-row chunk past M is read and written under a row mask (no padded copies)."""
   o_ref = refs[-1]
   e = ids_ref[pl.program_id(0)]
   n0 = pl.multiple_of(pl.program_id(1) * block_n, block_n)
-  chunks = x_ref.shape[0] // ROW_CHUNK
+  chunks = pl.cdiv(m, ROW_CHUNK)
   n_w = 2 if gate_up else 1
+  # [16, 1] per chunk: its rows below M (None: the whole chunk is).
+  row_ok = [None if (c + 1) * ROW_CHUNK <= m else
+            c * ROW_CHUNK + lax.broadcasted_iota(jnp.int32, (ROW_CHUNK, 1), 0) < m
+            for c in range(chunks)]
+
+  def rows_of(c: int):
+    return pl.ds(c * ROW_CHUNK, ROW_CHUNK)
+
+  def load_rows(ref, c: int, cols, other):
+    if row_ok[c] is None:
+      return ref[rows_of(c), cols]
+    return plt.load(ref.at[rows_of(c), cols], mask=row_ok[c], other=other)
+
+  def store_rows(c: int, value):
+    if row_ok[c] is None:
+      o_ref[rows_of(c), :] = value
+    else:
+      plt.store(o_ref.at[rows_of(c), :], value,
+                mask=jnp.broadcast_to(row_ok[c], value.shape))
 
   @pl.when(e >= 0)
   def _():
@@ -86,7 +107,7 @@ def _kernel(ids_ref, x_ref, w_ref, *refs, gate_up: bool, n_out: int, k: int, blo
             for i in range(n_w)]
       new = []
       for c in range(chunks):
-        x = x_ref[pl.ds(c * ROW_CHUNK, ROW_CHUNK), pl.ds(k0, block_k)].astype(jnp.bfloat16)
+        x = load_rows(x_ref, c, pl.ds(k0, block_k), 0.0).astype(jnp.bfloat16)
         new += [accs[c * n_w + i] + lax.dot_general(x, w, _DOT_NT,
                                                     preferred_element_type=jnp.float32)
                 for i, w in enumerate(ws)]
@@ -95,14 +116,12 @@ def _kernel(ids_ref, x_ref, w_ref, *refs, gate_up: bool, n_out: int, k: int, blo
     accs = lax.fori_loop(0, k // block_k, step, zeros)
     if n_routes:
       rid_ref, rw_ref = refs[:2]
-      m_pad = x_ref.shape[0]
       for c in range(chunks):
         for r in range(n_routes):
-          at = pl.ds(r * m_pad + c * ROW_CHUNK, ROW_CHUNK)
-          mine = (rid_ref[at] == e)[:, None]
-          out = accs[c] * rw_ref[at][:, None]
-          plt.store(o_ref.at[pl.ds(r, 1), pl.ds(c * ROW_CHUNK, ROW_CHUNK), :],
-                    out.astype(o_ref.dtype)[None],
+          # Rows past M read route -1: never this slot's expert, so never stored.
+          mine = load_rows(rid_ref, c, pl.ds(r, 1), -1) == e                # [16, 1]
+          out = accs[c] * load_rows(rw_ref, c, pl.ds(r, 1), 0.0)
+          plt.store(o_ref.at[pl.ds(r, 1), rows_of(c), :], out.astype(o_ref.dtype)[None],
                     mask=jnp.broadcast_to(mine, (ROW_CHUNK, block_n))[None])
       return
     for c in range(chunks):
@@ -111,15 +130,14 @@ def _kernel(ids_ref, x_ref, w_ref, *refs, gate_up: bool, n_out: int, k: int, blo
         out = g * jax.nn.sigmoid(g) * u
       else:
         out = accs[c]
-      o_ref[pl.ds(c * ROW_CHUNK, ROW_CHUNK), :] = out.astype(o_ref.dtype)
+      store_rows(c, out.astype(o_ref.dtype))
 
   if not n_routes:   # routed: a slot no row routes to has nothing to store
     @pl.when(e < 0)
     def _():
       # Chunk by chunk: the whole block is 48 rows at M = 33..48, not a power of 2.
       for c in range(chunks):
-        o_ref[pl.ds(c * ROW_CHUNK, ROW_CHUNK), :] = jnp.zeros((ROW_CHUNK, block_n),
-                                                              o_ref.dtype)
+        store_rows(c, jnp.zeros((ROW_CHUNK, block_n), o_ref.dtype))
 
 
 def _check_routes(kernel: str, routes, m: int, gate_up: bool, out_dtype) -> int:
@@ -170,29 +188,25 @@ def moe_matmul(x: jax.Array, w: jax.Array, expert_ids: jax.Array, *, gate_up: bo
   for name, b, dim in (("block_n", block_n, n_out), ("block_k", block_k, k)):
     check(is_pow2(b) and b >= 16 and dim % b == 0, kernel,
           f"{name} a power of 2 >= 16 dividing {dim}", b)
+  # Blocks of whole 16-row chunks over arrays of exactly M rows (the kernel masks the rest).
   mp = -(-m // ROW_CHUNK) * ROW_CHUNK
-  pad = [(0, 0)] * (x.ndim - 2) + [(0, mp - m), (0, 0)]
-  xp = jnp.pad(x, pad) if mp != m else x
   if per_slot:
     x_spec = pl.BlockSpec((None, mp, k), lambda j, n: (j, 0, 0))
   else:
     x_spec = pl.BlockSpec((mp, k), lambda j, n: (0, 0))
-  operands = [expert_ids, xp, w]
+  operands = [expert_ids, x, w]
   in_specs = [pl.BlockSpec((s,), lambda j, n: (0,)), x_spec,
               pl.BlockSpec((e, n_rows, k), lambda j, n: (0, 0, 0))]
   out_spec = pl.BlockSpec((None, mp, block_n), lambda j, n: (j, 0, n))
-  out_shape = jax.ShapeDtypeStruct((s, mp, n_out), out_dtype)
+  out_shape = jax.ShapeDtypeStruct((s, m, n_out), out_dtype)
   if n_routes:
-    # Choice-major and flat, padded rows routed nowhere (-1): each program loads 16-row runs.
-    rid, rw = (jnp.pad(a.T, ((0, 0), (0, mp - m)), constant_values=v).reshape(-1)
-               for a, v in ((routes[0], -1), (routes[1], 0.0)))
-    operands += [rid, rw]
-    in_specs += [pl.BlockSpec((n_routes * mp,), lambda j, n: (0,))] * 2
+    operands += list(routes)
+    in_specs += [pl.BlockSpec((mp, n_routes), lambda j, n: (0, 0))] * 2
     # Every slot's programs store into the one [k, M, N] array, each (choice, row) once.
     out_spec = pl.BlockSpec((n_routes, mp, block_n), lambda j, n: (0, 0, n))
-    out_shape = jax.ShapeDtypeStruct((n_routes, mp, n_out), jnp.float32)
-  out = pl.pallas_call(
-      functools.partial(_kernel, gate_up=gate_up, n_out=n_out, k=k, block_n=block_n,
+    out_shape = jax.ShapeDtypeStruct((n_routes, m, n_out), jnp.float32)
+  return pl.pallas_call(
+      functools.partial(_kernel, gate_up=gate_up, m=m, n_out=n_out, k=k, block_n=block_n,
                         block_k=block_k, n_routes=n_routes),
       grid=(s, n_out // block_n),
       in_specs=in_specs,
@@ -201,7 +215,6 @@ def moe_matmul(x: jax.Array, w: jax.Array, expert_ids: jax.Array, *, gate_up: bo
       compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=resolve_interpret(interpret), name="moe_matmul_gate_up" if gate_up else
       "moe_matmul")(*operands)
-  return out[:, :m] if mp != m else out
 
 
 def moe_matmul_reference(x: jax.Array, w: jax.Array, expert_ids: jax.Array, *,
