@@ -222,7 +222,8 @@ def test_trivial_dflash2_is_dflash():
     params = dfj.prepare_weights(c, ww, "bf16")
     ring = dfj.init_ring(c, ring_dtype="bf16", capacity=64)
     feats = jnp.asarray(dfj.synthetic_features(c, 20, seed=4))
-    ring, drafts, logits = S.draft_round(params, ring, feats, 20, ID_LAST, 20, impl="xla")
+    ring, drafts, logits = S.draft_round_jit(params, ring, feats, 20, ID_LAST, 20,
+                                             impl="xla")
     out.append((np.asarray(drafts), np.asarray(logits)))
   np.testing.assert_allclose(out[0][1], out[1][1], atol=1e-5, rtol=0)
   np.testing.assert_array_equal(out[0][0], out[1][0])

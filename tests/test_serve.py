@@ -10,6 +10,7 @@ without the join, and for slot 1 those of a fresh cache holding only the new pro
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -50,13 +51,26 @@ def _family(name):
   return cfg, qwen3_moe.init_params(cfg, jax.random.key(0))
 
 
+# The protocol's prefill and verify run jitted, as the decoding loop runs them: one program
+# each instead of every operation compiled on its own (eager, compiling took most of these
+# tests' time).
+@functools.partial(jax.jit, static_argnames=("cfg", "impl"))
+def _prefill_jit(cfg, params, cache, rows, n_valid, impl):
+  return cfg.prefill(params, cache, rows, n_valid, impl=impl)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "impl"))
+def _verify_jit(cfg, params, cache, toks, impl):
+  return cfg.verify(params, cache, toks, impl=impl)[1]
+
+
 def _prefill(cfg, params, cache, rows, n_valid, impl):
-  return cfg.prefill(params, cache, jnp.asarray(rows, jnp.int32), jnp.asarray(n_valid, jnp.int32),
-                     impl=impl)
+  return _prefill_jit(cfg, params, cache, jnp.asarray(rows, jnp.int32),
+                      jnp.asarray(n_valid, jnp.int32), impl)
 
 
 def _verify_logits(cfg, params, cache, toks, impl):
-  _, logits, _ = cfg.verify(params, cache, jnp.asarray(toks, jnp.int32)[:, None], impl=impl)
+  logits = _verify_jit(cfg, params, cache, jnp.asarray(toks, jnp.int32)[:, None], impl)
   return np.asarray(logits[:, 0])
 
 

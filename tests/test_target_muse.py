@@ -293,10 +293,14 @@ def test_target_protocol():
   _, p = _model(TINY, 12)
   toks = _tokens(13, (1, 9))
   c = TINY.init_cache(1, 16)
-  c, f = TINY.prefill(p, c, toks[:, :8], jnp.int32(5), capture_layers=(0,))
-  c, logits, _ = TINY.verify(p, c, toks[:, 5:9], capture_layers=(0,))
+  # Jitted, as the decoding loop calls them (eager, each operation compiled on its own: most
+  # of the test's time).
+  prefill, verify, forward = (jax.jit(f, static_argnames="capture_layers")
+                              for f in (TINY.prefill, TINY.verify, TINY.forward))
+  c, f = prefill(p, c, toks[:, :8], jnp.int32(5), capture_layers=(0,))
+  c, logits, _ = verify(p, c, toks[:, 5:9], capture_layers=(0,))
   c = TINY.commit(c, jnp.asarray([2], jnp.int32))
-  ref, _ = TINY.forward(p, toks)
+  ref, _ = forward(p, toks)
   np.testing.assert_allclose(logits[0], ref[0, 5:9], **TOL)
   assert int(c.length[0]) == 7
 

@@ -151,14 +151,14 @@ def test_train_target_progress_and_time_limit(tmp_path, capsys):
   command (compile, corpus, export included) ends near the limit; lines carry an ETA."""
   out = tmp_path / "t"
   t0 = time.perf_counter()
-  assert main(["train-target", "--out", str(out), "--steps", "100000", "--max-minutes", "0.4"]
+  assert main(["train-target", "--out", str(out), "--steps", "100000", "--max-minutes", "0.3"]
               + SMALL_TARGET + ["--log-every", "5"]) == 0
   took = time.perf_counter() - t0
   text = capsys.readouterr().out
   assert "first step" in text and "includes compiling" in text, text
   assert "ETA" in text or "stops at the time limit" in text, text
   assert "stopping early after step" in text, text
-  assert took < 0.4 * 60 + 15, took   # the limit, plus a step and the interpreter's start
+  assert took < 0.3 * 60 + 15, took   # the limit, plus a step and the interpreter's start
   log = json.loads((out / "train_log.json").read_text())
   assert log["log"][-1]["step"] < 100000 and "eval_loss" in log["log"][-1]
   assert (out / "tokenizer.json").is_file() and (out / "model.safetensors").is_file()
@@ -175,17 +175,17 @@ def test_train_drafter_bounds_distillation_and_resumes_it(small_target, tmp_path
           "--batch", "4", "--steps", "100000", "--lr", "3e-3", "--warmup", "1",
           "--log-every", "1000", "--compute-dtype", "fp32"]
   t0 = time.perf_counter()
-  assert main(base + ["--max-minutes", "0.5"]) == 0
+  assert main(base + ["--max-minutes", "0.3"]) == 0
   took = time.perf_counter() - t0
   text = capsys.readouterr().out
   assert "stopped at 40% of the time limit" in text, text
   assert "distill: " in text and "prompts |" in text, text   # progress lines
   assert "stopping early after step" in text, text
-  assert took < 0.5 * 60 + 20, took
+  assert took < 0.3 * 60 + 20, took
   with np.load(out / "distill.npz") as z:
     first = z["tokens"].shape[0]
   assert 16 <= first < 100000
-  assert main(base + ["--max-minutes", "0.3", "--force"]) == 0
+  assert main(base + ["--max-minutes", "0.2", "--force"]) == 0
   text = capsys.readouterr().out
   assert re.search(f"distill: {first} of \\d+ prompts' continuations from", text), text
   with np.load(out / "distill.npz") as z:
@@ -196,11 +196,11 @@ def test_train_drafter_bounds_distillation_and_resumes_it(small_target, tmp_path
 def test_train_drafter_bounds_feature_caching(small_target, tmp_path, capsys):
   out = tmp_path / "f"
   # 400 files: caching all their features takes several times the stage's share of the
-  # limit (0.6 x 18 s) even on a quiet machine, so the stop, not the end of the data, ends it.
+  # limit (0.6 x 12 s) even on a quiet machine, so the stop, not the end of the data, ends it.
   assert main(["train-drafter", "--target", str(small_target), "--out", str(out), "--max-files",
                "400", "--holdout-every", "4", "--layers", "1", "--block", "8", "--window", "32",
                "--data", "corpus", "--seq-len", "32", "--features", "cached", "--anchors", "4",
-               "--batch", "2", "--steps", "100000", "--warmup", "1", "--max-minutes", "0.3",
+               "--batch", "2", "--steps", "100000", "--warmup", "1", "--max-minutes", "0.2",
                "--log-every", "1000", "--compute-dtype", "fp32"]) == 0
   text = capsys.readouterr().out
   assert "features: stopped at 60% of the time limit" in text, text
