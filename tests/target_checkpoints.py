@@ -62,8 +62,8 @@ def bf16_cached_vs_reference(family, ref_hidden_states, cfg, centered, *, seed: 
   _, ref = ref_hidden_states(cfg.to_hf(), {n: a.astype(np.float32) for n, a in t16.items()},
                              tokens)
   cache = cfg.init_cache(1, n_tokens + width, "bf16")
-  cache, _ = cfg.prefill(params, cache, jnp.asarray(tokens[None, :n_prefill]),
-                         jnp.int32(n_prefill), impl=impl)
+  prefill = jax.jit(lambda p, c, x, n: cfg.prefill(p, c, x, n, impl=impl))
+  cache, _ = prefill(params, cache, jnp.asarray(tokens[None, :n_prefill]), jnp.int32(n_prefill))
   out = []
   verify = jax.jit(lambda p, c, x: cfg.verify(p, c, x, impl=impl))
   commit = jax.jit(cfg.commit)
