@@ -299,10 +299,9 @@ def route(cfg: Qwen3MoeConfig, logits: jax.Array, impl: str = "xla"
   return ids.astype(jnp.int32), w
 
 
-def expert_slots(ids: jax.Array, n_experts: int) -> tuple[jax.Array, jax.Array]:
-  """The experts rows route to, each listed once: ids [M, k] -> (slots [S] int32: the touched
-  experts in increasing order, then -1; S = min(E, M k)), slot_of [M, k]: where each
-  (row, choice) sits in slots)."""
+def expert_slots(ids: jax.Array, n_experts: int) -> jax.Array:
+  """The experts rows route to, each listed once: ids [M, k] -> slots [S] int32, the touched
+  experts in increasing order, then -1 (S = min(E, M k))."""
   m, k = ids.shape
   s = min(n_experts, m * k)
   e = jnp.arange(n_experts, dtype=jnp.int32)
@@ -312,7 +311,7 @@ def expert_slots(ids: jax.Array, n_experts: int) -> tuple[jax.Array, jax.Array]:
   rank = jnp.sum((e[None, :] < e[:, None]) & touched[None, :], axis=1, dtype=jnp.int32)
   hit = touched[None, :] & (rank[None, :] == jnp.arange(s, dtype=jnp.int32)[:, None])  # [S, E]
   slots = jnp.where(jnp.any(hit, axis=1), jnp.sum(jnp.where(hit, e[None, :], 0), axis=1), -1)
-  return slots.astype(jnp.int32), rank[ids]
+  return slots.astype(jnp.int32)
 
 
 def _experts_by_slot(lp: MoeLayer, h: jax.Array, ids: jax.Array, w: jax.Array, impl: str):
@@ -325,7 +324,7 @@ def _experts_by_slot(lp: MoeLayer, h: jax.Array, ids: jax.Array, w: jax.Array, i
   # epilogue finds each choice's slot by its expert: any list of the touched experts gives a
   # row the same bits. One row's k distinct experts are such a list already (a decode skips
   # the listing's launches).
-  slots = ids[0] if h.shape[0] == 1 else expert_slots(ids, lp.router.shape[0])[0]
+  slots = ids[0] if h.shape[0] == 1 else expert_slots(ids, lp.router.shape[0])
   im = lp.w_d.shape[-1]
   if impl != "xla" and lp.w_gu.dtype == jnp.bfloat16:
     hidden = moe_gemm.moe_matmul(h, lp.w_gu, slots, gate_up=True, out_dtype=jnp.bfloat16,
