@@ -13,8 +13,9 @@ Experts are stored one by one in the checkpoint; on the device each sparse layer
 as two stacked arrays, w_gu [E, 2 Im, H] (each expert's gate rows then up rows) and w_d
 [E, H, Im]. How a call reads them depends on its row count:
 - up to `SLOT_MAX_ROWS` rows (decode, verify): the experts its rows route to are listed once
-  each (`expert_slots`) and a grouped skinny GEMM reads only those (pallas_kernels.moe_gemm;
-  its jnp twin, which gathers them, for impl="xla" or float32 weights);
+  each (`expert_slots`; a one-row decode's own k experts are its list) and a grouped skinny
+  GEMM reads only those (pallas_kernels.moe_gemm; its jnp twin, which gathers them, for
+  impl="xla" or float32 weights);
 - more rows (prefill, training): the (row, expert) pairs sorted by expert and two grouped
   GEMMs over the runs (`lax.ragged_dot_general`).
 Every other GEMM goes through `qwen3.project` (the router included); on the Pallas path the
