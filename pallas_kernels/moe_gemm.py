@@ -26,15 +26,15 @@ e = route_ids[m, c]. Each (c, m) is written once, by the program of that slot, w
 weight applied, so a row's k expert outputs leave the kernel as k split-K-like partials in
 routing order, ready for the next pre-norm to add (no gather-and-sum launch in between).
 
-Weights bf16; x is rounded to bf16 for the dot, the
-accumulation is float32 (the rounding `dflash_jax.dispatch.linear` applies to bf16 weights).
+Weights bf16; x is rounded to bf16 for the dot, the accumulation is float32 (the rounding
+`dflash_jax.dispatch.linear` applies to bf16 weights).
 `moe_matmul_reference` is the jnp twin (impl="xla"): it gathers the listed experts.
 
 Tiles: N and K must be multiples of block_n and block_k (every published MoE's expert dims
 are multiples of 128). Each weight tile, read once, multiplies the rows 16 at a time, one dot
 per 16-row chunk (a last chunk past M read and written under a row mask, so a decode's one
-row needs no padded copy on either side): a row's result is then the same
-instruction sequence whatever M is (a wider dot could move to another MMA instruction, wgmma
+row needs no padded copy on either side): a row's result is then the same instruction
+sequence whatever M is (a wider dot could move to another MMA instruction, wgmma
 from 64 rows), so the product is batch invariant, as `skinny_gemm`'s row chunks make the
 dense GEMMs.
 """

@@ -27,9 +27,9 @@ bitwise the same whatever rows share the call, up to `SLOT_MAX_ROWS` rows (float
 run the jnp twin, whose contraction order XLA picks by shape): the router GEMM is invariant,
 the routing's sums run in a fixed order, the grouped GEMM multiplies 16 rows per dot, and a
 row's k expert outputs are added in its routing order (the down GEMM stores each row's
-weighted outputs at its choices; the next pre-norm adds them, in its launch). So greedy speculative decoding equals
-target-only decoding token for token in bf16 (a random router sits on near ties often: any
-row-count dependence flips an expert within a few tokens).
+weighted outputs at its choices; the next pre-norm adds them, in its launch). So greedy
+speculative decoding equals target-only decoding token for token in bf16 (a random router
+sits on near ties often: any row-count dependence flips an expert within a few tokens).
 """
 from __future__ import annotations
 
