@@ -657,6 +657,28 @@ def test_gpu_step_tiles_real_sizes(fmt, n, k):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ("bf16", "fp8", "q8_0"))
+def test_gpu_norm_weight_at_the_seed_coefficient_gemm(fmt):
+  """DFlash2's coefficient GEMM ([1664, 6656], the step's tiles) with the norm inside:
+  partials bitwise those of the plain GEMM on bf16(x * norm_weight) formed by XLA, and each
+  row's sums of squares against float64."""
+  n, k = 1664, 6656
+  kx, kn, kw = jax.random.split(jax.random.key(n + k), 3)
+  x = jax.random.normal(kx, (16, k), jnp.float32)
+  nw = jnp.exp(0.3 * jax.random.normal(kn, (k,), jnp.float32))
+  w, s = _device_weights(fmt, n, k, kw)
+  knobs = default_knobs(fmt, n, k)
+  parts, sums = skinny_matmul(x, w, s, fmt=fmt, keep_splits=True, norm_weight=nw, **knobs)
+  plain = skinny_matmul((x * nw).astype(jnp.bfloat16), w, s, fmt=fmt, keep_splits=True,
+                        **knobs)
+  np.testing.assert_array_equal(np.asarray(parts).view(np.uint32),
+                                np.asarray(plain).view(np.uint32))
+  x64 = np.asarray(x, np.float64)
+  np.testing.assert_allclose(np.asarray(sums, np.float64).sum(0), (x64 ** 2).sum(1),
+                             rtol=1e-5)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("split_k", (1, 2))
 @pytest.mark.parametrize("fmt", ("bf16", "fp8", "q8_0"))
 def test_gpu_gate_up_real_sizes(fmt, split_k):
