@@ -267,7 +267,9 @@ def _skinny_kernel(x_ref, *refs, fmt: str, gate_up: bool, m: int, n_out: int, k:
       for c in range(row_chunks):
         x = load_x(c, k0, block_k, k_mask)
         if norm_in:
-          sums.append(accs[n_acc + c] + jnp.sum(x * x, axis=1))
+          # Squares accumulate elementwise; the row sum waits for the epilogue (a reduction
+          # across threads in the K loop would stall every step on its barrier).
+          sums.append(accs[n_acc + c] + x * x)
           x = (x * nw).astype(jnp.bfloat16)
         x = x_of(x)
         for i in range(n_w):
@@ -313,7 +315,7 @@ def _skinny_kernel(x_ref, *refs, fmt: str, gate_up: bool, m: int, n_out: int, k:
   acc_shape = (block_n, block_m) if swap_ab else (block_m, block_n)
   zeros = tuple(jnp.zeros(acc_shape, jnp.float32) for _ in range(row_chunks * n_w))
   if norm_in:
-    zeros += tuple(jnp.zeros((block_m,), jnp.float32) for _ in range(row_chunks))
+    zeros += tuple(jnp.zeros((block_m, block_k), jnp.float32) for _ in range(row_chunks))
   accs = lax.fori_loop(0, n_iter, lambda kb, accs: step(kb_first + kb, accs), zeros)
   if tail:
     # With split K only the split holding the last block reads it.
@@ -322,7 +324,7 @@ def _skinny_kernel(x_ref, *refs, fmt: str, gate_up: bool, m: int, n_out: int, k:
       owner = (kb_first <= kb_full) & (kb_full < kb_first + kb_per_split)
     accs = step(kb_full, accs, owner)
   if norm_in:
-    sums = accs[row_chunks * n_w:]
+    sums = [jnp.sum(sq, axis=1) for sq in accs[row_chunks * n_w:]]
     accs = accs[:row_chunks * n_w]
     for c in range(row_chunks):
       dst = ss_ref if row_chunks == 1 else ss_ref.at[pl.ds(c * block_m, block_m)]
