@@ -253,17 +253,6 @@ def _invariant_knobs(x: jax.Array, w, gate_up: bool, policy: KernelPolicy
                              row_chunks=-(-x.shape[0] // INVARIANT_BLOCK_M))
 
 
-def _skinny_operands(x: jax.Array, w, policy: KernelPolicy) -> tuple[jax.Array, jax.Array | None,
-                                                                     str] | None:
-  """(data, scale, fmt) where `linear` runs the skinny GEMM on (x, w) once the batched GEMM has
-  declined it (a quantized weight; dense bf16 at block-sized row counts), else None."""
-  if isinstance(w, QuantWeight):
-    return w.data, w.scale, w.fmt
-  if _bf16_skinny(x, w, policy):
-    return w, None, "bf16"
-  return None
-
-
 def sum_in_order(parts: jax.Array) -> jax.Array:
   """parts[0] + parts[1] + ... of split-K partials [S, ...], in that order (elementwise adds:
   the same order for every element and every shape, unlike a reduction XLA may tile)."""
@@ -350,9 +339,8 @@ def linear(x: jax.Array, w, *, policy: KernelPolicy | None = None, impl: str = "
                                     epilogue="gate_up" if gate_up else "none",
                                     out_dtype=out_dtype, **knobs.kwargs())
     return y[None] if partials else y.astype(out_dtype)
-  route = None if impl == "xla" else _skinny_operands(x, w, policy)
-  if route is not None:
-    data, scale, fmt = route
+  if impl != "xla" and (isinstance(w, QuantWeight) or _bf16_skinny(x, w, policy)):
+    data, scale, fmt = (w.data, w.scale, w.fmt) if isinstance(w, QuantWeight) else (w, None, "bf16")
     n, k = data.shape
     knobs = gemm_knobs(fmt, n // 2 if gate_up else n, k, gate_up, x.shape[0], policy=policy)
     if gate_up:
@@ -379,35 +367,18 @@ def linear(x: jax.Array, w, *, policy: KernelPolicy | None = None, impl: str = "
   return y[None] if partials else y.astype(out_dtype)
 
 
-def norm_linear(x: jax.Array, w_norm: jax.Array, eps: float, w, *,
-                policy: KernelPolicy | None = None, impl: str = "pallas"
-                ) -> tuple[jax.Array, jax.Array]:
-  """(a, y) for a sublayer whose RMS-normed input a = rms_norm(x, w_norm, eps) (float32 [M, K])
-  feeds a float32 consumer besides the GEMM y = r (bf16(x w_norm) @ w^T) (float32 [M, N]; r =
-  rsqrt(mean(x^2) + eps) per row, the norm's factor applied after the product, which is
-  linear in it; a float32 weight takes x w_norm unrounded): DFlash2's coefficient GEMM and
-  convolution input. Where `linear` would run the skinny GEMM, that GEMM scales and rounds x
-  itself and returns the rows' sums of squares (`skinny_matmul(norm_weight=)`), so the norm has
-  no launch of its own: a, r and the split sum are elementwise work for the consumer's fusion.
-  Elsewhere (impl "xla", batched-GEMM row counts, a Reduced weight) the same formula in jnp."""
-  policy = _routing_policy(policy, impl, "norm_linear")
-  x = x.astype(jnp.float32)
-  route = None
-  if (impl != "xla" and not isinstance(w, Reduced)
-      and _batched_knobs(x, w, False, jnp.float32, policy) is None):
-    route = _skinny_operands(x, w, policy)
-  if route is not None:
-    data, scale, fmt = route
-    knobs = gemm_knobs(fmt, data.shape[0], data.shape[1], False, x.shape[0], policy=policy)
-    parts, sums = skinny_gemm.skinny_matmul(x, data, scale, fmt=fmt, keep_splits=True,
-                                            norm_weight=w_norm.astype(jnp.float32),
-                                            **knobs.kwargs())
-    y, ss = sum_in_order(parts), sum_in_order(sums)
-  else:
-    y = linear((x * w_norm).astype(input_dtype(w)), w, policy=policy, impl=impl)
-    ss = jnp.sum(x * x, axis=-1)
-  r = jax.lax.rsqrt(ss / x.shape[-1] + eps)[..., None]
-  return x * r * w_norm, y * r
+def norm_pair(x: jax.Array, w_norm: jax.Array, eps: float, w, *,
+              policy: KernelPolicy | None = None, impl: str = "pallas"
+              ) -> tuple[jax.Array, jax.Array]:
+  """(rms_norm(x, w_norm, eps) in float32, the same as the input of linear(., w)) for a norm
+  that feeds a float32 consumer besides the GEMM. impl "pallas": one launch writing both
+  (`rms_norm.rms_norm_pair`), where XLA's norm fusion and the GEMM input's convert are two;
+  "xla": XLA's float32 norm, twice the same array."""
+  policy = _routing_policy(policy, impl, "norm_pair")
+  if impl == "xla" or x.ndim != 2:
+    y = rms_norm(x, w_norm, eps)
+    return y, y
+  return norm_k.rms_norm_pair(x.astype(jnp.float32), w_norm, eps=eps, out_dtype=input_dtype(w))
 
 
 def gemm_input_norm(x: jax.Array, w_norm: jax.Array, eps: float, w, *,

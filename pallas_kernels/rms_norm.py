@@ -87,6 +87,43 @@ def rms_norm(x: jax.Array, w: jax.Array, *, eps: float, out_dtype=jnp.bfloat16,
   )(x, w)
 
 
+def _pair_kernel(x_ref, w_ref, f_ref, o_ref, *, k: int, eps: float):
+  rows, kp = x_ref.shape
+  lims = (None, None if kp == k else k)
+  x = load_tile(x_ref, (0, 0), (rows, kp), lims)
+  y = _normed(x, load_tile(w_ref, (0,), (kp,), lims[1:]), k, eps)
+  store_tile(f_ref, (0, 0), y, lims)
+  store_tile(o_ref, (0, 0), y.astype(o_ref.dtype), lims)
+
+
+@functools.partial(jax.jit, static_argnames=["eps", "out_dtype", "rows", "num_warps",
+                                             "interpret"])
+def rms_norm_pair(x: jax.Array, w: jax.Array, *, eps: float, out_dtype=jnp.bfloat16,
+                  rows: int = 1, num_warps: int = 8,
+                  interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
+  """`rms_norm` written twice from one read: float32 and out_dtype ([M, K] each), for a norm
+  whose float32 rows feed one consumer and whose rounded rows feed a GEMM (DFlash2's
+  sublayer input: the convolution reads it unrounded, the coefficient GEMM in bf16)."""
+  name = "rms_norm_pair"
+  _check_args(name, x, w)
+  m, k = x.shape
+  check(rows >= 1 and rows & (rows - 1) == 0 and m % rows == 0, name,
+        "rows must be a power of 2 dividing M", (rows, m))
+  kp = next_pow2(k)
+  block = pl.BlockSpec((rows, kp), lambda i: (i, 0))
+  return tuple(pl.pallas_call(
+      functools.partial(_pair_kernel, k=k, eps=eps),
+      grid=(m // rows,),
+      in_specs=[block, pl.BlockSpec((kp,), lambda i: (0,))],
+      out_specs=[block, block],
+      out_shape=[jax.ShapeDtypeStruct((m, k), jnp.float32),
+                 jax.ShapeDtypeStruct((m, k), out_dtype)],
+      compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
+      interpret=resolve_interpret(interpret),
+      name=name,
+  )(x, w))
+
+
 def rms_norm_reference(x: jax.Array, w: jax.Array, *, eps: float,
                        out_dtype=jnp.bfloat16) -> jax.Array:
   """The jnp twin (the step's XLA norm, rounded to out_dtype)."""

@@ -165,7 +165,7 @@ def _int8_to_f32(w: jax.Array, interpret: bool) -> jax.Array:
 
 def _skinny_kernel(x_ref, *refs, fmt: str, gate_up: bool, m: int, n_out: int, k: int,
                    block_m: int, block_n: int, block_k: int, split_k: int, swap_ab: bool,
-                   row_chunks: int, norm_in: bool, interpret: bool):
+                   row_chunks: int, interpret: bool):
   """One [row_chunks block_m, block_n] output tile (two weight streams when gate_up): each
   weight tile is loaded once and multiplies the rows block_m at a time, one dot and one
   accumulator per chunk, so a row's arithmetic is that of a one-chunk program.
@@ -178,18 +178,11 @@ def _skinny_kernel(x_ref, *refs, fmt: str, gate_up: bool, m: int, n_out: int, k:
   refs are whole arrays indexed at each stream's first row (the up half of a fused gate+up
   weight does not start on a tile boundary) and rows past n_out are masked. A K tail
   (k % block_k): one masked step after the loop over the full K blocks.
-
-  norm_in: x is float32 and a [K] norm weight follows the scale refs; the dot takes
-  bf16(x * norm weight), and a second output gets each row's sum of x^2 over this split's K
-  range (every N tile computes and stores the same sums).
   """
   n_w = 2 if gate_up else 1
   w_refs = refs[:n_w]
-  n_in = len(refs) - (2 if norm_in else 1)
-  s_refs = refs[n_w:n_in - 1] if norm_in else refs[n_w:n_in]
-  nw_ref = refs[n_in - 1] if norm_in else None
-  o_ref = refs[n_in]
-  ss_ref = refs[n_in + 1] if norm_in else None
+  s_refs = refs[n_w:-1]
+  o_ref = refs[-1]
   n_ragged = n_out % block_n != 0
   tail = k % block_k
   kb_full = k // block_k
@@ -255,28 +248,16 @@ def _skinny_kernel(x_ref, *refs, fmt: str, gate_up: bool, m: int, n_out: int, k:
       if owner is not True:
         k_mask &= owner
     ws = [None] * n_w   # each weight tile loaded once, at the first chunk's product
-    n_acc = row_chunks * n_w
-    nw = None
-    if norm_in:
-      window = nw_ref.at[pl.ds(k0, block_k)]
-      nw = (window[...] if k_mask is None
-            else plt.load(window, mask=k_mask[0], other=0.0))[None, :]
 
     def chunked(x_of, w_of, product):
-      new, sums = [], []
+      new = []
       for c in range(row_chunks):
-        x = load_x(c, k0, block_k, k_mask)
-        if norm_in:
-          # Squares accumulate elementwise; the row sum waits for the epilogue (a reduction
-          # across threads in the K loop would stall every step on its barrier).
-          sums.append(accs[n_acc + c] + x * x)
-          x = (x * nw).astype(jnp.bfloat16)
-        x = x_of(x)
+        x = x_of(load_x(c, k0, block_k, k_mask))
         for i in range(n_w):
           if ws[i] is None:
             ws[i] = w_of(i)
           new.append(accs[c * n_w + i] + product(x, ws[i]))
-      return tuple(new) + tuple(sums)
+      return tuple(new)
 
     if fmt == "fp32":
       return chunked(lambda x: split_parts(x, FP32_TERMS),
@@ -314,8 +295,6 @@ def _skinny_kernel(x_ref, *refs, fmt: str, gate_up: bool, m: int, n_out: int, k:
 
   acc_shape = (block_n, block_m) if swap_ab else (block_m, block_n)
   zeros = tuple(jnp.zeros(acc_shape, jnp.float32) for _ in range(row_chunks * n_w))
-  if norm_in:
-    zeros += tuple(jnp.zeros((block_m, block_k), jnp.float32) for _ in range(row_chunks))
   accs = lax.fori_loop(0, n_iter, lambda kb, accs: step(kb_first + kb, accs), zeros)
   if tail:
     # With split K only the split holding the last block reads it.
@@ -323,15 +302,6 @@ def _skinny_kernel(x_ref, *refs, fmt: str, gate_up: bool, m: int, n_out: int, k:
     if split_k > 1:
       owner = (kb_first <= kb_full) & (kb_full < kb_first + kb_per_split)
     accs = step(kb_full, accs, owner)
-  if norm_in:
-    sums = [jnp.sum(sq, axis=1) for sq in accs[row_chunks * n_w:]]
-    accs = accs[:row_chunks * n_w]
-    for c in range(row_chunks):
-      dst = ss_ref if row_chunks == 1 else ss_ref.at[pl.ds(c * block_m, block_m)]
-      if row_masks[c] is None:
-        dst[...] = sums[c]
-      else:
-        plt.store(dst, sums[c], mask=row_masks[c][:, 0])
   if swap_ab:
     accs = tuple(acc.T for acc in accs)
   # The epilogue emits its operations in the one-chunk order for every chunk (values loaded
@@ -406,10 +376,9 @@ def _check_args(kernel: str, x, w, scale, fmt: str, block_m: int, block_n: int,
 
 def _launch(x, w, scale, *, fmt: str, gate_up: bool, block_m: int, block_n: int,
             block_k: int, split_k: int, num_warps: int, num_stages: int, swap_ab: bool,
-            row_chunks: int, out_dtype, interpret: bool, name: str,
-            norm_weight: jax.Array | None = None):
+            row_chunks: int, out_dtype, interpret: bool, name: str) -> jax.Array:
   """pallas_call over (M tiles of row_chunks block_m rows, N tiles, K splits); returns
-  [M, N] or [split_k, M, N], and with a norm weight also the sums of squares [split_k, M]."""
+  [M, N] or [split_k, M, N]."""
   m, k = x.shape
   n_out = w.shape[0] // 2 if gate_up else w.shape[0]
   n_tiles = pl.cdiv(n_out, block_n)
@@ -441,10 +410,6 @@ def _launch(x, w, scale, *, fmt: str, gate_up: bool, block_m: int, block_n: int,
   if scale is not None:
     operands += [scale] * len(s_specs)
     in_specs += s_specs
-  norm_in = norm_weight is not None
-  if norm_in:
-    operands.append(norm_weight)
-    in_specs.append(pl.BlockSpec((kp,), lambda i, j, s: (0,)))
 
   if split_k == 1:
     out_shape = jax.ShapeDtypeStruct((m, n_out), out_dtype)
@@ -452,14 +417,11 @@ def _launch(x, w, scale, *, fmt: str, gate_up: bool, block_m: int, block_n: int,
   else:
     out_shape = jax.ShapeDtypeStruct((split_k, m, n_out), jnp.float32)
     out_spec = pl.BlockSpec((None, rows_pp, block_n), lambda i, j, s: (s, i, j))
-  if norm_in:
-    out_shape = [out_shape, jax.ShapeDtypeStruct((split_k, m), jnp.float32)]
-    out_spec = [out_spec, pl.BlockSpec((None, rows_pp), lambda i, j, s: (s, i))]
 
   kernel = functools.partial(_skinny_kernel, fmt=fmt, gate_up=gate_up, m=m, n_out=n_out, k=k,
                              block_m=block_m, block_n=block_n, block_k=block_k,
                              split_k=split_k, swap_ab=swap_ab, row_chunks=row_chunks,
-                             norm_in=norm_in, interpret=interpret)
+                             interpret=interpret)
   return pl.pallas_call(
       kernel,
       grid=grid,
@@ -482,8 +444,7 @@ def skinny_matmul(x: jax.Array, w: jax.Array, scale: jax.Array | None = None, *,
                   block_m: int | None = None, block_n: int = 64, block_k: int = 128,
                   split_k: int = 1, num_warps: int = 4, num_stages: int = 3,
                   swap_ab: bool = False, row_chunks: int = 1, out_dtype=jnp.float32,
-                  keep_splits: bool = False, norm_weight: jax.Array | None = None,
-                  interpret: bool | None = None):
+                  keep_splits: bool = False, interpret: bool | None = None) -> jax.Array:
   """x [M, K] @ dequant(w [N, K])^T -> [M, N] out_dtype, float32 accumulation.
 
   x (bfloat16 or float32) is rounded to bfloat16 for the dot, as a bf16-weight GEMM does
@@ -497,36 +458,20 @@ def skinny_matmul(x: jax.Array, w: jax.Array, scale: jax.Array | None = None, *,
   covers row_chunks x block_m rows, its weight tiles read once and multiplied block_m rows at
   a time, so each row gets a one-chunk program's arithmetic (the batch-invariant GEMM of up to
   row_chunks x block_m rows streams its weights once).
-
-  norm_weight (float32 [K]; x float32, a 1- or 2-byte weight format): the GEMM of an RMS-normed
-  input without the norm's own launch. The dot takes bf16(x * norm_weight), and the result is
-  the pair (product as above, each row's sum of x^2 over each split's K range [split_k, M]
-  float32): RMS normalization is a per-row factor, so the consumer multiplies the product by
-  rsqrt(sum / K + eps) after the dot.
   """
   block_m = _default_block_m(x.shape[0]) if block_m is None else block_m
-  kernel = "skinny_matmul"
-  _check_args(kernel, x, w, scale, fmt, block_m, block_n, block_k, split_k,
+  _check_args("skinny_matmul", x, w, scale, fmt, block_m, block_n, block_k, split_k,
               num_warps, w.shape[0] if w.ndim == 2 else 0, row_chunks, swap_ab)
-  if norm_weight is not None:
-    check(fmt != "fp32", kernel, "norm_weight needs a 1- or 2-byte weight format (the dot "
-          "rounds x * norm_weight to bf16)", fmt)
-    check(x.dtype == jnp.float32, kernel, "x float32 with norm_weight", x.dtype)
-    check(norm_weight.shape == (x.shape[1],) and norm_weight.dtype == jnp.float32, kernel,
-          f"norm_weight float32 [{x.shape[1]}] (K)", (norm_weight.shape, norm_weight.dtype))
-  out = _launch(x if norm_weight is not None else _dot_input(x, fmt), w, scale, fmt=fmt,
-                gate_up=False, block_m=block_m, block_n=block_n, block_k=block_k,
-                split_k=split_k, num_warps=num_warps, num_stages=num_stages, swap_ab=swap_ab,
-                row_chunks=row_chunks, out_dtype=jnp.float32 if keep_splits else out_dtype,
-                interpret=resolve_interpret(interpret), name=kernel, norm_weight=norm_weight)
-  sums = None
-  if norm_weight is not None:
-    out, sums = out
+  out = _launch(_dot_input(x, fmt), w, scale, fmt=fmt, gate_up=False, block_m=block_m,
+                block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps,
+                num_stages=num_stages, swap_ab=swap_ab, row_chunks=row_chunks,
+                out_dtype=jnp.float32 if keep_splits else out_dtype,
+                interpret=resolve_interpret(interpret), name="skinny_matmul")
   if keep_splits:
-    out = out if split_k > 1 else out[None]
-  elif split_k > 1:
+    return out if split_k > 1 else out[None]
+  if split_k > 1:
     out = out.sum(axis=0).astype(out_dtype)
-  return out if sums is None else (out, sums)
+  return out
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)

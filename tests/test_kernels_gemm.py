@@ -427,60 +427,6 @@ def test_keep_splits_with_a_k_tail():
   np.testing.assert_array_equal(np.asarray(parts[2]), 0.0)
 
 
-# norm_weight: the GEMM of an RMS-normed input without the norm's launch (DFlash2's coefficient
-# GEMM); ragged N, a K tail, empty and short splits, a partial M tile and row chunks.
-NORM_IN_CASES = [("bf16", 16, 128, 256, 1, {}), ("bf16", 5, 96, 200, 3, {}),
-                 ("fp8", 16, 128, 256, 2, {}), ("q8_0", 16, 128, 256, 3, {}),
-                 ("bf16", 40, 128, 256, 2, dict(block_m=16, row_chunks=3)),
-                 ("fp8", 24, 64, 256, 2, dict(swap_ab=True, block_m=32))]
-
-
-@pytest.mark.parametrize("fmt, m, n, k, split_k, kw", NORM_IN_CASES)
-def test_norm_weight_matches_the_oracle_and_the_prescaled_input(fmt, m, n, k, split_k, kw):
-  """Each partial is bf16(x * norm_weight) @ dequant(w)^T over its split's K range (float64
-  oracle), bitwise the partials of the plain GEMM on that input rounded on the host (the same
-  float32 product and rounding, then the same dot); each row's sums of squares add up, per
-  split, to sum x^2 over that split's K range."""
-  rng = np.random.default_rng(900 + m + n + k + split_k)
-  x = (rng.standard_normal((m, k)) * np.exp(rng.normal(size=(m, 1)))).astype(np.float32)
-  nw = np.exp(0.5 * rng.normal(size=k)).astype(np.float32)
-  w, s, wd = make_weights(fmt, random_weights(rng, n, k))
-  knobs = dict(block_k=64, split_k=split_k, **kw)
-  parts, sums = skinny_matmul(jnp.asarray(x), w, s, fmt=fmt, keep_splits=True,
-                              norm_weight=jnp.asarray(nw), interpret=True, **knobs)
-  assert parts.shape == (split_k, m, n) and sums.shape == (split_k, m)
-  assert sums.dtype == jnp.float32
-  xs = x * nw   # float32 products, as the kernel forms them
-  kb_total = -(-k // 64)
-  per = -(-kb_total // split_k) * 64   # K columns per split (the last short or empty)
-  for i in range(split_k):
-    cols = slice(min(i * per, k), min((i + 1) * per, k))
-    want, bound = oracle(xs[:, cols], wd[:, cols])
-    assert_within(parts[i], want, bound, f"{fmt} partial {i}")
-    sq = (x[:, cols].astype(np.float64) ** 2).sum(1)
-    np.testing.assert_allclose(np.asarray(sums[i], np.float64), sq, rtol=1e-6, atol=0)
-  plain = skinny_matmul(jnp.asarray(xs).astype(jnp.bfloat16), w, s, fmt=fmt, keep_splits=True,
-                        interpret=True, **knobs)
-  np.testing.assert_array_equal(np.asarray(parts).view(np.uint32),
-                                np.asarray(plain).view(np.uint32))
-  # Summed splits (keep_splits False): the product summed, the sums still per split.
-  out, sums2 = skinny_matmul(jnp.asarray(x), w, s, fmt=fmt, norm_weight=jnp.asarray(nw),
-                             interpret=True, **knobs)
-  assert out.shape == (m, n) and sums2.shape == (split_k, m)
-  assert_within(out, *oracle(xs, wd), f"{fmt} summed")
-
-
-def test_norm_weight_limits():
-  x, w, _ = _args()
-  nw = jnp.ones((x.shape[1],), jnp.float32)
-  with pytest.raises(ValueError, match=r"skinny_matmul: x float32 with norm_weight"):
-    skinny_matmul(x.astype(jnp.bfloat16), w, fmt="bf16", norm_weight=nw, interpret=True)
-  with pytest.raises(ValueError, match=r"norm_weight float32 \[256\] \(K\)"):
-    skinny_matmul(x, w, fmt="bf16", norm_weight=nw[:-1], interpret=True)
-  with pytest.raises(ValueError, match=r"norm_weight needs a 1- or 2-byte weight format"):
-    skinny_matmul(x, w.astype(jnp.float32), fmt="fp32", norm_weight=nw, interpret=True)
-
-
 def test_default_knobs():
   """The tuned tiles (RESULTS.md's GEMM sweeps) at the seed's shapes, and the docstring's
   rules for shapes no tuned tile divides; the fp8 swapped MMA from the caller's row
@@ -654,28 +600,6 @@ def test_gpu_step_tiles_real_sizes(fmt, n, k):
   out = skinny_matmul(x, w, s, fmt=fmt, **knobs)
   _assert_device_within(out, skinny_matmul_reference(x, w, s, fmt=fmt),
                         _device_bound(x, w, s, fmt), f"{fmt} {n}x{k} {knobs}")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ("bf16", "fp8", "q8_0"))
-def test_gpu_norm_weight_at_the_seed_coefficient_gemm(fmt):
-  """DFlash2's coefficient GEMM ([1664, 6656], the step's tiles) with the norm inside:
-  partials bitwise those of the plain GEMM on bf16(x * norm_weight) formed by XLA, and each
-  row's sums of squares against float64."""
-  n, k = 1664, 6656
-  kx, kn, kw = jax.random.split(jax.random.key(n + k), 3)
-  x = jax.random.normal(kx, (16, k), jnp.float32)
-  nw = jnp.exp(0.3 * jax.random.normal(kn, (k,), jnp.float32))
-  w, s = _device_weights(fmt, n, k, kw)
-  knobs = default_knobs(fmt, n, k)
-  parts, sums = skinny_matmul(x, w, s, fmt=fmt, keep_splits=True, norm_weight=nw, **knobs)
-  plain = skinny_matmul((x * nw).astype(jnp.bfloat16), w, s, fmt=fmt, keep_splits=True,
-                        **knobs)
-  np.testing.assert_array_equal(np.asarray(parts).view(np.uint32),
-                                np.asarray(plain).view(np.uint32))
-  x64 = np.asarray(x, np.float64)
-  np.testing.assert_allclose(np.asarray(sums, np.float64).sum(0), (x64 ** 2).sum(1),
-                             rtol=1e-5)
 
 
 @pytest.mark.gpu

@@ -275,15 +275,10 @@ def _target_cases() -> dict:
           functools.partial(MG.moe_matmul, gate_up=gate_up, interpret=False,
                             **MG.default_knobs(n, k, gate_up)),
           (S((m, k), F32), S((128, 2 * n if gate_up else n, k), BF16), S((8,), I32)))
-  # DFlash2's coefficient GEMM at the seed width with its norm inside (16 rows, [1664, 6656]).
-  kn = G.default_knobs("bf16", 1664, 6656, False, 16,
-                       swap_ab_min_m=POLICY.skinny_fp8_swap_min_m)
-
-  def coef_gemm(x, w, w_norm):
-    return G.skinny_matmul(x, w, fmt="bf16", keep_splits=True, norm_weight=w_norm,
-                           interpret=False, **kn.kwargs())
-  cases["skinny_matmul_norm_in_seed"] = (
-      coef_gemm, (S((16, 6656), F32), S((1664, 6656), BF16), S((6656,), F32)))
+  # DFlash2's sublayer input at the seed width: 16 rows, float32 and bf16 out.
+  cases["rms_norm_pair_seed"] = (
+      functools.partial(RN.rms_norm_pair, eps=1e-6, interpret=False),
+      (S((16, 6656), F32), S((6656,), F32)))
   # Qwen3-30B-A3B's router: 128 experts, 8 per token, its GEMM's 4 partials, 1 and 16 rows.
   from pallas_kernels import moe_route as MR
   for m in (1, 16):

@@ -232,3 +232,22 @@ def test_sandwich_rms_norm_limits():
 @pytest.mark.gpu
 def test_gpu_sandwich_rms_norm_glimmer_width():
   _sandwich_rows_invariant(64, 6656)
+
+
+# --- rms_norm_pair: one read, float32 and GEMM-input rows (DFlash2's sublayer input) ----------
+
+@pytest.mark.parametrize("m, k, rows", [(16, 6656 // 8, 1), (5, 100, 1), (32, 64, 4)])
+def test_rms_norm_pair_matches_oracle_and_the_single_norm(m, k, rows):
+  """The float32 rows against float64 numpy; the bf16 rows are exactly the float32 rows
+  rounded, and exactly what `rms_norm` writes."""
+  x, w = _inputs(m * k + rows, m, k)
+  f32, b16 = RN.rms_norm_pair(jnp.asarray(x), jnp.asarray(w), eps=EPS, rows=rows)
+  assert f32.dtype == jnp.float32 and b16.dtype == jnp.bfloat16 and f32.shape == (m, k)
+  want = _oracle(x, w)
+  got = np.asarray(f32, np.float64)
+  assert np.all(np.abs(got - want) <= 1e-5 * np.abs(want) + 1e-30)
+  np.testing.assert_array_equal(np.asarray(b16).view(np.uint16),
+                                np.asarray(f32.astype(jnp.bfloat16)).view(np.uint16))
+  single = RN.rms_norm(jnp.asarray(x), jnp.asarray(w), eps=EPS, rows=rows)
+  np.testing.assert_array_equal(np.asarray(b16).view(np.uint16),
+                                np.asarray(single).view(np.uint16))

@@ -220,54 +220,6 @@ def test_target_routing_follows_the_policy():
         jnp.float32)
 
 
-@pytest.mark.parametrize("fmt, rows, impl, kernels", [
-    ("bf16", 16, "pallas", ["skinny_matmul"]), ("fp8", 5, "pallas", ["skinny_matmul"]),
-    ("q8_0", 16, "pallas", ["skinny_matmul"]), ("bf16", 16, "xla", []),
-    ("fp32", 16, "pallas", []), ("bf16", 80, "pallas", [])])
-def test_norm_linear_is_the_normed_product_with_the_norm_inside_the_skinny_gemm(
-    fmt, rows, impl, kernels):
-  """dispatch.norm_linear(x, w_norm, eps, w) = (rms_norm(x), r (round(x w_norm) @ dequant(w)^T))
-  against float64 numpy (round: bf16, none for a float32 weight). On the skinny GEMM's route
-  (block-sized row counts, 1-byte weights) that GEMM is the only launch (the norm has none);
-  XLA's GEMM past skinny_max_m rows and for float32 weights, and impl "xla", launch none."""
-  from dflash_jax.quant import dequantize_fp8, dequantize_q8_0, quantize_fp8, quantize_q8_0
-  import ml_dtypes
-  rng = np.random.default_rng(31 + rows)
-  e, n, eps = 192, 80, 1e-6
-  x = (rng.standard_normal((rows, e)) * np.exp(rng.normal(size=(rows, 1)))).astype(np.float32)
-  w_norm = np.exp(0.3 * rng.normal(size=e)).astype(np.float32)
-  w32 = (rng.standard_normal((n, e)) / np.sqrt(e)).astype(np.float32)
-  if fmt == "fp8":
-    q, sc = quantize_fp8(w32)
-    w, wd = dispatch.QuantWeight(jnp.asarray(q), jnp.asarray(sc), "fp8"), dequantize_fp8(q, sc)
-  elif fmt == "q8_0":
-    q, sc = quantize_q8_0(w32)
-    wd = dequantize_q8_0(q, sc).astype(ml_dtypes.bfloat16).astype(np.float32)
-    w = dispatch.QuantWeight(jnp.asarray(q), jnp.asarray(sc), "q8_0")
-  elif fmt == "bf16":
-    w = jnp.asarray(w32, jnp.bfloat16)
-    wd = np.asarray(w, np.float32)
-  else:
-    w, wd = jnp.asarray(w32), w32
-  policy = KernelPolicy(mosaic_gpu=False)
-  fn = lambda x: dispatch.norm_linear(x, jnp.asarray(w_norm), eps, w, policy=policy,
-                                      impl=impl)
-  assert _kernels(fn, jnp.asarray(x)) == kernels
-  a, y = fn(jnp.asarray(x))
-  x64 = x.astype(np.float64)
-  r = 1.0 / np.sqrt((x64 ** 2).mean(1, keepdims=True) + eps)
-  xw = x * w_norm   # float32 products, rounded as the GEMM's input
-  if fmt != "fp32":
-    xw = xw.astype(ml_dtypes.bfloat16)
-  xw = xw.astype(np.float64)
-  want_y = r * (xw @ wd.astype(np.float64).T)
-  bound = 1e-5 * r * (np.abs(xw) @ np.abs(wd.astype(np.float64)).T) + 1e-30
-  assert a.dtype == y.dtype == jnp.float32 and y.shape == (rows, n)
-  np.testing.assert_allclose(np.asarray(a, np.float64), x64 * r * w_norm, rtol=2e-6, atol=0)
-  err = np.abs(np.asarray(y, np.float64) - want_y)
-  assert np.all(err <= bound), float(np.max(err / bound))
-
-
 @pytest.mark.gpu
 def test_gpu_default_policy_launch_count_of_the_seed_step():
   """The bf16 seed step (V 8192, a full 2048-slot bf16 ring) under the default policy

@@ -451,17 +451,21 @@ def dflash_readout(params, impl: str, logits: jax.Array, h, id_last, temperature
 # The readouts' row-by-row scans are unrolled (at most a block's rows): a rolled XLA loop on
 # the GPU reads its trip condition back to the host every iteration, a round trip per row.
 
-def conv_norm(blk: Block, x: jax.Array, w_norm: jax.Array, conv) -> tuple[jax.Array,
-                                                                             jax.Array]:
-  """A DFlash2 sublayer's normed input a [rows, E] float32 (the convolution reads it
-  unrounded) and its dynamic coefficients [rows, 2, K, n_groups] float32 (projection feature
-  f is side f // (K n_groups), tap (f // n_groups) % K, group f % n_groups), from the residual
-  rows x: `dispatch.norm_linear`, whose GEMM applies the norm (no launch of its own on the
-  skinny GEMM)."""
-  a, d = dispatch.norm_linear(x, w_norm, blk.cfg.eps, conv.proj, policy=blk.params.policy,
-                              impl=blk.impl)
+def conv_coefficients(blk: Block, a: jax.Array, conv) -> jax.Array:
+  """The dynamic coefficients of a sublayer from its normed input a [rows, E] (float32, or
+  already in the projection's input dtype): [rows, 2, K, n_groups] float32 (projection
+  feature f is side f // (K n_groups), tap (f // n_groups) % K, group f % n_groups)."""
   k = conv.base.shape[1]
-  return a, d.reshape(d.shape[0], 2, k, d.shape[1] // (2 * k))
+  d = project(blk, a, conv.proj)
+  return d.reshape(d.shape[0], 2, k, d.shape[1] // (2 * k))
+
+
+def conv_norm(blk: Block, x: jax.Array, w_norm: jax.Array, proj) -> tuple[jax.Array,
+                                                                             jax.Array]:
+  """A DFlash2 sublayer's normed input twice: float32 for the convolution, and as the
+  coefficient GEMM (by proj) takes it (`dispatch.norm_pair`: one launch on the Pallas path)."""
+  return dispatch.norm_pair(x, w_norm, blk.cfg.eps, proj, policy=blk.params.policy,
+                            impl=blk.impl)
 
 
 def causal_conv(blk: Block, y: jax.Array, base: jax.Array, coef: jax.Array) -> jax.Array:
@@ -494,16 +498,17 @@ def _block_masks(blk: Block, l: int) -> tuple[bool, int | None]:
 
 def dflash2_layer(blk: Block, l: int, x: jax.Array) -> jax.Array:
   """One DFlash2 layer (SPEC_dflash2_dspark 5.1): each sublayer's normed input (float32, which
-  the convolution reads unrounded) gives the coefficients (one GEMM, the norm inside it) and
-  goes through the prepare side; the sublayer's output goes through the finish side before
-  the residual add. The coefficient GEMM cannot share the q/k/v or gate/up GEMM: those read the prepared rows,
+  the convolution reads unrounded) gives the coefficients (one GEMM) and goes through the
+  prepare side; the sublayer's output goes through the finish side before the residual add.
+  The coefficient GEMM cannot share the q/k/v or gate/up GEMM: those read the prepared rows,
   which need the coefficients first."""
   lp, conv = blk.params.layers[l], blk.params.family
   causal, band = _block_masks(blk, l)
   with jax.named_scope("attn_norm"):
     cp = conv.attn_conv[l]
-    a, d = conv_norm(blk, x, lp.attn_norm, cp)
+    a, a_in = conv_norm(blk, x, lp.attn_norm, cp.proj)
   with jax.named_scope("attn_conv"):
+    d = conv_coefficients(blk, a_in, cp)
     a = causal_conv(blk, a, cp.base[0], d[:, 0])
   with jax.named_scope("qkv"):
     qkv = project(blk, a, lp.wqkv, partials=True)
@@ -512,8 +517,9 @@ def dflash2_layer(blk: Block, l: int, x: jax.Array) -> jax.Array:
     x = x + causal_conv(blk, project(blk, o, lp.wo), cp.base[1], d[:, 1])
   with jax.named_scope("ffn/norm"):
     cp = conv.ffn_conv[l]
-    b, e = conv_norm(blk, x, lp.ffn_norm, cp)
+    b, b_in = conv_norm(blk, x, lp.ffn_norm, cp.proj)
   with jax.named_scope("ffn/conv"):
+    e = conv_coefficients(blk, b_in, cp)
     b = causal_conv(blk, b, cp.base[0], e[:, 0])
   with jax.named_scope("ffn/gate_up"):
     hidden = project(blk, b, lp.wgu, gate_up=True, out_dtype=blk.act_dtype)
