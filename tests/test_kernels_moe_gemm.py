@@ -122,9 +122,9 @@ def test_routed_rows_do_not_depend_on_the_other_rows(m):
   # Each slot's rows: the same hidden rows seen through its expert (a per-slot x).
   x = jnp.stack([h * (1 + 0.1 * j) for j in range(ids.shape[0])])
   got = np.asarray(G.moe_matmul(x, w, ids, routes=(rid, rw), **kn)).view(np.uint32)
+  pos = {int(ex): j for j, ex in enumerate(np.asarray(ids))}
   for i in (0, m // 2, m - 1):
     own = _slots_of(rid[i:i + 1], k)
-    pos = {int(ex): j for j, ex in enumerate(np.asarray(ids))}
     xi = jnp.stack([x[pos[int(ex)], i:i + 1] for ex in np.asarray(own)])
     one = G.moe_matmul(xi, w, own, routes=(rid[i:i + 1], rw[i:i + 1]), **kn)
     np.testing.assert_array_equal(np.asarray(one)[:, 0].view(np.uint32), got[:, i])
