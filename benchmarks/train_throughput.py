@@ -349,8 +349,12 @@ def run(args) -> int:
   # 4. Kernels of the drafter's forward + backward.
   # The batch, features and target are arguments: closed over, they would be compiled in as
   # constants, a second copy of them on the device (the seed case then ran out of memory).
+  # The optimizer state is dropped first: beside it, the forward + backward's outputs and
+  # temporaries do not fit one 80 GB card at the seed case.
+  params = state.params
+  del state, compiled
   fb = jax.jit(lambda p, t, bb, f: grad_fn(p, t, bb, f, **kw)[1])
-  res["kernels"] = kernel_split(C.cupti_kernels(fb, state.params, target, b, features,
+  res["kernels"] = kernel_split(C.cupti_kernels(fb, params, target, b, features,
                                                 iterations=3), mf["total"])
   res["seconds"] = time.perf_counter() - t_start
   save("kernels")
