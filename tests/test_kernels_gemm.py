@@ -441,6 +441,12 @@ def test_default_knobs():
       ("bf16", 6656, 19968, False): (64, 128, 5), ("bf16", 6656, 4096, False): (64, 128, 2),
       # ... but not where 2 splits would leave fewer than 1.5 programs per SM (a 4096-wide o).
       ("bf16", 4096, 4096, False): (64, 128, 4),
+      # 8 splits where 4 would leave SMs idle over a long K (DFlash2's coefficient projection,
+      # 26 N tiles) ...
+      ("bf16", 1664, 6656, False): (64, 128, 8), ("bf16", 2048, 6144, False): (64, 128, 8),
+      # ... not at 33 N tiles (132 programs with 4), nor K below 48 blocks, nor other formats.
+      ("bf16", 2112, 6656, False): (64, 128, 4), ("bf16", 1664, 6016, False): (64, 128, 4),
+      ("fp8", 1664, 6656, False): (64, 128, 4),
   }
   for (fmt, n, k, gu), (bn, bk, sk) in seed.items():
     assert default_knobs(fmt, n, k, gu) == Knobs(block_n=bn, block_k=bk, split_k=sk,
@@ -589,7 +595,8 @@ def test_gpu_skinny_matmul_real_sizes(fmt, n, k, split_k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n, k", [(6144, 6656), (6656, 4096), (6656, 19968), (8192, 6656)])
+@pytest.mark.parametrize("n, k", [(6144, 6656), (6656, 4096), (6656, 19968), (8192, 6656),
+                                  (1664, 6656)])
 @pytest.mark.parametrize("fmt", ("bf16", "fp8", "q8_0"))
 def test_gpu_step_tiles_real_sizes(fmt, n, k):
   """The tiles the step launches (default_knobs, uneven K splits included) at the seed's sizes."""
