@@ -93,7 +93,7 @@ def default_knobs(fmt: str, n: int, k: int, gate_up: bool = False, m: int = BLOC
   K (the down projection), else 4. bf16 takes fp8's tiles except two measured in the bf16
   step: a long K keeps 128-wide K tiles and K <= 4096 splits 2 ways where that still fills the
   132 SMs 1.5 times (o: fewer partials for XLA to add up; fp8 got slower with either), and
-  8 ways where 4 leave SMs idle and K has >= 48 blocks (a narrow N over a long K). A
+  8 ways where that split leaves SMs idle and K has >= 48 blocks (a narrow N over a long K). A
   dimension the tile does not divide keeps the tile and masks its last one (no smaller tiles,
   whose extra loop trips cost more than one partly used tile); a dimension smaller than the
   tile gets the power of 2 covering it (>= 16, >= 32 for q8_0's K).
@@ -125,9 +125,9 @@ def default_knobs(fmt: str, n: int, k: int, gate_up: bool = False, m: int = BLOC
     # programs per SM (the seed's o projection; qkv and the LM head keep 4).
     if fmt == "bf16" and k <= 4096 and 2 * pl.cdiv(n, block_n) >= 1.5 * N_SMS:
       split_k = 2
-    # 8 splits where 4 leave SMs idle and K is long enough for 6+ blocks a split (DFlash2's
-    # coefficient projection at the seed dims, N 1664).
-    if fmt == "bf16" and 4 * pl.cdiv(n, block_n) < N_SMS and pl.cdiv(k, block_k) >= 48:
+    # 8 splits where that split leaves SMs idle and K is long enough for 6+ blocks a split
+    # (DFlash2's coefficient projection at the seed dims, N 1664).
+    if fmt == "bf16" and split_k * pl.cdiv(n, block_n) < N_SMS and pl.cdiv(k, block_k) >= 48:
       split_k = 8
   if fmt == "fp8" and m >= swap_ab_min_m:
     block_m = min(128, pl.next_power_of_2(m))
