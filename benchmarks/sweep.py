@@ -1,7 +1,7 @@
 """Tuning sweeps on the GPU: ring attention knobs and skinny-GEMM tiles, CUPTI timed.
 
   python -m benchmarks.sweep [attention] [battn] [mgpu_battn] [mgpu_attn] [gemm] [gate_up]
-      [shapes] [rows] [mixed] [mgpu] [bgemm] [norm] [topk] [--out FILE.json]
+      [shapes] [rows] [mixed] [mgpu] [bgemm] [norm] [topk] [moe] [--out FILE.json]
 
 Prints one line per configuration (device us, achieved TB/s; GEMM weights streamed from memory,
 not L2: `COLD_BYTES`) and writes all of them as JSON;
@@ -12,7 +12,8 @@ with their default knobs, next to the seed shape, plus alternative chunkings for
 3000-slot window. `bgemm` times pallas_kernels.batched_gemm's tiles at --rows, `norm` the RMS
 norm at --rows, `battn` / `mgpu_battn` the Triton / Mosaic GPU ring attention of --slots
 sequences, `topk` the DFlash2 selector's top-k (pallas_kernels.top_k: 15 draft rows of a
-16-row block, k 16) over its block and warp knobs at --vocabs, beside XLA's lax.top_k.
+16-row block, k 16) over its block and warp knobs at --vocabs, beside XLA's lax.top_k. `moe`
+the grouped expert GEMMs (pallas_kernels.moe_gemm) at Qwen3-30B-A3B's decode and verify.
 """
 from __future__ import annotations
 
@@ -515,6 +516,81 @@ def sweep_norm(rows: tuple[int, ...]) -> list[dict]:
   return out
 
 
+# Qwen3-30B-A3B's experts (hidden 2048, expert ffn 768, 128 experts, 8 per token).
+MOE_DIMS = dict(hidden=2048, ffn=768, experts=128, top_k=8)
+
+
+def sweep_moe(rows: tuple[int, ...] = (1, 16), dims: dict = MOE_DIMS,
+              block_ns=(16, 32, 64), block_ks=(128, 256), stages=(3, 4, 5),
+              warps=(4,), iters: int = 30) -> list[dict]:
+  """pallas_kernels.moe_gemm at a MoE target's decode (1 row: its 8 experts) and verify (16
+  rows: the experts they touch): the gate+up and the routed down projections over block_n x
+  block_k x num_stages x num_warps, the default knobs marked. Each timed call runs the GEMM
+  over successive expert lists that cycle through every expert (at 1 row) or touch most of
+  them (at 16), so the weights come from memory; TBps counts the touched experts' bytes.
+  err: max |kernel - twin| of the first list."""
+  from pallas_kernels import moe_gemm as MG
+  h, f, e, k = dims["hidden"], dims["ffn"], dims["experts"], dims["top_k"]
+  key = iter(jax.random.split(jax.random.key(11), 64))
+  w_gu = (jax.random.normal(next(key), (e, 2 * f, h), jnp.float32) / np.sqrt(h)).astype(
+      jnp.bfloat16)
+  w_d = (jax.random.normal(next(key), (e, h, f), jnp.float32) / np.sqrt(f)).astype(jnp.bfloat16)
+  rng = np.random.default_rng(0)
+  out = []
+  for m in rows:
+    n_lists = max(1, e // (m * k)) if m * k < e else 4
+    lists, routes = [], []
+    perm = rng.permutation(e)
+    for i in range(n_lists):
+      if m * k < e:   # disjoint lists that cover the experts: every call reads new ones
+        ids = perm[(i * m * k) % e:][:m * k].reshape(m, k)
+        if ids.size < m * k:
+          ids = rng.permutation(e)[:m * k].reshape(m, k)
+      else:
+        ids = np.stack([rng.choice(e, k, replace=False) for _ in range(m)])
+      touched = np.unique(ids)
+      slots = np.full(min(e, m * k), -1, np.int32)
+      slots[:touched.size] = touched
+      lists.append(jnp.asarray(slots))
+      routes.append((jnp.asarray(ids, jnp.int32),
+                     jnp.asarray(rng.random((m, k)), jnp.float32)))
+    n_touched = float(np.mean([int((np.asarray(sl) >= 0).sum()) for sl in lists]))
+    x = jax.random.normal(next(key), (m, h), jnp.float32)
+    hid = jax.random.normal(next(key), (m, f), jnp.float32).astype(jnp.bfloat16)
+    for gate_up in (True, False):
+      w = w_gu if gate_up else w_d
+      n, kk = (f, h) if gate_up else (h, f)
+      inp = x if gate_up else hid
+      default = MG.default_knobs(n, kk, gate_up)
+      nbytes = n_touched * w[0].nbytes
+
+      def run(kn, inp=inp, w=w, gate_up=gate_up):
+        extra = dict(gate_up=True, out_dtype=jnp.bfloat16) if gate_up else {}
+        return lambda a, ws, ls, rs: [
+            MG.moe_matmul(a, ws, sl, routes=None if gate_up else r, **extra, **kn)
+            for sl, r in zip(ls, rs)]
+
+      twin = (MG.moe_matmul_reference(inp, w, lists[0], gate_up=True) if gate_up else
+              MG.moe_matmul_reference(inp, w, lists[0], routes=routes[0]))
+      points = [dict(block_n=bn, block_k=bk, num_stages=st, num_warps=nw)
+                for bn, bk, st, nw in itertools.product(block_ns, block_ks, stages, warps)
+                if n % bn == 0 and kk % bk == 0]
+      if default not in points:
+        points.insert(0, default)
+      for kn in points:
+        f_ = run(kn)
+        try:
+          per = C.cupti_kernels(jax.jit(f_), inp, w, lists, routes, iterations=iters)
+          us, err = C.device_ms(per) * 1e3 / len(lists), None
+          got = jax.jit(f_)(inp, w, lists[:1], routes[:1])[0]
+          err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - twin.astype(jnp.float32))))
+        except Exception as ex:   # a tile that does not compile is data
+          us, err = None, f"{type(ex).__name__}: {str(ex)[:160]}"
+        _emit(out, dict(kernel="moe_matmul", gate_up=gate_up, m=m, experts_touched=n_touched,
+                        default=kn == default, us=us, err=err, TBps=_tbps(nbytes, us), **kn))
+  return out
+
+
 def sweep_top_k(vocabs: tuple[int, ...], blocks=(512, 1024, 2048, 4096), warps=(4, 8, 16),
                 merge_warps=(4, 16), k: int = 16, rows: int = 16) -> list[dict]:
   """The selector's top-k of rows 1..rows-1 of one block's float32 logits: lax.top_k, the
@@ -626,6 +702,7 @@ def main(argv=None) -> int:
   p.add_argument("--stages", default="2,3,4,5,6", help="bgemm: these pipeline depths")
   p.add_argument("--wg-splits", default="rows", help="bgemm: these wg_split values (fp8: rows,k)")
   p.add_argument("--vocabs", default="8192,202048", help="topk: these vocabulary sizes")
+  p.add_argument("--moe-rows", default="1,16", help="moe: these row counts (decode, verify)")
   args = p.parse_args(argv)
   bw = C.copy_bandwidth(1 << 30)
   print(f"copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
@@ -653,6 +730,8 @@ def main(argv=None) -> int:
     res["rows"] += sweep_norm(rows)
   if "topk" in args.what:
     res["rows"] += sweep_top_k(tuple(int(v) for v in args.vocabs.split(",")))
+  if "moe" in args.what:
+    res["rows"] += sweep_moe(tuple(int(v) for v in args.moe_rows.split(",")))
   if "mgpu" in args.what:
     res["rows"] += sweep_mgpu(rows)
   if "mixed" in args.what:

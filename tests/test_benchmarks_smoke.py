@@ -331,3 +331,21 @@ def test_sweep_times_a_gemm_over_cold_copies():
   us, err = sweep._time_cold(f, x, w, None, cold_bytes=3 * w.nbytes - 1)
   assert err is None and us > 0 and len(seen) == 3
 
+
+
+def test_sweep_moe_rows_check_the_answer():
+  """benchmarks.sweep moe at tiny expert dims: the default knobs and each grid point, for the
+  gate+up and the routed down projection at a decode's and a verify's rows, each row checked
+  against the kernel's twin (err within bf16 rounding) and timed (CPU wall time here)."""
+  from benchmarks import sweep
+  dims = dict(hidden=64, ffn=32, experts=8, top_k=2)
+  rows = sweep.sweep_moe((1, 16), dims=dims, block_ns=(16, 32), block_ks=(32,), stages=(2,),
+                         iters=1)
+  for m in (1, 16):
+    for gate_up in (True, False):
+      mine = [r for r in rows if r["m"] == m and r["gate_up"] == gate_up]
+      assert sum(r["default"] for r in mine) == 1 and len(mine) == 3, mine
+      for r in mine:
+        assert r["us"] > 0 and isinstance(r["err"], float) and r["err"] < 0.05, r
+      # a decode touches its row's 2 experts; 16 rows most of the 8
+      assert (mine[0]["experts_touched"] == 2 if m == 1 else 4 < mine[0]["experts_touched"] <= 8)
