@@ -36,7 +36,8 @@ a run cut short keeps what it measured):
    batch invariant) and "pallas_fast" (`FAST_POLICY`: the same kernels with the query tile
    and GEMM tiles sized for each call, not invariant). Per variant: device ms, the byte floor
    (every weight but the embedding + the live K/V rows, at the copy bandwidth) and the
-   fraction of it reached, verify16 / decode1, kernels per pass; the cost of invariance
+   fraction of it reached, verify16 / decode1, kernels per pass, wall ms per pass (back-to-back
+   calls: the launch gaps that CUPTI's kernel sums leave out count there); the cost of invariance
    (pallas over pallas_fast) and the speedup over xla. Then the read ceiling: the GEMMs'
    matrices only read, one kernel each, as a fraction of the copy bandwidth.
 4. launches: kernels per decoder layer (a 3-layer minus a 2-layer target at the 8B widths,
@@ -207,14 +208,18 @@ def target_loop(tc: Q.TargetConfig, inner: int, capture, impl: str):
 def measure_pass(su: Setup, tp, cache, tokens, capture, impl: str) -> dict:
   """One target pass (inside `target_loop`): device ms, kernels per pass, the attention
   kernels' ms (0 where the pass has none of them), ms and calls per kernel name, and the
-  first pass's kernels in launch order (median ms each: where a pass's time goes)."""
+  first pass's kernels in launch order (median ms each: where a pass's time goes). wall_ms:
+  the wall time per pass of back-to-back calls, which also counts what CUPTI's kernel sums
+  leave out (the gaps between dependent launches, the loop's own steps): an A/B that
+  removes launches shows there."""
   f = target_loop(su.target, su.inner, capture, impl)
   p = C.pass_profile(f, tp, cache, tokens, iterations=su.iters, per_call=su.inner)
   attn = sum(ms for name, (_, ms) in p["by_kernel"].items()
              if any(k in name for k in ATTENTION_KERNELS))
   medians = p["medians"]
-  return dict(ms=p["ms"], attention_ms=attn, launches=p["launches"], by_kernel=p["by_kernel"],
-              kernels=medians[:len(medians) // su.inner])
+  wall = C.wall_ms(f, tp, cache, tokens, iterations=su.iters, trials=3) / su.inner
+  return dict(ms=p["ms"], wall_ms=wall, attention_ms=attn, launches=p["launches"],
+              by_kernel=p["by_kernel"], kernels=medians[:len(medians) // su.inner])
 
 
 def weight_bytes(tp) -> int:
@@ -687,8 +692,8 @@ def markdown(res: dict) -> str:
   if tg:
     lines += ["", f"Target passes at {tg['live_slots']} live slots:", "",
               "| variant | decode1 ms | floor frac | verify16 ms | floor frac | verify16 / decode1 "
-              "| kernels per pass (1 / 16 rows) | attention ms (1 / 16) |",
-              "|---|---|---|---|---|---|---|---|"]
+              "| kernels per pass (1 / 16 rows) | attention ms (1 / 16) | wall ms (1 / 16) |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for name in VARIANTS:
       v = tg.get(name)
       if v is None:
@@ -700,7 +705,7 @@ def markdown(res: dict) -> str:
       lines.append(f"| {name} | {d['ms']:.3f} | {d['floor_fraction']:.3f} | {w['ms']:.3f} | "
                    f"{w['floor_fraction']:.3f} | {v['verify16_over_decode1']:.3f} | "
                    f"{d['launches']:.1f} / {w['launches']:.1f} | {d['attention_ms']:.4f} / "
-                   f"{w['attention_ms']:.4f} |")
+                   f"{w['attention_ms']:.4f} | {d['wall_ms']:.3f} / {w['wall_ms']:.3f} |")
     for name, label in (("pallas", "decode1"), ("pallas", "verify16")):
       bk = tg.get(name, {}).get(label, {}).get("by_kernel")
       if bk:

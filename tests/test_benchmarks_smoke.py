@@ -200,6 +200,7 @@ def test_decode_benchmark_target_sections_smoke(tmp_path):
   for name in decode.VARIANTS:
     for p in ("decode1", "verify16"):
       assert t[name][p]["ms"] > 0 and 0 < t[name][p]["floor_fraction"], (name, p)
+      assert t[name][p]["wall_ms"] > 0, (name, p)
   assert {"invariance_cost_decode1", "speedup_over_xla_verify16"} <= set(t)
   assert set(res["launches"]) == {"xla_w1", "xla_w8", "pallas_w1", "pallas_w8"}
   rows = {(r["pass_"], r["impl"], r.get("chunk")) for r in res["long"]}
