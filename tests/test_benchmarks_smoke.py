@@ -188,10 +188,12 @@ def test_decode_benchmark_smoke_run_for_a_family(tmp_path, family):
 
 def test_decode_benchmark_target_sections_smoke(tmp_path):
   """benchmarks.decode's target sections at tiny dims: the three target variants with their
-  byte floors, launches per layer, the long-context rows (attention share, chunk A/B) and the
-  batched end-to-end rows (target-only and the oracle at each S)."""
+  byte floors, the long-context rows (attention share, chunk A/B) and the batched end-to-end
+  rows (target-only and the oracle at each S). Not the launches section: CUPTI counts them
+  (none on a CPU), and its one call, `common.target_layer_launches`, runs in the GPU tests
+  (tests/test_target_invariance.py) at the 8B and 30B shapes."""
   from benchmarks import decode
-  assert decode.main(["--smoke", "--only", "target,launches,long,batched", "--slots", "2",
+  assert decode.main(["--smoke", "--only", "target,long,batched", "--slots", "2",
                       "--ks", "3", "--live", "64", "--chunks", "32", "--out",
                       str(tmp_path)]) == 0
   res = json.loads((tmp_path / "decode.json").read_text())
@@ -202,7 +204,6 @@ def test_decode_benchmark_target_sections_smoke(tmp_path):
       assert t[name][p]["ms"] > 0 and 0 < t[name][p]["floor_fraction"], (name, p)
       assert t[name][p]["wall_ms"] > 0, (name, p)
   assert {"invariance_cost_decode1", "speedup_over_xla_verify16"} <= set(t)
-  assert set(res["launches"]) == {"xla_w1", "xla_w8", "pallas_w1", "pallas_w8"}
   rows = {(r["pass_"], r["impl"], r.get("chunk")) for r in res["long"]}
   assert rows == {("decode1", "pallas", 512), ("verify16", "pallas", 512),
                   ("decode1", "xla", None), ("decode1", "pallas", 32), ("verify16", "pallas", 32)}
