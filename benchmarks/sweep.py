@@ -1,7 +1,7 @@
 """Tuning sweeps on the GPU: ring attention knobs and skinny-GEMM tiles, CUPTI timed.
 
   python -m benchmarks.sweep [attention] [battn] [mgpu_battn] [mgpu_attn] [gemm] [gate_up]
-      [shapes] [rows] [mixed] [mgpu] [bgemm] [norm] [topk] [moe] [--out FILE.json]
+      [shapes] [rows] [mixed] [mgpu] [bgemm] [norm] [topk] [moe] [gridbar] [--out FILE.json]
 
 Prints one line per configuration (device us, achieved TB/s; GEMM weights streamed from memory,
 not L2: `COLD_BYTES`) and writes all of them as JSON;
@@ -14,6 +14,8 @@ norm at --rows, `battn` / `mgpu_battn` the Triton / Mosaic GPU ring attention of
 sequences, `topk` the DFlash2 selector's top-k (pallas_kernels.top_k: 15 draft rows of a
 16-row block, k 16) over its block and warp knobs at --vocabs, beside XLA's lax.top_k. `moe`
 the grouped expert GEMMs (pallas_kernels.moe_gemm) at Qwen3-30B-A3B's decode and verify.
+`gridbar` is a premise probe, no tuning: what a grid-wide barrier costs inside one Pallas
+Triton kernel (the building block of a persistent decoder layer, RESULTS.md run 45).
 """
 from __future__ import annotations
 
@@ -589,6 +591,73 @@ def sweep_moe(rows: tuple[int, ...] = (1, 16), dims: dict = MOE_DIMS,
   return out
 
 
+
+def _gridbar_kernel(cnt_in, cnt_ref, o_ref, *, programs: int, barriers: int, max_polls: int):
+  """Each program: `barriers` times, bump the counter by 1 and poll it (an atomic add of 0)
+  until it holds programs x (barriers so far), giving up after max_polls polls; stores its
+  poll count, or -1 where it gave up. The counter is float32 (exact to 2^24): Pallas Triton
+  lowers an integer tensor's atomic add to a float add (RESULTS.md run 45)."""
+  from jax import lax
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import triton as plt
+  del cnt_in   # aliased to cnt_ref
+  at0 = (pl.ds(0, 1),)
+
+  def poll():
+    return jnp.sum(plt.atomic_add(cnt_ref, at0, jnp.zeros((1,), jnp.float32)))
+
+  def barrier(b, polls):
+    plt.atomic_add(cnt_ref, at0, jnp.ones((1,), jnp.float32))
+    target = ((b + 1) * programs).astype(jnp.float32)
+    v, n = lax.while_loop(lambda c: (c[0] < target) & (c[1] < max_polls),
+                          lambda c: (poll(), c[1] + 1), (poll(), jnp.int32(1)))
+    return jnp.where((polls < 0) | (v < target), -1, polls + n)
+
+  polls = lax.fori_loop(0, barriers, barrier, jnp.int32(0))
+  o_ref[...] = jnp.full((16,), polls, jnp.int32)
+
+
+def sweep_gridbar(programs=(32, 132, 264), barriers=(0, 1, 8, 32), max_polls: int = 1 << 20,
+                  iters: int = 20) -> list[dict]:
+  """Premise probe for a persistent decoder layer: the cost of a grid-wide barrier (an atomic
+  counter every program bumps, then polls) in a Pallas Triton kernel of `programs` programs
+  (4 warps each, all resident on an H100 / H200 up to a few per SM), CUPTI us of the kernel
+  at each barrier count and, per program count, us per barrier (the slope). ok: every program
+  passed every barrier (a program that gives up after max_polls polls marks the row not ok
+  instead of hanging; on the CPU, which interprets programs one after another, only one
+  program can pass a barrier)."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import triton as plt
+  from pallas_kernels._common import resolve_interpret
+  out = []
+  for p in programs:
+    us_at = {}
+    for b in barriers:
+      call = pl.pallas_call(
+          functools.partial(_gridbar_kernel, programs=p, barriers=b, max_polls=max_polls),
+          grid=(p,), in_specs=[pl.BlockSpec((16,), lambda i: (0,))],
+          out_specs=[pl.BlockSpec((16,), lambda i: (0,)), pl.BlockSpec((16,), lambda i: (i,))],
+          out_shape=[jax.ShapeDtypeStruct((16,), jnp.float32),
+                     jax.ShapeDtypeStruct((16 * p,), jnp.int32)],
+          input_output_aliases={0: 0},
+          compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
+          interpret=resolve_interpret(None), name=f"gridbar_{b}")
+      f = jax.jit(lambda: call(jnp.zeros((16,), jnp.float32)))
+      cnt, polls = f()
+      ok = float(cnt[0]) == b * p and bool(jnp.all(polls >= 0))
+      per = C.cupti_kernels(f, iterations=iters)
+      # the kernel's own time (not the counter's zeroing); the CPU stand-in's one entry
+      us = float(np.median([sum(t for k, t in it if not C.ON_GPU or k.startswith("gridbar"))
+                            for it in per])) * 1e3
+      us_at[b] = us
+      _emit(out, dict(kernel="gridbar", programs=p, barriers=b, ok=ok, us=us,
+                      max_polls=int(jnp.max(polls)), counter=float(cnt[0])))
+    top = max(barriers)
+    if top > 0 and 0 in us_at:
+      _emit(out, dict(kernel="gridbar_slope", programs=p,
+                      us_per_barrier=(us_at[top] - us_at[0]) / top))
+  return out
+
 def sweep_top_k(vocabs: tuple[int, ...], blocks=(512, 1024, 2048, 4096), warps=(4, 8, 16),
                 merge_warps=(4, 16), k: int = 16, rows: int = 16) -> list[dict]:
   """The selector's top-k of rows 1..rows-1 of one block's float32 logits: lax.top_k, the
@@ -730,6 +799,8 @@ def main(argv=None) -> int:
     res["rows"] += sweep_top_k(tuple(int(v) for v in args.vocabs.split(",")))
   if "moe" in args.what:
     res["rows"] += sweep_moe(tuple(int(v) for v in args.moe_rows.split(",")))
+  if "gridbar" in args.what:
+    res["rows"] += sweep_gridbar()
   if "mgpu" in args.what:
     res["rows"] += sweep_mgpu(rows)
   if "mixed" in args.what:

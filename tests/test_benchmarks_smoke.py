@@ -351,3 +351,18 @@ def test_sweep_moe_rows_check_the_answer():
         assert r["us"] > 0 and isinstance(r["err"], float) and r["err"] < 0.05, r
       # a decode touches its row's 2 experts; 16 rows most of the 8
       assert (mine[0]["experts_touched"] == 2 if m == 1 else 4 < mine[0]["experts_touched"] <= 8)
+
+
+def test_sweep_gridbar_counts_and_gives_up_instead_of_hanging():
+  """benchmarks.sweep gridbar on the CPU (interpret mode runs programs one after another): one
+  program passes every barrier (the counter ends at barriers x programs); with two, the first
+  program polls for a second that has not run yet and gives up after max_polls (the row says
+  not ok) instead of hanging."""
+  from benchmarks import sweep
+  rows = sweep.sweep_gridbar(programs=(1,), barriers=(0, 3), iters=1)
+  bars = [r for r in rows if r["kernel"] == "gridbar"]
+  assert [(r["barriers"], r["ok"], r["counter"]) for r in bars] == [(0, True, 0.0),
+                                                                     (3, True, 3.0)]
+  assert [r["kernel"] for r in rows].count("gridbar_slope") == 1
+  (two,) = sweep.sweep_gridbar(programs=(2,), barriers=(1,), max_polls=4, iters=1)
+  assert two["ok"] is False and two["counter"] == 2.0
