@@ -591,7 +591,6 @@ def sweep_moe(rows: tuple[int, ...] = (1, 16), dims: dict = MOE_DIMS,
   return out
 
 
-
 def _gridbar_kernel(cnt_in, cnt_ref, o_ref, *, programs: int, barriers: int, max_polls: int):
   """Each program: `barriers` times, bump the counter by 1 and poll it (an atomic add of 0)
   until it holds programs x (barriers so far), giving up after max_polls polls; stores its
@@ -657,6 +656,7 @@ def sweep_gridbar(programs=(32, 132, 264), barriers=(0, 1, 8, 32), max_polls: in
       _emit(out, dict(kernel="gridbar_slope", programs=p,
                       us_per_barrier=(us_at[top] - us_at[0]) / top))
   return out
+
 
 def sweep_top_k(vocabs: tuple[int, ...], blocks=(512, 1024, 2048, 4096), warps=(4, 8, 16),
                 merge_warps=(4, 16), k: int = 16, rows: int = 16) -> list[dict]:
