@@ -27,6 +27,9 @@ import sys
 
 import jax
 import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 import numpy as np
 
 import dflash_jax as dfj
@@ -37,7 +40,7 @@ from pallas_kernels import inject as I
 from pallas_kernels import norm_rope as N
 from pallas_kernels import ring_attention as R
 from pallas_kernels import skinny_gemm as G
-from pallas_kernels._common import next_pow2
+from pallas_kernels._common import next_pow2, resolve_interpret
 
 POLICY = KernelPolicy()   # the default knobs' thresholds
 # A timed call streams at least this many weight bytes (copies of a smaller matrix in turn), so
@@ -596,9 +599,6 @@ def _gridbar_kernel(cnt_in, cnt_ref, o_ref, *, programs: int, barriers: int, max
   until it holds programs x (barriers so far), giving up after max_polls polls; stores its
   poll count, or -1 where it gave up. The counter is float32 (exact to 2^24): Pallas Triton
   lowers an integer tensor's atomic add to a float add (RESULTS.md run 45)."""
-  from jax import lax
-  from jax.experimental import pallas as pl
-  from jax.experimental.pallas import triton as plt
   del cnt_in   # aliased to cnt_ref
   at0 = (pl.ds(0, 1),)
 
@@ -625,9 +625,6 @@ def sweep_gridbar(programs=(32, 132, 264), barriers=(0, 1, 8, 32), max_polls: in
   passed every barrier (a program that gives up after max_polls polls marks the row not ok
   instead of hanging; on the CPU, which interprets programs one after another, only one
   program can pass a barrier)."""
-  from jax.experimental import pallas as pl
-  from jax.experimental.pallas import triton as plt
-  from pallas_kernels._common import resolve_interpret
   out = []
   for p in programs:
     us_at = {}

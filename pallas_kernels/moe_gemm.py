@@ -28,8 +28,8 @@ routing order, ready for the next pre-norm to add (no gather-and-sum launch in b
 
 Weights bf16; x is rounded to bf16 for the dot, the accumulation is float32 (the rounding
 `dflash_jax.dispatch.linear` applies to bf16 weights). Feed x in bf16 where it can be (the
-MoE target's pre-norm does): a float32 x makes a 1-row gate+up 1.65x slower at the default
-tiles (RESULTS.md run 45).
+MoE target's pre-norm does): a float32 x is read at twice the bytes by every program and
+slows the few-row GEMMs (RESULTS.md, `sweep moe`).
 `moe_matmul_reference` is the jnp twin (impl="xla"): it gathers the listed experts.
 
 Tiles: N and K must be multiples of block_n and block_k (every published MoE's expert dims

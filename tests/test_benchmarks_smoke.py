@@ -335,7 +335,6 @@ def test_sweep_times_a_gemm_over_cold_copies():
   assert err is None and us > 0 and len(seen) == 3
 
 
-
 def test_sweep_moe_rows_check_the_answer():
   """benchmarks.sweep moe at tiny expert dims: the default knobs and each grid point, for the
   gate+up and the routed down projection at a decode's and a verify's rows, each row checked
