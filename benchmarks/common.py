@@ -6,12 +6,14 @@ import contextlib
 import dataclasses
 import datetime
 import functools
+import glob
 import json
 import os
 import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import jax
@@ -49,21 +51,72 @@ def count_compiles():
 
 
 def cupti_kernels(f, *args, iterations: int = 50):
-  """Per-iteration [(kernel, ms)] lists from CUPTI (f must not donate: it is called repeatedly).
+  """Per-iteration [(kernel, ms)] lists in launch order (f must not donate: it is called
+  repeatedly), each kernel's ms its *exclusive* device time (`exclusive_ms`): the part of
+  its run that no earlier kernel of the iteration covers. XLA launches Pallas Triton
+  kernels with programmatic dependent launch (ARCHITECTURE.md "Kernel launches"), so a
+  kernel can start before the one ahead of it has ended and wait inside its own run; raw
+  durations would count that overlap twice. Exclusive times sum to the device's busy time,
+  and equal the durations where nothing overlaps.
 
-  On CPU there is no CUPTI: falls back to one wall-clock 'kernel' per call, so smoke runs
-  exercise the same code paths (their numbers are not results).
+  From XLA's profiler (CUPTI activity records with start and end times, one trace per call
+  of this function, after one untraced warm-up call). On CPU there is no CUPTI: one
+  wall-clock 'kernel' per call, so smoke runs exercise the same code paths (their numbers
+  are not results).
   """
-  if ON_GPU:
-    from jax.experimental.mosaic.gpu import profiler
-    _, per = profiler.measure(f, aggregate=False, iterations=iterations)(*args)
-    return per if iterations > 1 else [per]
   jax.block_until_ready(f(*args))
-  out = []
-  for _ in range(iterations):
-    t0 = time.perf_counter()
-    jax.block_until_ready(f(*args))
-    out.append([("cpu_wall", (time.perf_counter() - t0) * 1e3)])
+  if not ON_GPU:
+    out = []
+    for _ in range(iterations):
+      t0 = time.perf_counter()
+      jax.block_until_ready(f(*args))
+      out.append([("cpu_wall", (time.perf_counter() - t0) * 1e3)])
+    return out
+  with tempfile.TemporaryDirectory() as d:
+    with jax.profiler.trace(d):
+      results = [f(*args) for _ in range(iterations)]
+      jax.block_until_ready(results)
+    paths = glob.glob(os.path.join(d, "plugins", "profile", "*", "*.xplane.pb"))
+    if len(paths) != 1:
+      raise RuntimeError(f"cupti_kernels: expected one .xplane.pb from jax.profiler, got {paths}")
+    planes = device_kernel_events(jax.profiler.ProfileData.from_file(paths[0]))
+  per = [[] for _ in range(iterations)]
+  for device, events in planes.items():
+    if len(events) % iterations:
+      raise RuntimeError(f"cupti_kernels: {len(events)} kernels on {device} over {iterations} "
+                         "iterations (not a whole number per iteration)")
+    n = len(events) // iterations
+    for i in range(iterations):
+      per[i] += exclusive_ms(events[i * n:(i + 1) * n])
+  for i in range(1, iterations):
+    if [k for k, _ in per[i]] != [k for k, _ in per[0]]:
+      raise RuntimeError("cupti_kernels: the kernels differ between iterations")
+  return per
+
+
+def device_kernel_events(profile) -> dict[str, list[tuple[str, int, int]]]:
+  """Per GPU plane of a jax.profiler.ProfileData: its stream lines' activities (name, start
+  ns, end ns) sorted by start, the driver's memcpy / memset records (not kernels) left out."""
+  out = {}
+  for plane in profile.planes:
+    if not plane.name.startswith("/device:GPU:"):
+      continue
+    events = [(e.name, int(e.start_ns), int(e.end_ns)) for line in plane.lines
+              if line.name.startswith("Stream") for e in line.events
+              if not e.name.startswith(("Memcpy", "Memset"))]
+    if events:
+      out[plane.name] = sorted(events, key=lambda e: (e[1], e[2]))
+  return out
+
+
+def exclusive_ms(events: list[tuple[str, int, int]]) -> list[tuple[str, float]]:
+  """(name, start ns, end ns) in start order -> (name, ms) where ms is the part of the
+  event's interval after the latest end of the events before it (0 if they cover it)."""
+  out, covered = [], None
+  for name, start, end in events:
+    lo = start if covered is None else max(start, covered)
+    out.append((name, max(0, end - lo) * 1e-6))
+    covered = end if covered is None else max(covered, end)
   return out
 
 
@@ -74,7 +127,7 @@ def device_ms(per_iter) -> float:
 
 def launches(per_iter) -> int:
   """Kernels one call launches: the length of CUPTI's kernel list per iteration (the same in
-  every iteration; `profiler.measure` checks the names). On CPU the stand-in's one entry."""
+  every iteration; `cupti_kernels` checks the names). On CPU the stand-in's one entry."""
   return len(per_iter[0])
 
 

@@ -306,6 +306,37 @@ def test_train_throughput_kernel_split():
   assert r["top"] == [dict(kernel="loop_add_fusion", launches=2, ms=3.0)]
 
 
+def test_exclusive_kernel_times_count_an_overlap_once():
+  """benchmarks.common's kernel times: each kernel's part of the timeline that no earlier
+  kernel covers (a kernel launched early by programmatic dependent launch waits inside its
+  own interval), so the times sum to the busy time; idle gaps count for nobody."""
+  from benchmarks.common import exclusive_ms
+  ev = [("a", 0, 10_000), ("b", 2_000, 12_000), ("c", 3_000, 9_000), ("d", 15_000, 16_500)]
+  got = exclusive_ms(ev)
+  assert [k for k, _ in got] == ["a", "b", "c", "d"]
+  assert [round(ms, 6) for _, ms in got] == [0.01, 0.002, 0.0, 0.0015]
+  assert exclusive_ms([]) == []
+
+
+def test_device_kernel_events_keep_gpu_stream_kernels():
+  """benchmarks.common.device_kernel_events on a profile's planes: only GPU planes' stream
+  lines, sorted by start, the driver's Memcpy / Memset records dropped (a memcpy kernel
+  stays a kernel)."""
+  from types import SimpleNamespace as NS
+  from benchmarks.common import device_kernel_events
+  ev = lambda n, s, e: NS(name=n, start_ns=s, end_ns=e)
+  profile = NS(planes=[
+      NS(name="/host:CPU", lines=[NS(name="python", events=[ev("x", 0, 1)])]),
+      NS(name="/device:GPU:0", lines=[
+          NS(name="Stream #13(Compute)", events=[ev("k2", 50, 60), ev("MemcpyD2D", 5, 9),
+                                                 ev("k1", 10, 40), ev("memcpy128", 70, 71)]),
+          NS(name="XLA Ops", events=[ev("fusion.1", 10, 40)]),
+          NS(name="Stream #14(MemcpyD2H)", events=[ev("Memset", 1, 2)])]),
+      NS(name="/device:GPU:1", lines=[NS(name="Stream #7", events=[])])])
+  assert device_kernel_events(profile) == {
+      "/device:GPU:0": [("k1", 10, 40), ("k2", 50, 60), ("memcpy128", 70, 71)]}
+
+
 def test_sweep_top_k_rows_check_the_answer():
   """benchmarks.sweep topk: one row for lax.top_k, one for the kernel's defaults and one per
   knob point (blocks wider than the vocabulary's power of 2 left out), each checked against
