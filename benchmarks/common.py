@@ -74,8 +74,9 @@ def cupti_kernels(f, *args, iterations: int = 50):
     return out
   with tempfile.TemporaryDirectory() as d:
     with jax.profiler.trace(d):
-      results = [f(*args) for _ in range(iterations)]
-      jax.block_until_ready(results)
+      for _ in range(iterations):
+        r = f(*args)
+      jax.block_until_ready(r)   # calls run in stream order: the last one ends last
     paths = glob.glob(os.path.join(d, "plugins", "profile", "*", "*.xplane.pb"))
     if len(paths) != 1:
       raise RuntimeError(f"cupti_kernels: expected one .xplane.pb from jax.profiler, got {paths}")
@@ -112,11 +113,10 @@ def device_kernel_events(profile) -> dict[str, list[tuple[str, int, int]]]:
 def exclusive_ms(events: list[tuple[str, int, int]]) -> list[tuple[str, float]]:
   """(name, start ns, end ns) in start order -> (name, ms) where ms is the part of the
   event's interval after the latest end of the events before it (0 if they cover it)."""
-  out, covered = [], None
+  out, covered = [], float("-inf")
   for name, start, end in events:
-    lo = start if covered is None else max(start, covered)
-    out.append((name, max(0, end - lo) * 1e-6))
-    covered = end if covered is None else max(covered, end)
+    out.append((name, max(0, end - max(start, covered)) * 1e-6))
+    covered = max(covered, end)
   return out
 
 

@@ -37,7 +37,8 @@ a run cut short keeps what it measured):
    and GEMM tiles sized for each call, not invariant). Per variant: device ms, the byte floor
    (every weight but the embedding + the live K/V rows, at the copy bandwidth) and the
    fraction of it reached, verify16 / decode1, kernels per pass, wall ms per pass (back-to-back
-   calls: the launch gaps that CUPTI's kernel sums leave out count there); the cost of invariance
+   calls: idle time between kernels and between passes counts there, which the kernels'
+   exclusive times leave out); the cost of invariance
    (pallas over pallas_fast) and the speedup over xla. Then the read ceiling: the GEMMs'
    matrices only read, one kernel each, as a fraction of the copy bandwidth.
 4. launches: kernels per decoder layer (a 3-layer minus a 2-layer target at the 8B widths,
@@ -209,9 +210,8 @@ def measure_pass(su: Setup, tp, cache, tokens, capture, impl: str) -> dict:
   """One target pass (inside `target_loop`): device ms, kernels per pass, the attention
   kernels' ms (0 where the pass has none of them), ms and calls per kernel name, and the
   first pass's kernels in launch order (median ms each: where a pass's time goes). wall_ms:
-  the wall time per pass of back-to-back calls, which also counts what CUPTI's kernel sums
-  leave out (the gaps between dependent launches, the loop's own steps): an A/B that
-  removes launches shows there."""
+  the wall time per pass of back-to-back calls, which also counts what the kernels'
+  exclusive times leave out (idle gaps between kernels and between calls)."""
   f = target_loop(su.target, su.inner, capture, impl)
   p = C.pass_profile(f, tp, cache, tokens, iterations=su.iters, per_call=su.inner)
   attn = sum(ms for name, (_, ms) in p["by_kernel"].items()
