@@ -21,9 +21,11 @@ wrapper). The epilogue leaves through shared memory. fp8 (e4m3) weights with per
 run a second body (`_call_fp8`): the weight tile is widened in registers and is wgmma's A
 operand, so the kernel writes y^T and XLA transposes it, adding the residual there; its two
 compute warpgroups may instead take alternate K tiles for all the rows (`wg_split="k"`), so
-that each weight byte is widened once. GPU only (Mosaic GPU has no interpreter): the jnp twin
-`batched_matmul_reference` is the contract, and the CPU tests check the wrapper's validation
-and padding with the twin in the kernel body's place.
+that each weight byte is widened once. Runs on Hopper GPUs; the jnp twin
+`batched_matmul_reference` is the contract. On the CPU the bf16 body runs in Mosaic GPU's
+interpret mode (tests/test_kernels_mgpu_interpret.py); the fp8 body's register A operand is
+beyond jax 0.11.2's interpreter, so the CPU tests check its wrapper with the twin in the
+kernel body's place.
 """
 from __future__ import annotations
 

@@ -13,8 +13,9 @@ unnormalised partial (o, m, l) that `ring_attention.combine_partials` merges.
 
 The shapes it takes (`fits`): 64 packed query rows (T*G; the seed drafter's 16 x 4), T a
 multiple of 16, head_dim 64 or 128, a bf16 ring whose chunks are whole tiles. GPU only
-(Mosaic GPU has no interpreter): `ring_attention_reference` is the contract; the CPU tests
-check the wrapper and lower the kernel for the GPU.
+(p.v's register A operand is beyond jax 0.11.2's Mosaic GPU interpreter):
+`ring_attention_reference` is the contract; the CPU tests check the wrapper and lower the
+kernel for the GPU.
 """
 from __future__ import annotations
 
