@@ -62,9 +62,21 @@ def test_target_only_runs(targets, target_only, weights, cache):
   assert all(0 <= t < TCFG.vocab_size for row in g.tokens for t in row)
 
 
-@pytest.mark.parametrize("drafter", ("fp32", "bf16", "fp8", "q8_0"))
-@pytest.mark.parametrize("weights,cache", [("fp32", "fp32"), ("fp32", "bf16"),
-                                           ("bf16", "fp32"), ("bf16", "bf16")])
+# Every pair of the three choices occurs (a pairwise covering of the 4 x 2 x 2 grid, 8 of its
+# 16 points): each drafter format with each ring / cache dtype (the drafter's ring is the
+# cache's dtype) and with each target weight dtype, and every target weight x cache pair.
+SPECULATIVE = [(w, c, d) for c, ws in (("fp32", ("fp32", "bf16")), ("bf16", ("bf16", "fp32")))
+               for d, w in zip(("fp32", "bf16", "fp8", "q8_0"), ws * 2)]
+
+
+def test_speculative_cases_cover_every_pair():
+  grid = [("fp32", "bf16"), ("fp32", "bf16"), ("fp32", "bf16", "fp8", "q8_0")]
+  for i, j in ((0, 1), (0, 2), (1, 2)):
+    assert {(t[i], t[j]) for t in SPECULATIVE} == {(a, b) for a in grid[i] for b in grid[j]}
+  assert len(SPECULATIVE) == len(set(SPECULATIVE)) == 8
+
+
+@pytest.mark.parametrize("weights,cache,drafter", SPECULATIVE)
 def test_speculative_runs_and_is_lossless(targets, target_only, weights, cache, drafter):
   t = targets[weights]
   w = dfj.synthetic_drafter(DCFG, seed=1, with_target=False)

@@ -73,7 +73,9 @@ def _run(cache, script=SCRIPT, devices=1, code="-", how="-", gpu=False):
   line."""
   env = dict(os.environ)
   if not gpu:
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    # conftest.py's XLA flags (fast CPU compiles) kept, as every other subprocess test does.
+    flags = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=flags.strip())
   script = script.format(root=ROOT, tests=os.path.join(ROOT, "tests"))
   r = subprocess.run([sys.executable, "-c", script, str(cache), code, how], capture_output=True,
                      text=True, env=env, cwd=ROOT)
