@@ -70,6 +70,18 @@ def test_params_from_hf_takes_each_tensor_out_as_it_reads_it(name):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
+def _reference_greedy(ref_mod, cfg, t, prompt, n):
+  """The reference target's (module ref_mod's, float64) greedy continuation of n tokens,
+  each step's margin over the runner-up checked."""
+  seq = list(prompt)
+  for _ in range(n):
+    logits = ref_mod.hidden_states(cfg.to_hf(), t, seq)[1][-1]
+    top2 = np.sort(logits)[-2:]
+    assert top2[1] - top2[0] > 1e-4, "near tie: pick another seed"
+    seq.append(int(np.argmax(logits)))
+  return seq[len(prompt):]
+
+
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_greedy_speculative_is_lossless(name):
   """Four slots of different prompt lengths: speculative output (a random drafter at width
@@ -80,14 +92,7 @@ def test_greedy_speculative_is_lossless(name):
   rng = np.random.default_rng(1)
   prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in PROMPT_LENGTHS]
   base = D.generate_target_only(tp, cfg, prompts, MAX_NEW).tokens
-  # The reference's greedy continuation of one prompt (the margin checked at every step).
-  seq = list(prompts[2])
-  for _ in range(8):
-    logits = ref_mod.hidden_states(cfg.to_hf(), t, seq)[1][-1]
-    top2 = np.sort(logits)[-2:]
-    assert top2[1] - top2[0] > 1e-4, "near tie: pick another seed"
-    seq.append(int(np.argmax(logits)))
-  assert base[2][:8] == seq[len(prompts[2]):]
+  assert base[2][:8] == _reference_greedy(ref_mod, cfg, t, prompts[2], 8)
   models = TM.models(cfg, tp, TM.drafter(cfg, tp, seed=2))
   g = D.generate(models, D.DecodeConfig(width=6, impl="xla"), prompts, MAX_NEW)
   assert g.tokens == base
@@ -212,17 +217,6 @@ def test_dflash_drafter_on_muse_glimmer_layers(muse52):
   np.testing.assert_array_equal(drafts[0], np.argmax(raw[1:], -1))
 
 
-def _reference_greedy(cfg, t, prompt, n):
-  """The reference target's greedy continuation (float64), each step's margin checked."""
-  seq = list(prompt)
-  for _ in range(n):
-    logits = RM.hidden_states(cfg.to_hf(), t, seq)[1][-1]
-    top2 = np.sort(logits)[-2:]
-    assert top2[1] - top2[0] > 1e-4, "near tie: pick another seed"
-    seq.append(int(np.argmax(logits)))
-  return seq[len(prompt):]
-
-
 def test_dflash_drafter_on_muse_glimmer_layers_is_lossless(muse52):
   """The 52-layer loop's output equals the reference target's greedy continuation (the
   expected tokens come from the numpy reference, not from a second compiled 52-layer loop)."""
@@ -230,7 +224,7 @@ def test_dflash_drafter_on_muse_glimmer_layers_is_lossless(muse52):
   models = D.Models(target=tp, drafter=dfj.prepare_weights(dc, w), d2t=None, target_cfg=cfg)
   rng = np.random.default_rng(24)
   prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (4, 19)]
-  base = [_reference_greedy(cfg, t, p, 16) for p in prompts]
+  base = [_reference_greedy(RM, cfg, t, p, 16) for p in prompts]
   g = D.generate(models, D.DecodeConfig(width=8, impl="xla", proposer=Oracle()), prompts, 16,
                  proposer_state=TM.noisy_oracle_state(prompts, base, 25, cfg.vocab_size, 256))
   assert g.tokens == base and g.hist[:, 1:].sum() > 0
